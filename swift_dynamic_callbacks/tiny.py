@@ -1,0 +1,281 @@
+"""Offline fixtures: tiny random-weight causal LMs and small chat datasets.
+
+Everything is built from package data under :data:`ASSETS` (the real Qwen2.5
+tokenizer and the first 500 GSM8K training rows), so tests and demos run without
+network access or a model hub. Licences and provenance are in the ``NOTICE.md``
+files next to the assets.
+
+Example:
+    >>> model_dir = build_tiny_model('tiny-qwen', 'qwen2')          # doctest: +SKIP
+    >>> data_file = write_gsm8k_dataset('train.jsonl', n=64)        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, PretrainedConfig,
+                          PreTrainedModel, Qwen2Config, Qwen2ForCausalLM)
+
+__all__ = [
+    'ASSETS',
+    'ARCHS',
+    'GSM8K_ROWS',
+    'build_tiny_model',
+    'materialize_tokenizer',
+    'write_gsm8k_dataset',
+    'write_mixed_length_dataset',
+]
+
+ASSETS: Path = Path(__file__).resolve().parent / 'assets'
+"""Directory holding the vendored tokenizer and dataset files."""
+
+ARCHS: tuple[str, ...] = ('qwen2', 'llama')
+"""Architectures accepted by :func:`build_tiny_model`."""
+
+GSM8K_ROWS: int = 500
+"""Number of GSM8K rows vendored in ``assets/gsm8k/train-500.jsonl.gz``."""
+
+_TOKENIZER_DIR = ASSETS / 'qwen2.5-tokenizer'
+_GSM8K_FILE = ASSETS / 'gsm8k' / 'train-500.jsonl.gz'
+_QWEN2_VOCAB_SIZE = 151936  # real Qwen2.5 embedding rows (len(tokenizer) is 151665)
+_NUM_HEADS = 4
+_NUM_KV_HEADS = 2
+
+
+def _gzip_size(path: Path) -> int:
+    """Returns the uncompressed size stored in a gzip trailer (ISIZE, exact below 4 GiB)."""
+    with path.open('rb') as f:
+        f.seek(-4, os.SEEK_END)
+        return struct.unpack('<I', f.read(4))[0]
+
+
+def _atomic_write(target: Path, data: bytes) -> None:
+    """Writes ``data`` to ``target`` through a temporary file and ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f'.{target.name}.')
+    try:
+        with os.fdopen(fd, 'wb') as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def materialize_tokenizer(dest: str | Path) -> Path:
+    """Writes the Qwen2.5 tokenizer files into a directory.
+
+    ``tokenizer.json`` is decompressed from the vendored gzip and
+    ``tokenizer_config.json`` is copied. A file that already exists with the
+    expected size is left untouched.
+
+    Args:
+        dest: Target directory; created if missing.
+
+    Returns:
+        ``dest`` as a :class:`~pathlib.Path`, loadable with ``AutoTokenizer.from_pretrained``.
+    """
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    tok_json = dest / 'tokenizer.json'
+    src_json = _TOKENIZER_DIR / 'tokenizer.json.gz'
+    if not tok_json.is_file() or tok_json.stat().st_size != _gzip_size(src_json):
+        with gzip.open(src_json, 'rb') as f:
+            _atomic_write(tok_json, f.read())
+    src_cfg = _TOKENIZER_DIR / 'tokenizer_config.json'
+    tok_cfg = dest / 'tokenizer_config.json'
+    if not tok_cfg.is_file() or tok_cfg.stat().st_size != src_cfg.stat().st_size:
+        _atomic_write(tok_cfg, src_cfg.read_bytes())
+    return dest
+
+
+def _existing_matches(config_file: Path, arch: str, hidden_size: int, num_layers: int) -> bool:
+    """Tells whether a previously built model in ``config_file``'s directory can be reused."""
+    if not config_file.is_file() or not (config_file.parent / 'model.safetensors').is_file():
+        return False
+    try:
+        cfg: dict[str, Any] = json.loads(config_file.read_text(encoding='utf-8'))
+    except (OSError, ValueError):
+        return False
+    return (cfg.get('model_type') == arch and cfg.get('hidden_size') == hidden_size
+            and cfg.get('num_hidden_layers') == num_layers)
+
+
+def build_tiny_model(
+    dest: str | Path,
+    arch: str = 'qwen2',
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+) -> Path:
+    """Builds and saves a tiny random-weight causal LM with the real Qwen2.5 tokenizer.
+
+    The model has 4 attention heads, 2 key/value heads, ``intermediate_size =
+    4 * hidden_size``, 2048 positions, tied embeddings and float32 weights.
+    ``qwen2`` uses the real Qwen2.5 vocabulary size (151936); ``llama`` uses
+    ``len(tokenizer)`` rounded up to a multiple of 64. Both use the tokenizer's
+    special ids (eos ``<|im_end|>`` = 151645, pad ``<|endoftext|>`` = 151643, no
+    bos). Weights depend only on ``seed`` and the shape arguments; the global
+    torch RNG state is left as it was.
+
+    The directory gets ``config.json`` (written last), ``model.safetensors``,
+    ``generation_config.json`` and the tokenizer files. If ``dest/config.json``
+    already describes the same arch, hidden size and layer count, nothing is rebuilt.
+
+    Args:
+        dest: Target directory; created if missing.
+        arch: ``'qwen2'`` or ``'llama'``.
+        seed: Seed for the weight initialisation.
+        hidden_size: Model width; a multiple of 8 (4 heads with an even head dim).
+        num_layers: Number of decoder layers, at least 1.
+
+    Returns:
+        ``dest`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: If ``arch``, ``hidden_size`` or ``num_layers`` is not allowed.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f'arch must be one of {list(ARCHS)}, got arch={arch!r}')
+    step = 2 * _NUM_HEADS  # 4 heads, even head_dim for rotary embeddings
+    if hidden_size <= 0 or hidden_size % step != 0:
+        raise ValueError(f'hidden_size must be a positive multiple of {step}, got hidden_size={hidden_size!r}')
+    if num_layers < 1:
+        raise ValueError(f'num_layers must be >= 1, got num_layers={num_layers!r}')
+    dest = Path(dest)
+    if _existing_matches(dest / 'config.json', arch, hidden_size, num_layers):
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f'.{dest.name}.build-') as tmp_name:
+        tmp = Path(tmp_name)
+        materialize_tokenizer(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        eos_id = tokenizer.convert_tokens_to_ids('<|im_end|>')
+        pad_id = tokenizer.pad_token_id
+        bos_id = tokenizer.bos_token_id
+        common: dict[str, Any] = dict(
+            hidden_size=hidden_size,
+            intermediate_size=4 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=_NUM_HEADS,
+            num_key_value_heads=_NUM_KV_HEADS,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            dtype='float32',
+        )
+        config: PretrainedConfig
+        model_cls: type[PreTrainedModel]
+        if arch == 'qwen2':
+            config = Qwen2Config(vocab_size=_QWEN2_VOCAB_SIZE, **common)
+            model_cls = Qwen2ForCausalLM
+        else:
+            config = LlamaConfig(vocab_size=-(-len(tokenizer) // 64) * 64, **common)
+            model_cls = LlamaForCausalLM
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_cls(config).to(torch.float32).eval()
+        model.generation_config = GenerationConfig(
+            bos_token_id=bos_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=False)
+        model.save_pretrained(tmp)
+        # Move into place with config.json last: its presence marks a complete model.
+        (dest / 'config.json').unlink(missing_ok=True)
+        for item in sorted(tmp.iterdir(), key=lambda p: p.name == 'config.json'):
+            target = dest / item.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            if item.is_file():
+                os.chmod(item, 0o644)
+            os.replace(item, target)
+    return dest
+
+
+def _gsm8k_rows() -> list[dict[str, str]]:
+    """Reads the vendored GSM8K rows (``question``/``answer``)."""
+    with gzip.open(_GSM8K_FILE, 'rt', encoding='utf-8') as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _write_jsonl(dest_file: str | Path, rows: list[dict[str, Any]]) -> Path:
+    """Writes ``rows`` as UTF-8 JSON Lines, creating parent directories."""
+    path = Path(dest_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = ''.join(json.dumps(row, ensure_ascii=False) + '\n' for row in rows)
+    _atomic_write(path, text.encode('utf-8'))
+    return path
+
+
+def _messages(user: str, assistant: str) -> dict[str, Any]:
+    """Returns one single-turn row in ms-swift's ``messages`` format."""
+    return {'messages': [{'role': 'user', 'content': user}, {'role': 'assistant', 'content': assistant}]}
+
+
+def write_gsm8k_dataset(dest_file: str | Path, n: int | None = None) -> Path:
+    """Writes GSM8K rows as a ``messages``-format JSONL file for ``swift sft --dataset``.
+
+    Args:
+        dest_file: Output ``.jsonl`` path; parent directories are created.
+        n: Number of rows (the first ``n`` of the 500 vendored ones); all 500 if None.
+
+    Returns:
+        ``dest_file`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: If ``n`` is outside 1..500.
+    """
+    if n is not None and not 1 <= n <= GSM8K_ROWS:
+        raise ValueError(f'n must be between 1 and {GSM8K_ROWS} (or None for all), got n={n!r}')
+    rows = _gsm8k_rows()[:n]
+    return _write_jsonl(dest_file, [_messages(r['question'], r['answer']) for r in rows])
+
+
+def write_mixed_length_dataset(dest_file: str | Path, n: int = 64, seed: int = 0) -> Path:
+    """Writes a ``messages``-format JSONL file whose row lengths vary widely.
+
+    Each row bundles ``k`` distinct GSM8K problems, with ``k`` cycling through
+    1..6 in a seeded shuffled order (so any ``n >= 6`` covers every ``k``). The
+    user turn lists the ``k`` questions and the assistant turn their ``k``
+    answers, giving rows of roughly 100 to 1,300 Qwen2.5 tokens.
+
+    Args:
+        dest_file: Output ``.jsonl`` path; parent directories are created.
+        n: Number of rows, at least 1.
+        seed: Seed for the choice of ``k`` and of the problems.
+
+    Returns:
+        ``dest_file`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: If ``n`` is less than 1.
+    """
+    if n < 1:
+        raise ValueError(f'n must be >= 1, got n={n!r}')
+    source = _gsm8k_rows()
+    rng = random.Random(seed)
+    ks = [i % 6 + 1 for i in range(n)]
+    rng.shuffle(ks)
+    rows: list[dict[str, Any]] = []
+    for k in ks:
+        picked = rng.sample(source, k)
+        if k == 1:
+            user, assistant = picked[0]['question'], picked[0]['answer']
+        else:
+            user = f'Solve these {k} problems.\n\n' + '\n\n'.join(
+                f'Problem {i}: {r["question"]}' for i, r in enumerate(picked, 1))
+            assistant = '\n\n'.join(f'Problem {i}:\n{r["answer"]}' for i, r in enumerate(picked, 1))
+        rows.append(_messages(user, assistant))
+    return _write_jsonl(dest_file, rows)
