@@ -1,0 +1,6 @@
+"""The pack's callbacks, one a module. Each only sets control flags (see ``protocol``)."""
+
+from .base import DynamicCallback
+from .batch_schedule import BatchScheduleCallback, BatchScheduleConfig
+
+__all__ = ['DynamicCallback', 'BatchScheduleCallback', 'BatchScheduleConfig']

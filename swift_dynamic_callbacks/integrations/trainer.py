@@ -1,0 +1,633 @@
+"""The trainer-side integration: the only code that knows HF ``Trainer`` / ms-swift internals.
+
+:func:`install` mixes :class:`DynamicTrainerMixin` into the trainer's class (works for ms-swift's
+``Seq2SeqTrainer`` and for a plain ``transformers.Trainer``) and adds :class:`IntegrationCallback`. From then on:
+
+- ``get_train_dataloader`` wraps the host's loader settings (collate function, workers, seed order) into an
+  :class:`~swift_dynamic_callbacks.loader.ElasticDataLoader` that has no fixed length, so HF runs its
+  ``max_steps`` loop (for ``num_train_epochs`` runs, ``max_steps`` is derived from the initial batch size and the
+  epoch budget is enforced here);
+- ``get_batch_samples`` (called by HF once per optimizer step, in every supported transformers version) is
+  the step boundary: it applies and clears the control-flag requests (``protocol``), agreed across ranks,
+  then draws the step's micro-batches from the elastic loader instead of HF's epoch iterator;
+- ``training_step`` splits a micro-batch into ``num_pieces`` forward/backward passes (same
+  ``num_items_in_batch``, so the same gradient) and skips the empty placeholder of a short last step;
+- ``IntegrationCallback.on_step_end`` ends the HF epoch when the data epoch is used up
+  (``control.should_epoch_stop``), keeps ``state.epoch`` honest and stops at the epoch budget;
+- ``_save_checkpoint`` writes the pack state (:mod:`~swift_dynamic_callbacks.state`) into the checkpoint first;
+  ``train(resume_from_checkpoint=...)`` restores it, so a resumed run continues at the next unseen sample;
+- ``log`` merges the current numbers (batch size, samples seen, callbacks' ``dynamic_metrics``) into every
+  training log line, and decision records are written to ``dynamic_decisions.jsonl`` on rank 0.
+
+``_inner_training_loop`` is not overridden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from transformers import TrainerCallback
+
+from .. import distributed, protocol
+from ..config import ConfigError, check_bool, from_mapping, to_mapping
+from ..loader import ElasticDataLoader, EmptyMicroBatch
+from ..policies.data_plan import piece_bounds, steps_in_epoch
+from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
+from ..state import (StateError, build_payload, read_state, restore_components, stateful_components, write_state)
+
+logger = logging.getLogger('swift_dynamic_callbacks')
+if not logger.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter('[swift-dynamic-callbacks] %(message)s'))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+SAMPLES_FILE = 'dynamic_samples.rank{rank}.jsonl'
+CONFIG_FILE = 'dynamic_callbacks_config.json'
+
+
+@dataclass(frozen=True)
+class IntegrationConfig:
+    """Settings of the integration itself (YAML key ``dynamic_callbacks.integration``).
+
+    Attributes:
+        record_samples: write ``dynamic_samples.rank<R>.jsonl`` with the dataset indices of every micro-batch
+            (an audit trail of exactly-once data; small: one line per optimizer step).
+        log_values: merge the current batch size, pieces, global batch and samples seen into training logs.
+    """
+
+    record_samples: bool = False
+    log_values: bool = True
+
+    def __post_init__(self) -> None:
+        check_bool('record_samples', self.record_samples)
+        check_bool('log_values', self.log_values)
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | None) -> 'IntegrationConfig':
+        return from_mapping(cls, mapping, prefix='dynamic_callbacks.integration')
+
+
+class Integration:
+    """State and logic of the integration for one trainer (reachable as ``trainer.dynamic_integration``).
+
+    State (``state_dict``, key ``integration``): the derived ``max_steps`` and epoch budget; the data position
+    lives in the loader's own state (key ``integration.data``).
+    """
+
+    state_key = 'integration'
+
+    def __init__(self, trainer: Any, config: IntegrationConfig | None = None,
+                 pack_config: Mapping[str, Any] | None = None) -> None:
+        self.trainer = trainer
+        self.config = config or IntegrationConfig()
+        self.pack_config = dict(pack_config or {})
+        self.loader: ElasticDataLoader | None = None
+        self.decisions = DecisionLog(None, enabled=False)
+        self.epoch_budget: float | None = None
+        self._user_max_steps: int | None = None
+        self._resume_payload: dict[str, Any] | None = None
+        self._resume_checkpoint: str | None = None
+        self._recorded_kinds: set[str] = set()  # kinds callbacks recorded since the last step boundary
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+    def begin_train(self, resume_from_checkpoint: Any) -> None:
+        """Called by ``train()`` before HF starts: open the decision log, restore callback state."""
+        trainer = self.trainer
+        args = trainer.args
+        self._check_supported(trainer)
+        self.decisions = DecisionLog(
+            os.path.join(args.output_dir, DECISIONS_FILE), enabled=distributed.is_main_process())
+        if distributed.is_main_process():
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, CONFIG_FILE), 'w', encoding='utf-8') as f:
+                json.dump(self.snapshot_config(), f, indent=1, sort_keys=True, default=str)
+        if not any(isinstance(cb, IntegrationCallback) for cb in trainer.callback_handler.callbacks):
+            trainer.add_callback(IntegrationCallback(self))
+        trainer.control._sdc_integration = True
+        checkpoint = resume_from_checkpoint
+        if isinstance(checkpoint, bool):
+            checkpoint = None
+            if resume_from_checkpoint:
+                from transformers.trainer_utils import get_last_checkpoint
+                checkpoint = get_last_checkpoint(args.output_dir)
+        self._resume_checkpoint = checkpoint
+        self._resume_payload = read_state(checkpoint) if checkpoint else None
+        if checkpoint and self._resume_payload is not None:
+            missing = restore_components(self.callback_components(), self._resume_payload)
+            for key in missing:
+                self._record(
+                    DecisionRecord(
+                        'integration', 'resume', 'new_component', {'state_key': key},
+                        f'{key} has no state in {checkpoint}; it starts fresh'))
+        self._user_max_steps = args.max_steps
+
+    def end_train(self) -> None:
+        if self._user_max_steps is not None:
+            self.trainer.args.max_steps = self._user_max_steps
+        self.drain(self.trainer.control)
+
+    def callback_components(self) -> list[Any]:
+        """Stateful pack callbacks on the trainer (everything with ``state_key``/``state_dict``)."""
+        return [c for c in stateful_components(self.trainer.callback_handler.callbacks) if c is not self]
+
+    def snapshot_config(self) -> dict[str, Any]:
+        snapshot = dict(self.pack_config)
+        snapshot['integration'] = to_mapping(self.config)
+        return snapshot
+
+    @staticmethod
+    def _check_supported(trainer: Any) -> None:
+        args = trainer.args
+        template = getattr(trainer, 'template', None)
+        if getattr(template, 'sequence_parallel_size', 1) > 1:
+            raise ConfigError('sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism '
+                              f'(got {template.sequence_parallel_size}); use 1')
+        if args.dataloader_drop_last:
+            raise ConfigError('dataloader_drop_last: must be false with swift-dynamic-callbacks (every sample is '
+                              'used exactly once per epoch; the last step of an epoch takes what is left)')
+        if args.auto_find_batch_size:
+            raise ConfigError('auto_find_batch_size: must be false with swift-dynamic-callbacks (it restarts '
+                              'training from step 0 on OOM); the pack changes the batch size in place')
+
+    # ---- the loader --------------------------------------------------------------------------------
+    def build_loader(self, host_loader: Any) -> ElasticDataLoader:
+        """Make the elastic loader from the host's loader (its dataset, collate function, workers and order)."""
+        trainer, args = self.trainer, self.trainer.args
+        dataset = getattr(host_loader, 'dataset', None)
+        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(
+                dataset, '__len__'):
+            raise ConfigError('streaming / iterable training datasets are not supported by swift-dynamic-callbacks: '
+                              'the batch size changes need a map-style dataset with a length (set streaming: false)')
+        loader_kwargs: dict[str, Any] = {
+            'num_workers': host_loader.num_workers,
+            'pin_memory': host_loader.pin_memory,
+            'worker_init_fn': host_loader.worker_init_fn,
+            'timeout': host_loader.timeout,
+        }
+        if host_loader.num_workers > 0:
+            loader_kwargs['persistent_workers'] = host_loader.persistent_workers
+            loader_kwargs['prefetch_factor'] = host_loader.prefetch_factor
+            if host_loader.multiprocessing_context is not None:
+                loader_kwargs['multiprocessing_context'] = host_loader.multiprocessing_context
+        order = _epoch_order_fn(host_loader, dataset, args)
+        batch_size = int(trainer._train_batch_size)
+        loader = ElasticDataLoader(
+            dataset,
+            host_loader.collate_fn,
+            order,
+            batch_size=batch_size,
+            entries_per_step=args.gradient_accumulation_steps,
+            loader_kwargs=loader_kwargs)
+        self.loader = loader
+        self._restore_loader(loader)
+        self._derive_max_steps(loader, batch_size)
+        return loader
+
+    def _restore_loader(self, loader: ElasticDataLoader) -> None:
+        checkpoint = self._resume_checkpoint
+        if not checkpoint:
+            return
+        payload = self._resume_payload
+        if payload is not None and loader.state_key in payload['components']:
+            loader.load_state_dict(payload['components'][loader.state_key])
+            state = payload['components'].get(self.state_key, {})
+            self.epoch_budget = state.get('epoch_budget', self.epoch_budget)
+            self._record(
+                DecisionRecord(
+                    'integration', 'resume', 'checkpoint', {
+                        'checkpoint': os.path.basename(checkpoint),
+                        'epoch': loader.epoch,
+                        'position': loader.position,
+                        'batch_size': loader.batch_size,
+                        'num_pieces': loader.num_pieces
+                    }, 'resumed at the next unseen sample'))
+            return
+        # A checkpoint written without the pack: the batch size never changed, so HF's batch arithmetic holds.
+        state_file = os.path.join(checkpoint, 'trainer_state.json')
+        if self.trainer.args.ignore_data_skip or not os.path.exists(state_file):
+            return
+        with open(state_file, encoding='utf-8') as f:
+            global_step = int(json.load(f).get('global_step', 0))
+        consumed = global_step * loader.batch_size * loader.entries_per_step
+        epoch_size = max(loader.epoch_size, 1)
+        epoch, position = divmod(consumed, epoch_size)
+        for _ in range(epoch):
+            loader.start_next_epoch()
+        loader.position = position
+        loader.samples_seen = consumed
+        self._record(
+            DecisionRecord('integration', 'resume', 'no_pack_state', {
+                'global_step': global_step,
+                'epoch': epoch,
+                'position': position
+            }, f'{checkpoint} has no pack state; position derived from global_step at a constant batch size'))
+
+    def _derive_max_steps(self, loader: ElasticDataLoader, batch_size: int) -> None:
+        args = self.trainer.args
+        if args.max_steps > 0:
+            return
+        epochs = float(args.num_train_epochs)
+        if epochs <= 0:
+            raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs}')
+        per_epoch = max(steps_in_epoch(loader.epoch_size, batch_size, loader.entries_per_step), 1)
+        derived = math.ceil(epochs * per_epoch)
+        self.epoch_budget = epochs
+        args.max_steps = derived
+        self._record(
+            DecisionRecord(
+                'integration', 'max_steps', 'epoch_budget', {
+                    'num_train_epochs': epochs,
+                    'steps_per_epoch': per_epoch,
+                    'max_steps': derived
+                }, 'num_train_epochs run through HF\'s max_steps loop; training also stops when the epoch '
+                'budget is used up, whatever the batch sizes'))
+
+    # ---- the step boundary ---------------------------------------------------------------------------
+    def next_step(self, num_batches: int, device: Any, original: Callable) -> tuple[list, Any]:
+        """HF's ``get_batch_samples``: apply requests, then draw this step's micro-batches."""
+        trainer, loader = self.trainer, self.loader
+        if loader is None:
+            raise RuntimeError('swift-dynamic-callbacks: get_batch_samples before get_train_dataloader')
+        control = trainer.control
+        control._sdc_integration = True
+        self.apply_requests(control)
+        self.drain(control)
+        if loader.epoch_complete:
+            loader.start_next_epoch()
+        pairs = loader.next_step(num_batches)
+        real = [batch for indices, batch in pairs if indices]
+        _, num_items_in_batch = original(iter(real), len(real), device)
+        if self.config.record_samples:
+            self._write_samples([indices for indices, _ in pairs])
+        return [batch for _, batch in pairs], num_items_in_batch
+
+    def apply_requests(self, control: Any) -> None:
+        """Read the request flags, agree on them across ranks, apply them, clear them."""
+        request = protocol.pending_request(control)
+        if request.via_dataloader:
+            self._check_same_dataset(control.new_dataloader)
+        protocol.clear_requests(control)
+        request = distributed.agree(request, _merge_requests)
+        if request.empty:
+            self._recorded_kinds = set()
+            return
+        loader = self.loader
+        self.drain(control)
+        queued_kinds, self._recorded_kinds = self._recorded_kinds, set()
+        if request.batch_size is not None and request.batch_size != loader.batch_size:
+            old = loader.batch_size
+            loader.set_batch_size(request.batch_size)
+            if 'batch_size' not in queued_kinds:
+                self._record(
+                    DecisionRecord(
+                        'control_flags', 'batch_size', 'new_dataloader' if request.via_dataloader else 'request', {
+                            'old': old,
+                            'new': request.batch_size,
+                            'global_batch_size': self.global_batch_size()
+                        }))
+        if request.num_pieces is not None and request.num_pieces != loader.num_pieces:
+            self._check_splittable()
+            old = loader.num_pieces
+            loader.num_pieces = request.num_pieces
+            if 'num_pieces' not in queued_kinds:
+                self._record(
+                    DecisionRecord('control_flags', 'num_pieces', 'request', {
+                        'old': old,
+                        'new': request.num_pieces
+                    }))
+
+    def _check_same_dataset(self, dataloader: Any) -> None:
+        dataset = getattr(dataloader, 'dataset', None)
+        ours = self.loader.dataset
+        if dataset is not ours and dataset is not self.trainer.train_dataset:
+            raise ValueError('control.new_dataloader must iterate the trainer\'s training dataset '
+                             f'(got a {type(dataloader).__name__} over {type(dataset).__name__}); the integration '
+                             'only takes its batch size and keeps the epoch order and position')
+
+    def _check_splittable(self) -> None:
+        args = self.trainer.args
+        template = getattr(self.trainer, 'template', None)
+        if getattr(template, 'padding_free', False) or getattr(args, 'padding_free', False) or getattr(
+                args, 'packing', False):
+            raise ConfigError('num_pieces > 1 cannot be used with packing / padding_free: a packed micro-batch is '
+                              'one [1, N] row and cannot be split into pieces')
+        if self.trainer.is_deepspeed_enabled:
+            raise ConfigError('num_pieces > 1 is not supported under DeepSpeed (its engine does its own '
+                              'gradient accumulation)')
+
+    def drain(self, control: Any) -> None:
+        """Write the decision records queued on ``control``."""
+        for record in protocol.drain_decisions(control):
+            self._recorded_kinds.add(record.kind)
+            self._record(record)
+
+    def _record(self, record: DecisionRecord) -> None:
+        loader = self.loader
+        self.decisions.write(
+            record.stamped(
+                step=self.trainer.state.global_step,
+                epoch=loader.epoch_progress if loader is not None else 0.0,
+                samples_seen=self.samples_seen_local() if loader is not None else 0))
+
+    def _write_samples(self, batches: list[list[int]]) -> None:
+        loader, args = self.loader, self.trainer.args
+        rank = distributed.rank()
+        path = os.path.join(args.output_dir, SAMPLES_FILE.format(rank=rank))
+        line = {
+            'step': self.trainer.state.global_step + 1,
+            'epoch': loader.epoch,
+            'rank': rank,
+            'batch_size': loader.batch_size,
+            'num_pieces': loader.num_pieces,
+            'batches': batches,
+        }
+        with open(path, 'a', encoding='utf-8') as f:
+            f.write(json.dumps(line) + '\n')
+
+    # ---- after the optimizer step ---------------------------------------------------------------------
+    def after_step(self, state: Any, control: Any) -> None:
+        loader = self.loader
+        if loader is None:
+            return
+        state.epoch = loader.epoch_progress
+        if loader.epoch_complete:
+            control.should_epoch_stop = True
+        if self.epoch_budget is not None and loader.epoch_progress >= self.epoch_budget - 1e-9:
+            if not control.should_training_stop:
+                self._record(
+                    DecisionRecord('integration', 'stop', 'epoch_budget', {'epochs': self.epoch_budget},
+                                   f'{self.epoch_budget} epochs of data used'))
+            control.should_training_stop = True
+
+    # ---- the micro-step -----------------------------------------------------------------------------
+    def run_micro_batch(self, model: Any, inputs: Any, run: Callable[[Any], torch.Tensor],
+                        num_items_in_batch: Any) -> torch.Tensor:
+        """Run one HF micro-batch: skip a placeholder, or split it into ``num_pieces`` passes."""
+        if isinstance(inputs, EmptyMicroBatch):
+            return torch.zeros((), device=self.trainer.args.device)
+        pieces = self.loader.num_pieces if self.loader is not None else 1
+        if pieces <= 1:
+            return run(inputs)
+        if num_items_in_batch is None:
+            raise RuntimeError('num_pieces > 1 needs the loss normalised by num_items_in_batch (token-sum losses, '
+                               'as ms-swift uses); this model/trainer computes a per-batch mean, so splitting '
+                               'would change the gradient')
+        parts = split_micro_batch(inputs, pieces)
+        total = None
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            ctx = contextlib.nullcontext() if last else self.trainer.accelerator.no_sync(model)
+            with ctx:
+                loss = run(part)
+            total = loss if total is None else total + loss
+        return total
+
+    # ---- numbers for the logs -------------------------------------------------------------------------
+    def global_batch_size(self) -> int:
+        loader = self.loader
+        return loader.batch_size * loader.entries_per_step * distributed.world_size()
+
+    def samples_seen_local(self) -> int:
+        return self.loader.samples_seen if self.loader is not None else 0
+
+    def log_values(self, control: Any) -> dict[str, float]:
+        loader = self.loader
+        values: dict[str, float] = {}
+        if loader is not None and self.config.log_values:
+            values.update({
+                'dynamic/batch_size': loader.batch_size,
+                'dynamic/num_pieces': loader.num_pieces,
+                'dynamic/global_batch_size': self.global_batch_size(),
+                'dynamic/samples_seen': sum(distributed.gather_objects(loader.samples_seen)),
+                'dynamic/epoch_coverage': round(loader.position / max(loader.epoch_size, 1), 6),
+            })
+        values.update(protocol.current_metrics(control))
+        return values
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def save(self, checkpoint_dir: str) -> None:
+        """Write the pack state into ``checkpoint_dir`` (rank 0) before HF writes the rest of the checkpoint."""
+        self.drain(self.trainer.control)
+        if not self.trainer.args.should_save:
+            return
+        components = [self] + ([self.loader] if self.loader is not None else []) + self.callback_components()
+        write_state(checkpoint_dir, build_payload(components, self.snapshot_config()))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'epoch_budget': self.epoch_budget}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.epoch_budget = state.get('epoch_budget')
+
+
+def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchRequest:
+    """The one request all ranks apply: identical requests pass; otherwise the smallest batch, most pieces."""
+    requests = list(requests)
+    sizes = [r.batch_size for r in requests if r.batch_size is not None]
+    pieces = [r.num_pieces for r in requests if r.num_pieces is not None]
+    return protocol.BatchRequest(
+        batch_size=min(sizes) if sizes else None,
+        num_pieces=max(pieces) if pieces else None,
+        via_dataloader=any(r.via_dataloader for r in requests))
+
+
+def split_micro_batch(inputs: Mapping[str, Any], num_pieces: int) -> list[dict[str, Any]]:
+    """Split a collated micro-batch along dim 0 into at most ``num_pieces`` contiguous pieces.
+
+    Tensors and lists whose first dimension is the batch size are sliced; scalars and other values are shared.
+
+    Raises:
+        ValueError: no ``input_ids``/``labels`` tensor gives the batch size, or a tensor's first dimension is
+            neither the batch size nor 1 (not splittable).
+    """
+    reference = inputs.get('input_ids', inputs.get('labels'))
+    if not isinstance(reference, torch.Tensor) or reference.dim() == 0:
+        raise ValueError('cannot split a micro-batch without an input_ids or labels tensor')
+    rows = reference.shape[0]
+    bounds = piece_bounds(rows, num_pieces)
+    if len(bounds) <= 1:
+        return [dict(inputs)]
+    parts: list[dict[str, Any]] = [{} for _ in bounds]
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            for part, (a, b) in zip(parts, bounds):
+                part[key] = value[a:b]
+        elif isinstance(value, (list, tuple)) and len(value) == rows:
+            for part, (a, b) in zip(parts, bounds):
+                part[key] = value[a:b]
+        elif isinstance(value, torch.Tensor) and value.dim() > 0:
+            raise ValueError(f'cannot split micro-batch key {key!r} of shape {tuple(value.shape)} into pieces '
+                             f'along a batch of {rows}')
+        else:
+            for part in parts:
+                part[key] = value
+    return parts
+
+
+def _set_host_epoch(host_loader: Any, epoch: int) -> None:
+    if hasattr(host_loader, 'set_epoch'):
+        host_loader.set_epoch(epoch)
+    inner = getattr(getattr(host_loader, 'batch_sampler', None), 'batch_sampler', None)
+    if hasattr(inner, 'set_epoch'):
+        inner.set_epoch(epoch)
+
+
+def _epoch_order_fn(host_loader: Any, dataset: Any, args: Any) -> Callable[[int], list[int]]:
+    """``epoch -> this rank's dataset indices in training order``.
+
+    Single process: the host's own sampler decides (so the order is exactly plain ms-swift's / HF's, including
+    ``group_by_length``). Several processes: a seeded permutation of *all* samples (seed ``data_seed + epoch``,
+    as ms-swift) dealt ``rank::world``, because ms-swift's sampler leaves out ``len % world`` samples per epoch.
+    """
+    world = distributed.world_size()
+    if world == 1:
+
+        def host_order(epoch: int) -> list[int]:
+            _set_host_epoch(host_loader, epoch)
+            sampler = host_loader.batch_sampler if host_loader.batch_sampler is not None else host_loader.sampler
+            order: list[int] = []
+            for item in sampler:
+                order.extend(item if isinstance(item, (list, tuple)) else [item])
+            if sorted(order) != list(range(len(dataset))):
+                raise StateError(f'the host sampler did not yield every index of the {len(dataset)}-sample dataset '
+                                 f'exactly once in epoch {epoch} (got {len(order)} indices)')
+            return order
+
+        return host_order
+    rank, n = distributed.rank(), len(dataset)
+    seed = args.data_seed if args.data_seed is not None else 0
+    shuffle = getattr(args, 'train_dataloader_shuffle', True)
+
+    def shard_order(epoch: int) -> list[int]:
+        if not shuffle:
+            return list(range(rank, n, world))
+        generator = torch.Generator()
+        generator.manual_seed(seed + epoch)
+        return torch.randperm(n, generator=generator).tolist()[rank::world]
+
+    return shard_order
+
+
+class IntegrationCallback(TrainerCallback):
+    """Internal callback of the integration.
+
+    Hooks: ``on_train_begin`` (marks ``control`` as honoured), ``on_step_end`` (epoch end, honest
+    ``state.epoch``, epoch budget), ``on_train_end`` (drains the decision queue).
+    Flags set: ``should_epoch_stop``, ``should_training_stop``. State: none (the integration owns it).
+    """
+
+    def __init__(self, integration: Integration) -> None:
+        self.integration = integration
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        control._sdc_integration = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.integration.after_step(state, control)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.integration.drain(control)
+
+
+class DynamicTrainerMixin:
+    """Overrides mixed into the trainer's own class by :func:`install` (see the module docstring)."""
+
+    dynamic_integration: Integration
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        self.dynamic_integration.begin_train(resume_from_checkpoint)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.dynamic_integration.end_train()
+
+    def get_train_dataloader(self, *args, **kwargs):
+        # ms-swift passes ``skip_batches`` on resume; the elastic loader resumes from its own state instead.
+        kwargs.pop('skip_batches', None)
+        host_loader = super().get_train_dataloader()
+        return self.dynamic_integration.build_loader(host_loader)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        original = super().get_batch_samples
+        return self.dynamic_integration.next_step(num_batches, device, original)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        num_items = args[0] if args else kwargs.get('num_items_in_batch')
+        run = lambda part: super(DynamicTrainerMixin, self).training_step(model, part, *args, **kwargs)  # noqa: E731
+        return self.dynamic_integration.run_micro_batch(model, inputs, run, num_items)
+
+    def log(self, logs, *args, **kwargs):
+        integration = self.dynamic_integration
+        if 'loss' in logs and integration.loader is not None:
+            logs.update(integration.log_values(self.control))
+        integration.drain(self.control)
+        return super().log(logs, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial, *args, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        output_dir = os.path.join(self._get_output_dir(trial=trial), f'{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}')
+        self.dynamic_integration.save(output_dir)
+        return super()._save_checkpoint(model, trial, *args, **kwargs)
+
+
+_MIXED_CLASSES: dict[type, type] = {}
+
+
+def _skip_first_batches_patch() -> None:
+    """Make ``transformers.trainer.skip_first_batches`` leave the elastic loader alone on resume.
+
+    HF (and ms-swift's wrapper around it, which delegates loaders it does not know) would otherwise rebuild
+    the loader and skip by batch count; the elastic loader resumes from its saved sample position instead.
+    """
+    import transformers.trainer as hf_trainer
+    original = hf_trainer.skip_first_batches
+    if getattr(original, '_sdc_patched', False):
+        return
+
+    def skip_first_batches(dataloader, num_batches=0):
+        if isinstance(dataloader, ElasticDataLoader):
+            return dataloader
+        return original(dataloader, num_batches)
+
+    skip_first_batches._sdc_patched = True
+    hf_trainer.skip_first_batches = skip_first_batches
+
+
+def install(trainer: Any, config: IntegrationConfig | None = None,
+            pack_config: Mapping[str, Any] | None = None) -> Integration:
+    """Install the integration on ``trainer`` (idempotent) and return it.
+
+    Works on an ms-swift trainer under construction (the pack's callback factories call this) and on a fully
+    built ``transformers.Trainer``: ``install(trainer); trainer.add_callback(cb); trainer.train()``.
+    """
+    existing = getattr(trainer, 'dynamic_integration', None)
+    if isinstance(existing, Integration):
+        if config is not None and config != existing.config:
+            raise ConfigError(f'dynamic_callbacks.integration: installed twice with different settings '
+                              f'({existing.config} vs {config})')
+        existing.pack_config.update(pack_config or {})
+        return existing
+    cls = type(trainer)
+    if not issubclass(cls, DynamicTrainerMixin):
+        mixed = _MIXED_CLASSES.get(cls)
+        if mixed is None:
+            mixed = type(f'Dynamic{cls.__name__}', (DynamicTrainerMixin, cls), {'__module__': cls.__module__})
+            _MIXED_CLASSES[cls] = mixed
+        trainer.__class__ = mixed
+    integration = Integration(trainer, config, pack_config)
+    trainer.dynamic_integration = integration
+    _skip_first_batches_patch()
+    handler = getattr(trainer, 'callback_handler', None)
+    if handler is not None:
+        trainer.add_callback(IntegrationCallback(integration))
+        trainer.control._sdc_integration = True
+    return integration

@@ -1,0 +1,1 @@
+"""Pure policy functions: no torch, no filesystem, no trainer. Table- and property-tested."""

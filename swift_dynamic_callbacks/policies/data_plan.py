@@ -1,0 +1,65 @@
+"""How the samples left in an epoch are cut into optimizer steps and micro-batches (pure functions).
+
+One optimizer step per device takes ``entries`` micro-batches (HF's ``gradient_accumulation_steps``) of
+``batch_size`` samples. The last step of an epoch takes what is left, spread as evenly as possible over the
+``entries`` micro-batches in ascending order, so the last micro-batch (the one that synchronises gradients
+under DDP) is never empty while any sample is left. Nothing is dropped: the sizes always add up to the
+samples remaining.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+
+def step_sizes(remaining: int, batch_size: int, entries: int) -> tuple[int, ...]:
+    """Micro-batch sizes of the next optimizer step.
+
+    Args:
+        remaining: samples of this device's epoch shard not yet used (>= 0).
+        batch_size: per-device micro-batch size (>= 1).
+        entries: micro-batches per optimizer step (>= 1).
+
+    Returns:
+        ``entries`` sizes, each in ``[0, batch_size]``, summing to ``min(remaining, batch_size * entries)``.
+        Full steps are ``(batch_size,) * entries``; a short last step is balanced, ascending.
+    """
+    if remaining < 0 or batch_size < 1 or entries < 1:
+        raise ValueError(f'step_sizes: need remaining >= 0, batch_size >= 1, entries >= 1; '
+                         f'got {remaining}, {batch_size}, {entries}')
+    take = min(remaining, batch_size * entries)
+    if take == batch_size * entries:
+        return (batch_size, ) * entries
+    base, extra = divmod(take, entries)
+    return (base, ) * (entries - extra) + (base + 1, ) * extra
+
+
+def epoch_steps(remaining: int, batch_size: int, entries: int) -> Iterator[tuple[int, ...]]:
+    """All steps that finish an epoch with ``remaining`` samples at a constant batch size."""
+    while remaining > 0:
+        sizes = step_sizes(remaining, batch_size, entries)
+        remaining -= sum(sizes)
+        yield sizes
+
+
+def steps_in_epoch(remaining: int, batch_size: int, entries: int) -> int:
+    """Number of optimizer steps :func:`epoch_steps` yields: ``ceil(remaining / (batch_size * entries))``."""
+    per_step = batch_size * entries
+    return -(-remaining // per_step)
+
+
+def piece_bounds(size: int, num_pieces: int) -> tuple[tuple[int, int], ...]:
+    """Split ``size`` rows into at most ``num_pieces`` contiguous, non-empty ``(start, stop)`` ranges.
+
+    Sizes differ by at most one; fewer pieces than asked when ``size < num_pieces``.
+    """
+    if size < 0 or num_pieces < 1:
+        raise ValueError(f'piece_bounds: need size >= 0 and num_pieces >= 1, got {size}, {num_pieces}')
+    pieces = min(num_pieces, size)
+    bounds = []
+    start = 0
+    for i in range(pieces):
+        stop = start + size // pieces + (1 if i < size % pieces else 0)
+        bounds.append((start, stop))
+        start = stop
+    return tuple(bounds)

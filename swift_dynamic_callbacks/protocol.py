@@ -1,0 +1,209 @@
+"""The control-flag protocol: every attribute a pack callback may set on HF's ``TrainerControl``.
+
+Callbacks never call the trainer. They *request* changes by setting attributes on the ``control`` object
+that every HF callback event receives; one trainer-side integration (``integrations.trainer``) reads the
+requests at the next optimizer-step boundary, acts on them and clears them. HF itself neither reads, clears
+nor checkpoints these attributes, so their whole lifetime is defined here.
+
+==========================  ===================  ===========================  ====================================
+flag                        set by               read by                      cleared
+==========================  ===================  ===========================  ====================================
+``should_update_dataloader``  any callback       integration, before the      by the integration when it applies
+``new_dataloader``            (seed form)        next optimizer step's        the request (next step boundary)
+                                                 micro-batches are drawn
+``new_batch_size``          any callback         same                         same
+``new_num_pieces``          any callback         same                         same
+``dynamic_decisions``       any callback         integration: written to the  drained (emptied) at every step
+                            (append only)        decision log (rank 0)        boundary, log and save
+``dynamic_metrics``         any callback         integration: merged into     never; a key keeps its last value
+                            (per-key overwrite)  every training log line      until its owner overwrites it
+==========================  ===================  ===========================  ====================================
+
+Semantics:
+
+- ``should_update_dataloader = True`` with ``new_dataloader = DataLoader(same_dataset, batch_size=b)`` (the
+  seed article's form) asks for per-device batch size ``b``. The integration reads the loader's batch size and
+  checks that it iterates the trainer's training dataset; it never iterates that loader itself, because a fresh
+  loader restarts the epoch (repeating samples). Order, position and worker settings stay the integration's.
+- ``new_batch_size = b`` is the same request without building a DataLoader. ``b`` samples go into each
+  micro-batch that the HF loop hands to ``training_step`` (``gradient_accumulation_steps`` of them per
+  optimizer step, per device).
+- ``new_num_pieces = k`` splits every micro-batch into ``k`` forward/backward passes of about ``b / k``
+  samples with the same loss normalisation, so the optimizer step sees the same gradient with less memory.
+- A request made during step ``N`` (``on_step_end``, ``on_log``, ``on_save``, ``on_evaluate`` ...) takes effect
+  from optimizer step ``N + 1``. Requests made in ``on_step_begin`` apply one step later (the micro-batches of
+  the running step are already drawn).
+- Two requests for the same flag before a boundary: the last one wins, and the integration records both.
+
+Use the helpers below rather than raw ``setattr``: they validate values at the call site and keep the
+unhonoured-request watchdog informed.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+logger = logging.getLogger(__name__)
+
+SHOULD_UPDATE_DATALOADER = 'should_update_dataloader'
+NEW_DATALOADER = 'new_dataloader'
+NEW_BATCH_SIZE = 'new_batch_size'
+NEW_NUM_PIECES = 'new_num_pieces'
+DYNAMIC_DECISIONS = 'dynamic_decisions'
+DYNAMIC_METRICS = 'dynamic_metrics'
+
+#: Flags that request a change and are cleared once the integration applied them.
+REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES)
+#: Every attribute this protocol defines on ``TrainerControl``.
+ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS)
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """What the pending flags ask for, read in one place.
+
+    Attributes:
+        batch_size: requested per-device micro-batch size, or ``None``.
+        num_pieces: requested pieces per micro-batch, or ``None``.
+        via_dataloader: True when the size came from the seed form (``new_dataloader``).
+    """
+
+    batch_size: int | None = None
+    num_pieces: int | None = None
+    via_dataloader: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return self.batch_size is None and self.num_pieces is None
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'control.{name} must be an int >= 1, got {value!r}')
+    return value
+
+
+def request_batch_size(control: Any, batch_size: int) -> None:
+    """Ask for a new per-device micro-batch size from the next optimizer step on."""
+    control.new_batch_size = _positive_int(NEW_BATCH_SIZE, batch_size)
+
+
+def request_num_pieces(control: Any, num_pieces: int) -> None:
+    """Ask for every micro-batch to be run as ``num_pieces`` forward/backward passes."""
+    control.new_num_pieces = _positive_int(NEW_NUM_PIECES, num_pieces)
+
+
+def request_dataloader(control: Any, dataloader: Any) -> None:
+    """The seed article's form: ``should_update_dataloader = True`` and ``new_dataloader = dataloader``."""
+    control.should_update_dataloader = True
+    control.new_dataloader = dataloader
+
+
+def record_decision(control: Any, record: Any) -> None:
+    """Queue a :class:`~swift_dynamic_callbacks.records.DecisionRecord` for the decision log."""
+    queue = getattr(control, DYNAMIC_DECISIONS, None)
+    if queue is None:
+        queue = []
+        setattr(control, DYNAMIC_DECISIONS, queue)
+    queue.append(record)
+
+
+def publish_metrics(control: Any, values: Mapping[str, float]) -> None:
+    """Set numbers that the integration merges into every training log line (``logging.jsonl``, TensorBoard)."""
+    board = getattr(control, DYNAMIC_METRICS, None)
+    if board is None:
+        board = {}
+        setattr(control, DYNAMIC_METRICS, board)
+    for key, value in values.items():
+        board[key] = float(value)
+
+
+def dataloader_batch_size(dataloader: Any) -> int:
+    """Per-device batch size of a DataLoader given in ``control.new_dataloader``.
+
+    Raises:
+        ValueError: the loader has no readable batch size (e.g. a custom batch sampler without ``batch_size``).
+    """
+    size = getattr(dataloader, 'batch_size', None)
+    if size is None:
+        size = getattr(getattr(dataloader, 'batch_sampler', None), 'batch_size', None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f'control.new_dataloader: cannot read a batch size >= 1 from {type(dataloader).__name__} (got {size!r}); '
+            'build it as DataLoader(dataset, batch_size=N, ...) or use control.new_batch_size = N instead')
+    return size
+
+
+def pending_request(control: Any) -> BatchRequest:
+    """Read (without clearing) what the request flags ask for."""
+    via_dataloader = bool(getattr(control, SHOULD_UPDATE_DATALOADER, False))
+    batch_size = getattr(control, NEW_BATCH_SIZE, None)
+    if via_dataloader:
+        loader = getattr(control, NEW_DATALOADER, None)
+        if loader is None:
+            raise ValueError('control.should_update_dataloader is True but control.new_dataloader is None; '
+                             'set both (seed form) or set control.new_batch_size instead')
+        loader_size = dataloader_batch_size(loader)
+        if batch_size is not None and batch_size != loader_size:
+            raise ValueError(f'conflicting requests: control.new_batch_size={batch_size} but '
+                             f'control.new_dataloader has batch_size={loader_size}')
+        batch_size = loader_size
+    elif getattr(control, NEW_DATALOADER, None) is not None:
+        raise ValueError('control.new_dataloader is set but control.should_update_dataloader is not True; '
+                         'set control.should_update_dataloader = True to request the change')
+    if batch_size is not None:
+        _positive_int(NEW_BATCH_SIZE, batch_size)
+    num_pieces = getattr(control, NEW_NUM_PIECES, None)
+    if num_pieces is not None:
+        _positive_int(NEW_NUM_PIECES, num_pieces)
+    return BatchRequest(batch_size=batch_size, num_pieces=num_pieces, via_dataloader=via_dataloader)
+
+
+def has_pending_request(control: Any) -> bool:
+    return bool(getattr(control, SHOULD_UPDATE_DATALOADER, False)) or any(
+        getattr(control, flag, None) is not None for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES))
+
+
+def clear_requests(control: Any) -> None:
+    """Reset the request flags (the integration calls this once it has applied them)."""
+    control.should_update_dataloader = False
+    control.new_dataloader = None
+    control.new_batch_size = None
+    control.new_num_pieces = None
+
+
+def drain_decisions(control: Any) -> list:
+    """Take and empty the queue of decision records."""
+    queue = getattr(control, DYNAMIC_DECISIONS, None) or []
+    setattr(control, DYNAMIC_DECISIONS, [])
+    return list(queue)
+
+
+def current_metrics(control: Any) -> dict[str, float]:
+    return dict(getattr(control, DYNAMIC_METRICS, None) or {})
+
+
+_warned_unhonoured = False
+
+
+def warn_if_unhonoured(control: Any, where: str) -> bool:
+    """Warn once, loudly, when a request flag is still set at a point where an integration would have cleared it.
+
+    Pack callbacks call this from ``on_step_begin``: with an integration installed, requests made up to the
+    previous ``on_step_end`` are cleared before the next step begins. Returns True when it warned.
+    """
+    global _warned_unhonoured
+    if not has_pending_request(control) or getattr(control, '_sdc_integration', False):
+        return False
+    if not _warned_unhonoured:
+        _warned_unhonoured = True
+        message = (f'swift-dynamic-callbacks: a batch-size request on the trainer control was not honoured ({where}). '
+                   'No integration is installed on this trainer, so the request does nothing. With ms-swift, list the '
+                   'pack callbacks in `callbacks:`; with a hand-built trainer call '
+                   '`swift_dynamic_callbacks.install(trainer)` before train().')
+        logger.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return True
