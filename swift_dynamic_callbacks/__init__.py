@@ -6,15 +6,10 @@ Callbacks only set control flags (:mod:`swift_dynamic_callbacks.protocol`); one 
 
 from .callbacks import BatchScheduleCallback, BatchScheduleConfig, DynamicCallback
 from .config import ConfigError
+from .integrations.trainer import IntegrationConfig, install
 from .records import DecisionRecord
 
 __version__ = '0.1.0'
-
-
-def install(trainer, config=None, pack_config=None):
-    """Install the integration on a trainer (plain ``transformers.Trainer`` or ms-swift); see ``integrations.trainer``."""
-    from .integrations.trainer import install as _install
-    return _install(trainer, config, pack_config)
 
 
 def register(settings=None, **by_name):
@@ -24,6 +19,6 @@ def register(settings=None, **by_name):
 
 
 __all__ = [
-    'BatchScheduleCallback', 'BatchScheduleConfig', 'ConfigError', 'DecisionRecord', 'DynamicCallback', 'install',
+    'BatchScheduleCallback', 'BatchScheduleConfig', 'ConfigError', 'DecisionRecord', 'DynamicCallback', 'IntegrationConfig', 'install',
     'register', '__version__'
 ]

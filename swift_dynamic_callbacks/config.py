@@ -43,9 +43,11 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, *, prefix: str
     Raises:
         ConfigError: unknown key, or a value the config class rejects.
     """
-    mapping = dict(mapping or {})
-    if not isinstance(mapping, dict):
+    if mapping is None:
+        mapping = {}
+    if not isinstance(mapping, Mapping):
         raise ConfigError(f'{prefix}: expected a mapping of settings, got {mapping!r}')
+    mapping = dict(mapping)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(mapping) - fields)
     if unknown:

@@ -18,6 +18,7 @@ and ends each epoch itself (``control.should_epoch_stop``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from torch.utils.data import DataLoader, Dataset
@@ -54,7 +55,8 @@ class _PlannedBatchSampler:
     """Yields the index lists of the rest of the epoch, as planned at the moment ``iter()`` is called."""
 
     def __init__(self, loader: 'ElasticDataLoader') -> None:
-        self.loader = loader
+        # a proxy, not a reference: a cycle would leave the workers to the cyclic GC, after their queues closed
+        self.loader = weakref.proxy(loader)
 
     def __iter__(self) -> Iterator[list[int]]:
         order, start = self.loader._order, self.loader.position
@@ -175,6 +177,11 @@ class ElasticDataLoader:
         """Drop the running iterator (and whatever its workers prefetched); the next draw starts at ``position``."""
         self._iterator = None
 
+    def close(self) -> None:
+        """Shut the workers down now (persistent workers otherwise live until the loader is freed)."""
+        self._iterator = None
+        self._loader._iterator = None
+
     # ---- drawing -----------------------------------------------------------------------------------
     def next_step(self, entries: int) -> list[tuple[list[int], Any]]:
         """Draw the micro-batches of one optimizer step: ``entries`` pairs ``(indices, batch)``.
@@ -216,13 +223,15 @@ class ElasticDataLoader:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.epoch = int(state['epoch'])
-        self._order = list(self._epoch_order(self.epoch))
-        if int(state.get('epoch_size', len(self._order))) != len(self._order):
-            from .state import StateError
+        from .state import StateError
+        epoch, position = int(state['epoch']), int(state['position'])
+        order = list(self._epoch_order(epoch))
+        if int(state.get('epoch_size', len(order))) != len(order):
             raise StateError(f'the checkpoint was written for an epoch of {state["epoch_size"]} samples on this rank, '
-                             f'but the training dataset now gives {len(self._order)}; resume with the same dataset')
-        self.position = int(state['position'])
+                             f'but the training dataset now gives {len(order)}; resume with the same dataset')
+        if not 0 <= position <= len(order):
+            raise StateError(f'corrupt loader state: position {position} outside the epoch of {len(order)} samples')
+        self.epoch, self._order, self.position = epoch, order, position
         self.batch_size = int(state['batch_size'])
         self.num_pieces = int(state.get('num_pieces', 1))
         self.samples_seen = int(state.get('samples_seen', 0))

@@ -33,7 +33,8 @@ Semantics:
 - A request made during step ``N`` (``on_step_end``, ``on_log``, ``on_save``, ``on_evaluate`` ...) takes effect
   from optimizer step ``N + 1``. Requests made in ``on_step_begin`` apply one step later (the micro-batches of
   the running step are already drawn).
-- Two requests for the same flag before a boundary: the last one wins, and the integration records both.
+- Two requests for the same flag before a boundary: the last one wins. Different sizes through both forms
+  (``new_batch_size`` and ``new_dataloader``) at the same boundary are a conflict and raise.
 
 Use the helpers below rather than raw ``setattr``: they validate values at the call site and keep the
 unhonoured-request watchdog informed.
@@ -98,6 +99,7 @@ def request_num_pieces(control: Any, num_pieces: int) -> None:
 
 def request_dataloader(control: Any, dataloader: Any) -> None:
     """The seed article's form: ``should_update_dataloader = True`` and ``new_dataloader = dataloader``."""
+    dataloader_batch_size(dataloader)  # validates now, at the call site
     control.should_update_dataloader = True
     control.new_dataloader = dataloader
 

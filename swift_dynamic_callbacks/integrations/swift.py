@@ -52,14 +52,19 @@ def parse_section(section: Mapping[str, Any] | None, listed: Iterable[str] | Non
         ConfigError: unknown callback name, a setting a callback rejects, or settings for a callback that is
             not listed in ``callbacks:`` (they would silently do nothing).
     """
-    section = dict(section or {})
-    if not isinstance(section, dict):
-        raise ConfigError(f'{SECTION}: expected a mapping, got {section!r}')
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f'{SECTION}: expected a mapping {{callback name: settings}}, got {section!r}')
+    section = dict(section)
     integration = IntegrationConfig.from_mapping(section.pop('integration', None))
     unknown = sorted(set(section) - set(CALLBACKS))
     if unknown:
         raise ConfigError(f'{SECTION}: unknown callback(s) {", ".join(unknown)}; known: '
                           f'{", ".join(sorted(CALLBACKS))} (and "integration")')
+    for name, settings in section.items():
+        if settings is not None and not isinstance(settings, Mapping):
+            raise ConfigError(f'{SECTION}.{name}: expected a mapping of settings, got {settings!r}')
     pack = PackConfig(integration, {k: dict(v or {}) for k, v in section.items()})
     names = list(listed) if listed is not None else list(section)
     if listed is not None:
@@ -127,6 +132,8 @@ def register(settings: Mapping[str, Any] | None = None, **by_name: Any) -> PackC
         from ..config import to_mapping
         raw = {k: (v if isinstance(v, Mapping) or v is None else to_mapping(v)) for k, v in merged.items()}
         _configured = parse_section(raw)
+    elif _configured is None:
+        _configured = load_env_config()  # validated now: the plugin is imported while ms-swift parses arguments
     for name in CALLBACKS:
         callbacks_map[name] = _factory(name)
     return current_config()

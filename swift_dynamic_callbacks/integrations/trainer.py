@@ -38,7 +38,7 @@ from transformers import TrainerCallback
 from .. import distributed, protocol
 from ..config import ConfigError, check_bool, from_mapping, to_mapping
 from ..loader import ElasticDataLoader, EmptyMicroBatch
-from ..policies.data_plan import piece_bounds, steps_in_epoch
+from ..policies.data_plan import piece_bounds, steps_to_budget
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
 from ..state import (StateError, build_payload, read_state, restore_components, stateful_components, write_state)
 
@@ -92,10 +92,12 @@ class Integration:
         self.pack_config = dict(pack_config or {})
         self.loader: ElasticDataLoader | None = None
         self.decisions = DecisionLog(None, enabled=False)
-        self.epoch_budget: float | None = None
+        self.epoch_budget: float | None = None  # num_train_epochs, for epoch-based runs
+        self.scheduler_steps: int | None = None  # the LR schedule's length in epoch-based runs
         self._user_max_steps: int | None = None
         self._resume_payload: dict[str, Any] | None = None
         self._resume_checkpoint: str | None = None
+        self._samples_at_start = 0
         self._recorded_kinds: set[str] = set()  # kinds callbacks recorded since the last step boundary
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -110,8 +112,7 @@ class Integration:
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, CONFIG_FILE), 'w', encoding='utf-8') as f:
                 json.dump(self.snapshot_config(), f, indent=1, sort_keys=True, default=str)
-        if not any(isinstance(cb, IntegrationCallback) for cb in trainer.callback_handler.callbacks):
-            trainer.add_callback(IntegrationCallback(self))
+        _add_integration_callback(trainer, self)
         trainer.control._sdc_integration = True
         checkpoint = resume_from_checkpoint
         if isinstance(checkpoint, bool):
@@ -133,6 +134,8 @@ class Integration:
     def end_train(self) -> None:
         if self._user_max_steps is not None:
             self.trainer.args.max_steps = self._user_max_steps
+        if self.loader is not None:
+            self.loader.close()
         self.drain(self.trainer.control)
 
     def callback_components(self) -> list[Any]:
@@ -189,6 +192,7 @@ class Integration:
             loader_kwargs=loader_kwargs)
         self.loader = loader
         self._restore_loader(loader)
+        self._samples_at_start = loader.samples_seen
         self._derive_max_steps(loader, batch_size)
         return loader
 
@@ -199,8 +203,6 @@ class Integration:
         payload = self._resume_payload
         if payload is not None and loader.state_key in payload['components']:
             loader.load_state_dict(payload['components'][loader.state_key])
-            state = payload['components'].get(self.state_key, {})
-            self.epoch_budget = state.get('epoch_budget', self.epoch_budget)
             self._record(
                 DecisionRecord(
                     'integration', 'resume', 'checkpoint', {
@@ -232,24 +234,48 @@ class Integration:
             }, f'{checkpoint} has no pack state; position derived from global_step at a constant batch size'))
 
     def _derive_max_steps(self, loader: ElasticDataLoader, batch_size: int) -> None:
+        """For ``num_train_epochs`` runs: give HF a loop bound that no batch size can outrun, and the epoch budget.
+
+        ``args.max_steps`` becomes the steps needed at batch size 1 (HF's loop and epoch ranges never run short,
+        so no epoch ends early); the LR scheduler gets the honest estimate at the initial batch size
+        (``create_scheduler``); ``state.max_steps`` follows the budget at the current batch size
+        (:meth:`update_max_steps`); training stops when the budget of data is used (:meth:`after_step`).
+        """
         args = self.trainer.args
         if args.max_steps > 0:
+            self.epoch_budget = self.scheduler_steps = None
             return
         epochs = float(args.num_train_epochs)
         if epochs <= 0:
             raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs}')
-        per_epoch = max(steps_in_epoch(loader.epoch_size, batch_size, loader.entries_per_step), 1)
-        derived = math.ceil(epochs * per_epoch)
+        entries = loader.entries_per_step
         self.epoch_budget = epochs
-        args.max_steps = derived
+        self.scheduler_steps = steps_to_budget(0, 0, loader.epoch_size, epochs, batch_size, entries)
+        args.max_steps = steps_to_budget(0, 0, loader.epoch_size, epochs, 1, entries)
         self._record(
             DecisionRecord(
                 'integration', 'max_steps', 'epoch_budget', {
                     'num_train_epochs': epochs,
-                    'steps_per_epoch': per_epoch,
-                    'max_steps': derived
-                }, 'num_train_epochs run through HF\'s max_steps loop; training also stops when the epoch '
-                'budget is used up, whatever the batch sizes'))
+                    'max_steps': self.scheduler_steps,
+                    'loop_bound': args.max_steps
+                }, f'{epochs} epochs at batch size {batch_size} are {self.scheduler_steps} optimizer steps (the LR '
+                'schedule\'s length); training stops when the epochs of data are used, whatever the batch sizes'))
+
+    def update_max_steps(self, state: Any, reason: str) -> None:
+        """Keep ``state.max_steps`` (progress, remaining time, HF's stop) equal to the steps the epoch budget needs."""
+        loader = self.loader
+        if self.epoch_budget is None or loader is None:
+            return
+        needed = state.global_step + steps_to_budget(loader.epoch, loader.position, loader.epoch_size,
+                                                     self.epoch_budget, loader.batch_size, loader.entries_per_step)
+        if needed != state.max_steps:
+            old, state.max_steps = state.max_steps, needed
+            if reason != 'start':
+                self._record(
+                    DecisionRecord('integration', 'max_steps', reason, {
+                        'old': old,
+                        'new': needed
+                    }, f'the epoch budget needs {needed} steps at batch size {loader.batch_size}'))
 
     # ---- the step boundary ---------------------------------------------------------------------------
     def next_step(self, num_batches: int, device: Any, original: Callable) -> tuple[list, Any]:
@@ -286,6 +312,7 @@ class Integration:
         if request.batch_size is not None and request.batch_size != loader.batch_size:
             old = loader.batch_size
             loader.set_batch_size(request.batch_size)
+            self.update_max_steps(self.trainer.state, 'batch_size')
             if 'batch_size' not in queued_kinds:
                 self._record(
                     DecisionRecord(
@@ -413,6 +440,11 @@ class Integration:
         values.update(protocol.current_metrics(control))
         return values
 
+    def speed_values(self, runtime: float) -> dict[str, float]:
+        """HF's ``train_samples_per_second`` assumes a constant batch; this counts the samples really used."""
+        samples = sum(distributed.gather_objects(self.loader.samples_seen - self._samples_at_start))
+        return {'train_samples_per_second': round(samples / runtime, 3) if runtime > 0 else 0.0}
+
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save(self, checkpoint_dir: str) -> None:
         """Write the pack state into ``checkpoint_dir`` (rank 0) before HF writes the rest of the checkpoint."""
@@ -423,10 +455,11 @@ class Integration:
         write_state(checkpoint_dir, build_payload(components, self.snapshot_config()))
 
     def state_dict(self) -> dict[str, Any]:
-        return {'epoch_budget': self.epoch_budget}
+        return {'epoch_budget': self.epoch_budget, 'scheduler_steps': self.scheduler_steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.epoch_budget = state.get('epoch_budget')
+        self.scheduler_steps = state.get('scheduler_steps')
 
 
 def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchRequest:
@@ -520,8 +553,9 @@ def _epoch_order_fn(host_loader: Any, dataset: Any, args: Any) -> Callable[[int]
 class IntegrationCallback(TrainerCallback):
     """Internal callback of the integration.
 
-    Hooks: ``on_train_begin`` (marks ``control`` as honoured), ``on_step_end`` (epoch end, honest
-    ``state.epoch``, epoch budget), ``on_train_end`` (drains the decision queue).
+    Placed first among the trainer's callbacks, so progress bars and HF's stop rule see its ``max_steps``.
+    Hooks: ``on_train_begin`` (marks ``control`` as honoured, sets ``state.max_steps`` for epoch budgets),
+    ``on_step_end`` (epoch end, honest ``state.epoch``, epoch budget), ``on_train_end`` (drains the decision queue).
     Flags set: ``should_epoch_stop``, ``should_training_stop``. State: none (the integration owns it).
     """
 
@@ -530,6 +564,7 @@ class IntegrationCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         control._sdc_integration = True
+        self.integration.update_max_steps(state, 'start')
 
     def on_step_end(self, args, state, control, **kwargs):
         self.integration.after_step(state, control)
@@ -565,10 +600,16 @@ class DynamicTrainerMixin:
         run = lambda part: super(DynamicTrainerMixin, self).training_step(model, part, *args, **kwargs)  # noqa: E731
         return self.dynamic_integration.run_micro_batch(model, inputs, run, num_items)
 
+    def create_scheduler(self, num_training_steps, *args, **kwargs):
+        steps = self.dynamic_integration.scheduler_steps
+        return super().create_scheduler(steps if steps is not None else num_training_steps, *args, **kwargs)
+
     def log(self, logs, *args, **kwargs):
         integration = self.dynamic_integration
         if 'loss' in logs and integration.loader is not None:
             logs.update(integration.log_values(self.control))
+        if 'train_runtime' in logs and integration.loader is not None:
+            logs.update(integration.speed_values(float(logs['train_runtime'])))
         integration.drain(self.control)
         return super().log(logs, *args, **kwargs)
 
@@ -580,6 +621,12 @@ class DynamicTrainerMixin:
 
 
 _MIXED_CLASSES: dict[type, type] = {}
+
+
+def _add_integration_callback(trainer: Any, integration: Integration) -> None:
+    callbacks = trainer.callback_handler.callbacks
+    if not any(isinstance(cb, IntegrationCallback) for cb in callbacks):
+        callbacks.insert(0, IntegrationCallback(integration))
 
 
 def _skip_first_batches_patch() -> None:
@@ -626,8 +673,7 @@ def install(trainer: Any, config: IntegrationConfig | None = None,
     integration = Integration(trainer, config, pack_config)
     trainer.dynamic_integration = integration
     _skip_first_batches_patch()
-    handler = getattr(trainer, 'callback_handler', None)
-    if handler is not None:
-        trainer.add_callback(IntegrationCallback(integration))
+    if getattr(trainer, 'callback_handler', None) is not None:
+        _add_integration_callback(trainer, integration)
         trainer.control._sdc_integration = True
     return integration

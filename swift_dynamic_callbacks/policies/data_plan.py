@@ -63,3 +63,28 @@ def piece_bounds(size: int, num_pieces: int) -> tuple[tuple[int, int], ...]:
         bounds.append((start, stop))
         start = stop
     return tuple(bounds)
+
+
+def steps_to_budget(epoch: int, position: int, epoch_size: int, budget_epochs: float, batch_size: int,
+                    entries: int) -> int:
+    """Optimizer steps still needed to use ``budget_epochs`` epochs of data at a constant batch size.
+
+    Training stops once ``epoch + position / epoch_size >= budget_epochs``; each epoch is cut by
+    :func:`epoch_steps`. Args are this device's position (``epoch``, ``position`` samples into it).
+    """
+    if epoch_size < 1:
+        raise ValueError(f'steps_to_budget: epoch_size must be >= 1, got {epoch_size}')
+    steps = 0
+    while epoch + position / epoch_size < budget_epochs - 1e-9:
+        if position >= epoch_size:
+            epoch, position = epoch + 1, 0
+            continue
+        fraction = min(budget_epochs - epoch, 1.0)
+        target = min(epoch_size, -(-round(fraction * epoch_size * 1e9) // 10**9))  # ceil, robust to fp noise
+        per_step = batch_size * entries
+        if target < epoch_size:
+            steps += -(-(target - position) // per_step)
+            break
+        steps += steps_in_epoch(epoch_size - position, batch_size, entries)
+        epoch, position = epoch + 1, 0
+    return steps

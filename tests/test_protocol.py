@@ -1,0 +1,240 @@
+"""The control-flag protocol: request helpers, reading pending requests, decisions, metrics, the watchdog."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from transformers import TrainerControl
+
+from swift_dynamic_callbacks import protocol
+from swift_dynamic_callbacks.protocol import BatchRequest
+from swift_dynamic_callbacks.records import DecisionRecord
+
+DATASET = list(range(10))
+
+
+@pytest.fixture
+def control():
+    return TrainerControl()
+
+
+@pytest.fixture
+def fresh_watchdog(monkeypatch):
+    monkeypatch.setattr(protocol, '_warned_unhonoured', False)  # restored after the test
+
+
+# ---- request helpers -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('bad', [0, -1, True, False, 2.5, '3', None])
+def test_request_batch_size_rejects(control, bad):
+    with pytest.raises(ValueError, match='new_batch_size') as info:
+        protocol.request_batch_size(control, bad)
+    assert repr(bad) in str(info.value)
+    assert getattr(control, 'new_batch_size', None) is None  # nothing was set
+
+
+@pytest.mark.parametrize('bad', [0, -1, True, 2.5])
+def test_request_num_pieces_rejects(control, bad):
+    with pytest.raises(ValueError, match='new_num_pieces') as info:
+        protocol.request_num_pieces(control, bad)
+    assert repr(bad) in str(info.value)
+    assert getattr(control, 'new_num_pieces', None) is None
+
+
+def test_request_helpers_set_flags(control):
+    protocol.request_batch_size(control, 4)
+    protocol.request_num_pieces(control, 2)
+    assert control.new_batch_size == 4
+    assert control.new_num_pieces == 2
+    assert protocol.has_pending_request(control)
+    assert protocol.pending_request(control) == BatchRequest(batch_size=4, num_pieces=2, via_dataloader=False)
+
+
+def test_last_request_wins(control):
+    protocol.request_batch_size(control, 4)
+    protocol.request_batch_size(control, 6)
+    assert protocol.pending_request(control).batch_size == 6
+
+
+def test_no_request(control):
+    assert not protocol.has_pending_request(control)
+    request = protocol.pending_request(control)
+    assert request == BatchRequest()
+    assert request.empty
+    assert not BatchRequest(num_pieces=2).empty
+    assert not BatchRequest(batch_size=1).empty
+
+
+# ---- pending_request -------------------------------------------------------------------------------------
+
+
+def test_seed_form_reads_loader_batch_size(control):
+    control.should_update_dataloader = True
+    control.new_dataloader = DataLoader(DATASET, batch_size=3)
+    assert protocol.has_pending_request(control)
+    request = protocol.pending_request(control)
+    assert request == BatchRequest(batch_size=3, num_pieces=None, via_dataloader=True)
+    # reading does not clear
+    assert control.should_update_dataloader is True
+    assert protocol.pending_request(control).batch_size == 3
+
+
+def test_request_dataloader_helper(control):
+    loader = DataLoader(DATASET, batch_size=5)
+    protocol.request_dataloader(control, loader)
+    assert control.should_update_dataloader is True
+    assert control.new_dataloader is loader
+    assert protocol.pending_request(control) == BatchRequest(batch_size=5, via_dataloader=True)
+
+
+def test_seed_form_with_agreeing_new_batch_size(control):
+    protocol.request_dataloader(control, DataLoader(DATASET, batch_size=3))
+    protocol.request_batch_size(control, 3)
+    assert protocol.pending_request(control).batch_size == 3
+
+
+def test_seed_form_conflicting_new_batch_size(control):
+    protocol.request_dataloader(control, DataLoader(DATASET, batch_size=3))
+    protocol.request_batch_size(control, 5)
+    with pytest.raises(ValueError, match='conflicting') as info:
+        protocol.pending_request(control)
+    message = str(info.value)
+    assert 'new_batch_size=5' in message
+    assert 'batch_size=3' in message
+
+
+def test_new_dataloader_without_should_update(control):
+    control.new_dataloader = DataLoader(DATASET, batch_size=3)
+    assert protocol.has_pending_request(control)
+    with pytest.raises(ValueError, match='should_update_dataloader is not True'):
+        protocol.pending_request(control)
+
+
+def test_should_update_without_loader(control):
+    control.should_update_dataloader = True
+    assert protocol.has_pending_request(control)
+    with pytest.raises(ValueError, match='new_dataloader is None'):
+        protocol.pending_request(control)
+
+
+def test_seed_form_loader_without_batch_size(control):
+    sampler = torch.utils.data.BatchSampler(range(10), batch_size=4, drop_last=False)
+    loader = DataLoader(DATASET, batch_sampler=sampler)
+    protocol.request_dataloader(control, loader)
+    # batch size is read from the batch sampler when the loader has none
+    assert protocol.pending_request(control).batch_size == 4
+    control.should_update_dataloader = True  # set by hand, bypassing the helper's own check
+    control.new_dataloader = DataLoader(DATASET, batch_size=None)
+    with pytest.raises(ValueError, match='cannot read a batch size'):
+        protocol.pending_request(control)
+
+
+def test_pending_request_validates_raw_setattr(control):
+    control.new_batch_size = 0
+    with pytest.raises(ValueError, match='new_batch_size'):
+        protocol.pending_request(control)
+    control.new_batch_size = 2
+    control.new_num_pieces = True
+    with pytest.raises(ValueError, match='new_num_pieces'):
+        protocol.pending_request(control)
+
+
+def test_request_dataloader_validates_at_call_site(control):
+    with pytest.raises(ValueError, match='cannot read a batch size'):
+        protocol.request_dataloader(control, DataLoader(DATASET, batch_size=None))
+    assert not protocol.has_pending_request(control)
+
+
+# ---- clear_requests --------------------------------------------------------------------------------------
+
+
+def test_clear_requests(control):
+    protocol.request_dataloader(control, DataLoader(DATASET, batch_size=3))
+    protocol.request_batch_size(control, 3)
+    protocol.request_num_pieces(control, 2)
+    protocol.record_decision(control, DecisionRecord('x', 'batch_size', 'test'))
+    protocol.publish_metrics(control, {'a': 1})
+    assert protocol.has_pending_request(control)
+    protocol.clear_requests(control)
+    assert control.should_update_dataloader is False
+    assert control.new_dataloader is None
+    assert control.new_batch_size is None
+    assert control.new_num_pieces is None
+    assert not protocol.has_pending_request(control)
+    assert protocol.pending_request(control).empty
+    # decisions and metrics are not request flags: untouched
+    assert len(control.dynamic_decisions) == 1
+    assert protocol.current_metrics(control) == {'a': 1.0}
+
+
+# ---- decisions and metrics -------------------------------------------------------------------------------
+
+
+def test_record_and_drain_decisions(control):
+    assert protocol.drain_decisions(control) == []
+    first = DecisionRecord('batch_schedule', 'batch_size', 'schedule', {'old': 2, 'new': 4}, step=3)
+    second = DecisionRecord('batch_schedule', 'num_pieces', 'schedule', {'old': 1, 'new': 2}, step=3)
+    protocol.record_decision(control, first)
+    protocol.record_decision(control, second)
+    drained = protocol.drain_decisions(control)
+    assert drained == [first, second]
+    assert drained[0] is first
+    assert control.dynamic_decisions == []
+    assert protocol.drain_decisions(control) == []
+    # the drained list is a copy: appending afterwards does not change it
+    protocol.record_decision(control, first)
+    assert drained == [first, second]
+    assert protocol.drain_decisions(control) == [first]
+
+
+def test_publish_and_current_metrics(control):
+    assert protocol.current_metrics(control) == {}
+    protocol.publish_metrics(control, {'dynamic/a': 1, 'dynamic/b': 2.5})
+    protocol.publish_metrics(control, {'dynamic/a': 3})  # per-key overwrite, others kept
+    metrics = protocol.current_metrics(control)
+    assert metrics == {'dynamic/a': 3.0, 'dynamic/b': 2.5}
+    assert all(type(v) is float for v in metrics.values())
+    metrics['dynamic/a'] = 99  # a copy
+    assert protocol.current_metrics(control)['dynamic/a'] == 3.0
+    with pytest.raises((TypeError, ValueError)):
+        protocol.publish_metrics(control, {'dynamic/c': 'not a number'})
+
+
+# ---- watchdog --------------------------------------------------------------------------------------------
+
+
+def test_warn_if_unhonoured_warns_once(control, fresh_watchdog):
+    assert protocol.warn_if_unhonoured(control, 'nothing pending') is False
+    protocol.request_batch_size(control, 4)
+    with pytest.warns(RuntimeWarning, match='not honoured') as record:
+        assert protocol.warn_if_unhonoured(control, 'cb, step 2') is True
+    assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
+    assert 'cb, step 2' in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # a second warning would raise
+        assert protocol.warn_if_unhonoured(control, 'cb, step 3') is True
+    assert protocol._warned_unhonoured is True
+
+
+def test_warn_if_unhonoured_silent_with_integration(control, fresh_watchdog):
+    protocol.request_batch_size(control, 4)
+    control._sdc_integration = True
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert protocol.warn_if_unhonoured(control, 'with integration') is False
+    assert protocol._warned_unhonoured is False
+    # the watchdog is still armed for a control without integration
+    other = TrainerControl()
+    protocol.request_num_pieces(other, 2)
+    with pytest.warns(RuntimeWarning):
+        assert protocol.warn_if_unhonoured(other, 'no integration') is True
+
+
+def test_warn_if_unhonoured_seed_form(control, fresh_watchdog):
+    protocol.request_dataloader(control, DataLoader(DATASET, batch_size=2))
+    with pytest.warns(RuntimeWarning):
+        assert protocol.warn_if_unhonoured(control, 'seed') is True
