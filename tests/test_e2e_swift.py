@@ -83,6 +83,9 @@ def test_batch_changes_exactly_once(_register, tmp_path, tiny_qwen, tiny_llama, 
     changes = [d for d in decisions(out) if d['kind'] == 'batch_size']
     assert [(d['step'], d['values']['new']) for d in changes] == [(2, 4), (3, 1), (5, 3)]
     assert any(d['kind'] == 'stop' and d['reason'] == 'epoch_budget' for d in decisions(out))
+    # max_steps follows the epoch budget at the current batch size: progress ends at N/N, exactly when data does
+    step, max_steps = logs[-1]['global_step/max_steps'].split('/')
+    assert step == max_steps == str(len(trace))
 
 
 def test_no_change_matches_plain_ms_swift(_register, tmp_path, tiny_qwen, gsm8k_16):

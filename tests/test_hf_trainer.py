@@ -1,0 +1,95 @@
+"""A plain ``transformers.Trainer`` (no ms-swift trainer): ``install()`` makes the flags work; without it, one warning."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import swift_dynamic_callbacks as sdc
+from swift_dynamic_callbacks import protocol
+from swift_runs import indices_by_epoch, read_jsonl, sample_trace
+
+pytestmark = pytest.mark.e2e
+
+
+class _Rows(torch.utils.data.Dataset):
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def _collate(pad_id):
+
+    def collate(items):
+        width = max(len(x['input_ids']) for x in items)
+        ids = torch.full((len(items), width), pad_id)
+        labels = torch.full((len(items), width), -100)
+        mask = torch.zeros((len(items), width), dtype=torch.long)
+        for r, x in enumerate(items):
+            n = len(x['input_ids'])
+            ids[r, :n] = torch.tensor(x['input_ids'])
+            labels[r, :n] = torch.tensor(x['input_ids'])
+            mask[r, :n] = 1
+        return {'input_ids': ids, 'labels': labels, 'attention_mask': mask}
+
+    return collate
+
+
+def _trainer(tiny_qwen, gsm8k_16, output_dir, callbacks, **args):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen)
+    rows = []
+    for line in open(gsm8k_16, encoding='utf-8'):
+        messages = json.loads(line)['messages']
+        rows.append({'input_ids': tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)['input_ids']})
+    torch.manual_seed(0)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_qwen), LoraConfig(r=4, target_modules=['q_proj', 'v_proj']))
+    targs = TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy='no',
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        **args)
+    trainer = Trainer(model=model, args=targs, train_dataset=_Rows(rows), data_collator=_collate(tokenizer.pad_token_id))
+    for cb in callbacks:
+        trainer.add_callback(cb)
+    return trainer
+
+
+def test_plain_trainer_with_install(tmp_path, tiny_qwen, gsm8k_16):
+    callback = sdc.BatchScheduleCallback(sdc.BatchScheduleConfig(schedule={0: 2, 2: 3, 5: 1}))
+    trainer = _trainer(tiny_qwen, gsm8k_16, str(tmp_path / 'hf'), [callback], num_train_epochs=1)
+    sdc.install(trainer, sdc.IntegrationConfig(record_samples=True))
+    trainer.train()
+    trace = sample_trace(str(tmp_path / 'hf'))
+    assert sorted(indices_by_epoch(trace)[0]) == list(range(16)) and set(indices_by_epoch(trace)) == {0}
+    assert [row['batch_size'] for row in trace] == [2, 2, 3, 3, 3, 1, 1, 1]
+    logged = [row for row in trainer.state.log_history if 'loss' in row]
+    assert [row['dynamic/batch_size'] for row in logged] == [2, 2, 3, 3, 3, 1, 1, 1]
+    records = read_jsonl(os.path.join(str(tmp_path / 'hf'), 'dynamic_decisions.jsonl'))
+    assert [(r['step'], r['values']['new']) for r in records if r['kind'] == 'batch_size'] == [(2, 3), (5, 1)]
+
+
+def test_flags_without_integration_warn_once(tmp_path, tiny_qwen, gsm8k_16, monkeypatch):
+    monkeypatch.setattr(protocol, '_warned_unhonoured', False)
+    callback = sdc.BatchScheduleCallback(sdc.BatchScheduleConfig(schedule={0: 2, 1: 4}))
+    trainer = _trainer(tiny_qwen, gsm8k_16, str(tmp_path / 'hf'), [callback], max_steps=3)
+    with pytest.warns(RuntimeWarning, match='not honoured') as caught:
+        trainer.train()
+    assert sum('not honoured' in str(w.message) for w in caught) == 1
