@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install the pack with its dependencies.
+# torch is pinned in the same pip command as ms-swift so pip takes the CPU wheel instead of a CUDA build.
+# Usage: source scripts/setup_env.sh   (VENV=path to choose another environment)
+set -euo pipefail
+VENV=${VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+"$VENV/bin/python" -m pip install -q 'torch==2.13.0' 'ms-swift==4.6.0' pytest hypothesis pyyaml -e .

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite (CPU): sets up .venv, then runs pytest (slow and GPU tests are excluded by default).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+VENV=$VENV bash scripts/setup_env.sh
+"$VENV/bin/python" -m pytest -q "$@"
