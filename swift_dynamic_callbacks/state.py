@@ -57,7 +57,7 @@ def write_state(checkpoint_dir: str | os.PathLike, payload: Mapping[str, Any]) -
     """Write the payload atomically (temporary file + rename) and return its path."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     path = os.path.join(checkpoint_dir, STATE_FILE)
-    tmp = path + '.tmp'
+    tmp = f'{path}.{os.getpid()}.tmp'
     with open(tmp, 'w', encoding='utf-8') as f:
         json.dump(payload, f, indent=1, sort_keys=True, default=str)
         f.flush()

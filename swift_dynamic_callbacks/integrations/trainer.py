@@ -449,7 +449,7 @@ class Integration:
     def save(self, checkpoint_dir: str) -> None:
         """Write the pack state into ``checkpoint_dir`` (rank 0) before HF writes the rest of the checkpoint."""
         self.drain(self.trainer.control)
-        if not self.trainer.args.should_save:
+        if not (self.trainer.args.should_save and distributed.is_main_process()):
             return
         components = [self] + ([self.loader] if self.loader is not None else []) + self.callback_components()
         write_state(checkpoint_dir, build_payload(components, self.snapshot_config()))
