@@ -44,6 +44,16 @@ def _collate(pad_id):
     return collate
 
 
+@pytest.fixture(autouse=True)
+def _plain_hf_defaults(monkeypatch):
+    """Importing ms-swift swaps HF's default callbacks for its own globally; a plain Trainer gets HF's back."""
+    import transformers.trainer as hf_trainer
+    from transformers.trainer_callback import DefaultFlowCallback, PrinterCallback, ProgressCallback
+    monkeypatch.setattr(hf_trainer, 'DEFAULT_CALLBACKS', [DefaultFlowCallback])
+    monkeypatch.setattr(hf_trainer, 'DEFAULT_PROGRESS_CALLBACK', ProgressCallback)
+    monkeypatch.setattr(hf_trainer, 'PrinterCallback', PrinterCallback)
+
+
 def _trainer(tiny_qwen, gsm8k_16, output_dir, callbacks, **args):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments

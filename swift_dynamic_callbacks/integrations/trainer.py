@@ -79,11 +79,9 @@ class IntegrationConfig:
 class Integration:
     """State and logic of the integration for one trainer (reachable as ``trainer.dynamic_integration``).
 
-    State (``state_dict``, key ``integration``): the derived ``max_steps`` and epoch budget; the data position
-    lives in the loader's own state (key ``integration.data``).
+    Its resumable state is the loader's (key ``integration.data``: data position, batch size, pieces); the epoch
+    budget and the scheduler length are derived from the arguments again on resume.
     """
-
-    state_key = 'integration'
 
     def __init__(self, trainer: Any, config: IntegrationConfig | None = None,
                  pack_config: Mapping[str, Any] | None = None) -> None:
@@ -140,7 +138,7 @@ class Integration:
 
     def callback_components(self) -> list[Any]:
         """Stateful pack callbacks on the trainer (everything with ``state_key``/``state_dict``)."""
-        return [c for c in stateful_components(self.trainer.callback_handler.callbacks) if c is not self]
+        return stateful_components(self.trainer.callback_handler.callbacks)
 
     def snapshot_config(self) -> dict[str, Any]:
         snapshot = dict(self.pack_config)
@@ -451,15 +449,8 @@ class Integration:
         self.drain(self.trainer.control)
         if not (self.trainer.args.should_save and distributed.is_main_process()):
             return
-        components = [self] + ([self.loader] if self.loader is not None else []) + self.callback_components()
+        components = ([self.loader] if self.loader is not None else []) + self.callback_components()
         write_state(checkpoint_dir, build_payload(components, self.snapshot_config()))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {'epoch_budget': self.epoch_budget, 'scheduler_steps': self.scheduler_steps}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.epoch_budget = state.get('epoch_budget')
-        self.scheduler_steps = state.get('scheduler_steps')
 
 
 def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchRequest:
