@@ -13,6 +13,7 @@ flag                        set by               read by                      cl
                                                  micro-batches are drawn
 ``new_batch_size``          any callback         same                         same
 ``new_num_pieces``          any callback         same                         same
+``new_lr_scale``            any callback         same                         same
 ``dynamic_decisions``       any callback         integration: written to the  drained (emptied) at every step
                             (append only)        decision log (rank 0)        boundary, log and save
 ``dynamic_metrics``         any callback         integration: merged into     never; a key keeps its last value
@@ -30,6 +31,10 @@ Semantics:
   optimizer step, per device).
 - ``new_num_pieces = k`` splits every micro-batch into ``k`` forward/backward passes of about ``b / k``
   samples with the same loss normalisation, so the optimizer step sees the same gradient with less memory.
+- ``new_lr_scale = s`` multiplies the LR schedule (every param group, keeping their ratios) by ``s`` relative to
+  the configured schedule, from the next optimizer step on. It is absolute, not cumulative (``1.0`` restores
+  the configured LR). The integration scales the scheduler itself, so the LR the optimizer uses, the LR in the
+  logs and the LR after a resume are the same; a scheduler it cannot scale fails with a clear error.
 - A request made during step ``N`` (``on_step_end``, ``on_log``, ``on_save``, ``on_evaluate`` ...) takes effect
   from optimizer step ``N + 1``. Requests made in ``on_step_begin`` apply one step later (the micro-batches of
   the running step are already drawn).
@@ -43,6 +48,7 @@ unhonoured-request watchdog informed.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -53,11 +59,12 @@ SHOULD_UPDATE_DATALOADER = 'should_update_dataloader'
 NEW_DATALOADER = 'new_dataloader'
 NEW_BATCH_SIZE = 'new_batch_size'
 NEW_NUM_PIECES = 'new_num_pieces'
+NEW_LR_SCALE = 'new_lr_scale'
 DYNAMIC_DECISIONS = 'dynamic_decisions'
 DYNAMIC_METRICS = 'dynamic_metrics'
 
 #: Flags that request a change and are cleared once the integration applied them.
-REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES)
+REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE)
 #: Every attribute this protocol defines on ``TrainerControl``.
 ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS)
 
@@ -69,16 +76,18 @@ class BatchRequest:
     Attributes:
         batch_size: requested per-device micro-batch size, or ``None``.
         num_pieces: requested pieces per micro-batch, or ``None``.
+        lr_scale: requested factor on the LR schedule, or ``None``.
         via_dataloader: True when the size came from the seed form (``new_dataloader``).
     """
 
     batch_size: int | None = None
     num_pieces: int | None = None
+    lr_scale: float | None = None
     via_dataloader: bool = False
 
     @property
     def empty(self) -> bool:
-        return self.batch_size is None and self.num_pieces is None
+        return self.batch_size is None and self.num_pieces is None and self.lr_scale is None
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -95,6 +104,17 @@ def request_batch_size(control: Any, batch_size: int) -> None:
 def request_num_pieces(control: Any, num_pieces: int) -> None:
     """Ask for every micro-batch to be run as ``num_pieces`` forward/backward passes."""
     control.new_num_pieces = _positive_int(NEW_NUM_PIECES, num_pieces)
+
+
+def _positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f'control.{name} must be a finite number > 0, got {value!r}')
+    return float(value)
+
+
+def request_lr_scale(control: Any, scale: float) -> None:
+    """Ask for the LR schedule times ``scale`` (relative to the configured LR) from the next optimizer step on."""
+    control.new_lr_scale = _positive_float(NEW_LR_SCALE, scale)
 
 
 def request_dataloader(control: Any, dataloader: Any) -> None:
@@ -161,12 +181,16 @@ def pending_request(control: Any) -> BatchRequest:
     num_pieces = getattr(control, NEW_NUM_PIECES, None)
     if num_pieces is not None:
         _positive_int(NEW_NUM_PIECES, num_pieces)
-    return BatchRequest(batch_size=batch_size, num_pieces=num_pieces, via_dataloader=via_dataloader)
+    lr_scale = getattr(control, NEW_LR_SCALE, None)
+    if lr_scale is not None:
+        lr_scale = _positive_float(NEW_LR_SCALE, lr_scale)
+    return BatchRequest(batch_size=batch_size, num_pieces=num_pieces, lr_scale=lr_scale,
+                        via_dataloader=via_dataloader)
 
 
 def has_pending_request(control: Any) -> bool:
     return bool(getattr(control, SHOULD_UPDATE_DATALOADER, False)) or any(
-        getattr(control, flag, None) is not None for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES))
+        getattr(control, flag, None) is not None for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE))
 
 
 def clear_requests(control: Any) -> None:
@@ -175,6 +199,7 @@ def clear_requests(control: Any) -> None:
     control.new_dataloader = None
     control.new_batch_size = None
     control.new_num_pieces = None
+    control.new_lr_scale = None
 
 
 def drain_decisions(control: Any) -> list:

@@ -64,7 +64,9 @@ def test_batch_changes_exactly_once(_register, tmp_path, tiny_qwen, tiny_llama, 
         num_train_epochs=2,
         gradient_accumulation_steps=ga,
         dataloader_num_workers=workers,
-        dataloader_persistent_workers=workers > 0)
+        dataloader_persistent_workers=workers > 0,
+        lr_scheduler_type='linear',
+        warmup_ratio=0.0)
     trace = sample_trace(out)
     _assert_exactly_once(trace, N, epochs=2)
     # the new size is in effect from the next optimizer step on (short last steps of an epoch excepted)
@@ -86,6 +88,11 @@ def test_batch_changes_exactly_once(_register, tmp_path, tiny_qwen, tiny_llama, 
     # max_steps follows the epoch budget at the current batch size: progress ends at N/N, exactly when data does
     step, max_steps = logs[-1]['global_step/max_steps'].split('/')
     assert step == max_steps == str(len(trace))
+    # the LR schedule spans the epoch budget at the initial batch size (not HF's loop bound)
+    horizon = next(d['values']['max_steps'] for d in decisions(out) if d['kind'] == 'max_steps')
+    assert horizon == 2 * -(-N // (2 * ga))
+    assert logs[0]['learning_rate'] == pytest.approx(1e-3 * (1 - 1 / horizon), rel=1e-4)
+    assert all(row['dynamic/lr_scale'] == 1.0 for row in logs)
 
 
 def test_no_change_matches_plain_ms_swift(_register, tmp_path, tiny_qwen, gsm8k_16):

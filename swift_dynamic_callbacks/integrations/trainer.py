@@ -96,6 +96,7 @@ class Integration:
         self._resume_payload: dict[str, Any] | None = None
         self._resume_checkpoint: str | None = None
         self._samples_at_start = 0
+        self._scheduler: Any = None
         self._recorded_kinds: set[str] = set()  # kinds callbacks recorded since the last step boundary
 
     # ---- lifecycle ---------------------------------------------------------------------------------
@@ -329,6 +330,16 @@ class Integration:
                         'old': old,
                         'new': request.num_pieces
                     }))
+        if request.lr_scale is not None and request.lr_scale != self.lr_scale:
+            old_scale, old_lr = self.lr_scale, self._current_lr()
+            self.set_lr_scale(request.lr_scale)
+            self._record(
+                DecisionRecord('integration', 'lr_scale', 'request', {
+                    'old': old_scale,
+                    'new': request.lr_scale,
+                    'old_lr': old_lr,
+                    'new_lr': self._current_lr()
+                }))
 
     def _check_same_dataset(self, dataloader: Any) -> None:
         dataset = getattr(dataloader, 'dataset', None)
@@ -377,6 +388,44 @@ class Integration:
         }
         with open(path, 'a', encoding='utf-8') as f:
             f.write(json.dumps(line) + '\n')
+
+    # ---- the learning rate ------------------------------------------------------------------------------
+    def wrap_scheduler(self, scheduler: Any) -> Any:
+        """Make ``new_lr_scale`` possible: every ``LambdaLR`` lambda (all HF warmup/decay schedules) is multiplied
+        by the current scale. Other schedulers are left alone and a scale request then fails with a clear error."""
+        self._scheduler = scheduler
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            scheduler.lr_lambdas = [
+                fn if isinstance(fn, ScaledLambda) else ScaledLambda(fn) for fn in scheduler.lr_lambdas
+            ]
+        return scheduler
+
+    @property
+    def lr_scale(self) -> float:
+        lambdas = getattr(self._scheduler, 'lr_lambdas', None) or []
+        scaled = [fn.scale for fn in lambdas if isinstance(fn, ScaledLambda)]
+        return scaled[0] if scaled else 1.0
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Scale the schedule and the optimizer's current LR now, so this step already runs at the new LR."""
+        scheduler = self._scheduler
+        lambdas = getattr(scheduler, 'lr_lambdas', None)
+        if not lambdas or not all(isinstance(fn, ScaledLambda) for fn in lambdas):
+            raise ConfigError(f'LR scaling was requested but the LR scheduler ({type(scheduler).__name__}) is not a '
+                              'LambdaLR the pack can scale; use one of HF\'s lr_scheduler_type schedules '
+                              '(linear, cosine, constant_with_warmup, warmup_stable_decay, ...) or set the batch '
+                              'callback\'s lr_scaling to none')
+        for fn in lambdas:
+            fn.scale = scale
+        lrs = [group['initial_lr'] * fn(scheduler.last_epoch) for group, fn in zip(scheduler.optimizer.param_groups,
+                                                                                     lambdas)]
+        for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+            group['lr'] = lr
+        scheduler._last_lr = lrs
+
+    def _current_lr(self) -> float | None:
+        scheduler = self._scheduler
+        return float(scheduler.get_last_lr()[0]) if scheduler is not None else None
 
     # ---- after the optimizer step ---------------------------------------------------------------------
     def after_step(self, state: Any, control: Any) -> None:
@@ -434,6 +483,7 @@ class Integration:
                 'dynamic/global_batch_size': self.global_batch_size(),
                 'dynamic/samples_seen': sum(distributed.gather_objects(loader.samples_seen)),
                 'dynamic/epoch_coverage': round(loader.position / max(loader.epoch_size, 1), 6),
+                'dynamic/lr_scale': self.lr_scale,
             })
         values.update(protocol.current_metrics(control))
         return values
@@ -453,14 +503,35 @@ class Integration:
         write_state(checkpoint_dir, build_payload(components, self.snapshot_config()))
 
 
+class ScaledLambda:
+    """An ``LambdaLR`` lambda times ``scale``.
+
+    ``LambdaLR.state_dict`` saves a callable object's ``__dict__`` into ``scheduler.pt`` (loaded back with
+    ``weights_only=True``), so the wrapped function lives in a slot and ``__dict__`` holds only the float
+    ``scale``: the scale is checkpointed with the scheduler and restored with it on resume.
+    """
+
+    __slots__ = ('_fn', '__dict__')
+
+    def __init__(self, fn: Callable[[int], float], scale: float = 1.0) -> None:
+        self._fn = fn
+        self.scale = scale
+
+    def __call__(self, step: int) -> float:
+        return self._fn(step) * self.scale
+
+
 def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchRequest:
-    """The one request all ranks apply: identical requests pass; otherwise the smallest batch, most pieces."""
+    """The one request all ranks apply: identical requests pass; otherwise the smallest batch and LR scale, most
+    pieces."""
     requests = list(requests)
     sizes = [r.batch_size for r in requests if r.batch_size is not None]
     pieces = [r.num_pieces for r in requests if r.num_pieces is not None]
+    scales = [r.lr_scale for r in requests if r.lr_scale is not None]
     return protocol.BatchRequest(
         batch_size=min(sizes) if sizes else None,
         num_pieces=max(pieces) if pieces else None,
+        lr_scale=min(scales) if scales else None,
         via_dataloader=any(r.via_dataloader for r in requests))
 
 
@@ -591,9 +662,20 @@ class DynamicTrainerMixin:
         run = lambda part: super(DynamicTrainerMixin, self).training_step(model, part, *args, **kwargs)  # noqa: E731
         return self.dynamic_integration.run_micro_batch(model, inputs, run, num_items)
 
+    # ms-swift + transformers 4.57 build the scheduler through create_optimizer_and_scheduler, which calls HF's
+    # create_scheduler on the class (not this override); 5.x calls create_scheduler. Both paths get the epoch
+    # budget's horizon and the scalable wrapper.
+    def create_optimizer_and_scheduler(self, num_training_steps, *args, **kwargs):
+        steps = self.dynamic_integration.scheduler_steps
+        result = super().create_optimizer_and_scheduler(steps if steps is not None else num_training_steps, *args,
+                                                        **kwargs)
+        self.dynamic_integration.wrap_scheduler(self.lr_scheduler)
+        return result
+
     def create_scheduler(self, num_training_steps, *args, **kwargs):
         steps = self.dynamic_integration.scheduler_steps
-        return super().create_scheduler(steps if steps is not None else num_training_steps, *args, **kwargs)
+        scheduler = super().create_scheduler(steps if steps is not None else num_training_steps, *args, **kwargs)
+        return self.dynamic_integration.wrap_scheduler(scheduler)
 
     def log(self, logs, *args, **kwargs):
         integration = self.dynamic_integration
