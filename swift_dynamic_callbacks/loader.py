@@ -21,6 +21,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .policies.data_plan import epoch_steps, step_sizes
@@ -111,10 +112,18 @@ class ElasticDataLoader:
         self.num_workers = int(self.loader_kwargs.get('num_workers', 0))
         self._order: list[int] = list(epoch_order(0))
         self._sampler = _PlannedBatchSampler(self)
+        # Every DataLoader iterator draws its base seed from a generator. A plain loader draws it from the global
+        # torch RNG once per epoch (when the epoch's iterator starts); this one restarts its iterator on every
+        # batch change, so it draws from its own generator, seeded by one global draw per epoch. The global RNG
+        # (dropout masks) then advances exactly as in a plain run, and a resume (which restores the global RNG
+        # after the first draw) matches an uninterrupted run.
+        self._generator = torch.Generator()
+        self._needs_epoch_seed = True
         self._loader = DataLoader(
             _IndexedDataset(dataset),
             batch_sampler=self._sampler,
             collate_fn=_IndexedCollate(collate_fn),
+            generator=self._generator,
             **self.loader_kwargs)
         self._iterator: Iterator | None = None
 
@@ -161,6 +170,7 @@ class ElasticDataLoader:
         self.epoch += 1
         self.position = 0
         self._order = list(self._epoch_order(self.epoch))
+        self._needs_epoch_seed = True
         self._restart()
 
     def set_batch_size(self, batch_size: int) -> None:
@@ -193,6 +203,9 @@ class ElasticDataLoader:
             raise RuntimeError('next_step() called on a complete epoch; call start_next_epoch() first')
         self.set_entries_per_step(entries)
         if self._iterator is None:
+            if self._needs_epoch_seed:
+                self._generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+                self._needs_epoch_seed = False
             self._iterator = iter(self._loader)
         out: list[tuple[list[int], Any]] = []
         for size in step_sizes(self.remaining, self.batch_size, entries):
@@ -232,6 +245,7 @@ class ElasticDataLoader:
         if not 0 <= position <= len(order):
             raise StateError(f'corrupt loader state: position {position} outside the epoch of {len(order)} samples')
         self.epoch, self._order, self.position = epoch, order, position
+        self._needs_epoch_seed = True
         self.batch_size = int(state['batch_size'])
         self.num_pieces = int(state.get('num_pieces', 1))
         self.samples_seen = int(state.get('samples_seen', 0))

@@ -144,7 +144,7 @@ def test_resume_after_change_continues_with_unseen_samples(_register, tmp_path, 
     assert any(d['kind'] == 'resume' and d['reason'] == 'checkpoint' for d in decisions(resumed))
     full_loss = [row['loss'] for row in train_logs(full)]
     resumed_loss = [row['loss'] for row in train_logs(resumed)]
-    assert resumed_loss == pytest.approx(full_loss, rel=1e-5)
+    assert resumed_loss == full_loss  # same samples, same RNG (dropout), same LR: the same run
 
 
 def test_pieces_give_the_same_update(_register, tmp_path, tiny_qwen, gsm8k_16):

@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -79,9 +79,13 @@ class IntegrationConfig:
 class Integration:
     """State and logic of the integration for one trainer (reachable as ``trainer.dynamic_integration``).
 
-    Its resumable state is the loader's (key ``integration.data``: data position, batch size, pieces); the epoch
-    budget and the scheduler length are derived from the arguments again on resume.
+    State: the loader's (key ``integration.data``: data position, batch size, pieces) and its own (key
+    ``integration``: the requests still pending on ``control`` when the checkpoint was written, e.g. made in
+    ``on_step_end`` of the saved step; they are set again on resume and applied at the first step). The epoch
+    budget and the scheduler length are derived from the arguments again; the LR scale is in ``scheduler.pt``.
     """
+
+    state_key = 'integration'
 
     def __init__(self, trainer: Any, config: IntegrationConfig | None = None,
                  pack_config: Mapping[str, Any] | None = None) -> None:
@@ -122,7 +126,7 @@ class Integration:
         self._resume_checkpoint = checkpoint
         self._resume_payload = read_state(checkpoint) if checkpoint else None
         if checkpoint and self._resume_payload is not None:
-            missing = restore_components(self.callback_components(), self._resume_payload)
+            missing = restore_components([self] + self.callback_components(), self._resume_payload)
             for key in missing:
                 self._record(
                     DecisionRecord(
@@ -333,13 +337,14 @@ class Integration:
         if request.lr_scale is not None and request.lr_scale != self.lr_scale:
             old_scale, old_lr = self.lr_scale, self._current_lr()
             self.set_lr_scale(request.lr_scale)
-            self._record(
-                DecisionRecord('integration', 'lr_scale', 'request', {
-                    'old': old_scale,
-                    'new': request.lr_scale,
-                    'old_lr': old_lr,
-                    'new_lr': self._current_lr()
-                }))
+            if 'lr_scale' not in queued_kinds:
+                self._record(
+                    DecisionRecord('control_flags', 'lr_scale', 'request', {
+                        'old': old_scale,
+                        'new': request.lr_scale,
+                        'old_lr': old_lr,
+                        'new_lr': self._current_lr()
+                    }))
 
     def _check_same_dataset(self, dataloader: Any) -> None:
         dataset = getattr(dataloader, 'dataset', None)
@@ -364,6 +369,7 @@ class Integration:
         """Write the decision records queued on ``control``."""
         for record in protocol.drain_decisions(control):
             self._recorded_kinds.add(record.kind)
+            self._recorded_kinds.update(k for k in ('num_pieces', 'lr_scale') if k in record.values)
             self._record(record)
 
     def _record(self, record: DecisionRecord) -> None:
@@ -488,6 +494,22 @@ class Integration:
         values.update(protocol.current_metrics(control))
         return values
 
+    def state_dict(self) -> dict[str, Any]:
+        request = protocol.pending_request(self.trainer.control)
+        return {'pending_request': None if request.empty else asdict(request)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pending = state.get('pending_request')
+        if not pending:
+            return
+        control = self.trainer.control
+        if pending.get('batch_size') is not None:
+            protocol.request_batch_size(control, pending['batch_size'])
+        if pending.get('num_pieces') is not None:
+            protocol.request_num_pieces(control, pending['num_pieces'])
+        if pending.get('lr_scale') is not None:
+            protocol.request_lr_scale(control, pending['lr_scale'])
+
     def speed_values(self, runtime: float) -> dict[str, float]:
         """HF's ``train_samples_per_second`` assumes a constant batch; this counts the samples really used."""
         samples = sum(distributed.gather_objects(self.loader.samples_seen - self._samples_at_start))
@@ -499,7 +521,7 @@ class Integration:
         self.drain(self.trainer.control)
         if not (self.trainer.args.should_save and distributed.is_main_process()):
             return
-        components = ([self.loader] if self.loader is not None else []) + self.callback_components()
+        components = [self] + ([self.loader] if self.loader is not None else []) + self.callback_components()
         write_state(checkpoint_dir, build_payload(components, self.snapshot_config()))
 
 
