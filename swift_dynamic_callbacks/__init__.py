@@ -4,7 +4,8 @@ Callbacks only set control flags (:mod:`swift_dynamic_callbacks.protocol`); one 
 (:func:`install`) honours them at the next optimizer step.
 """
 
-from .callbacks import BatchScheduleCallback, BatchScheduleConfig, DynamicCallback
+from .callbacks import (BatchGrowthCallback, BatchGrowthConfig, BatchScheduleCallback, BatchScheduleConfig,
+                        DynamicCallback)
 from .config import ConfigError
 from .integrations.trainer import IntegrationConfig, install
 from .records import DecisionRecord
@@ -19,6 +20,6 @@ def register(settings=None, **by_name):
 
 
 __all__ = [
-    'BatchScheduleCallback', 'BatchScheduleConfig', 'ConfigError', 'DecisionRecord', 'DynamicCallback', 'IntegrationConfig', 'install',
+    'BatchGrowthCallback', 'BatchGrowthConfig', 'BatchScheduleCallback', 'BatchScheduleConfig', 'ConfigError', 'DecisionRecord', 'DynamicCallback', 'IntegrationConfig', 'install',
     'register', '__version__'
 ]

@@ -53,7 +53,7 @@ def test_parse_empty_section():
 def test_unknown_callback_name():
     message = config_error({'batch_schedul': {'schedule': {0: 2}}})
     assert 'batch_schedul' in message
-    assert 'known: batch_schedule' in message
+    assert 'known: batch_growth, batch_schedule' in message
     assert 'integration' in message
 
 
@@ -174,7 +174,7 @@ def test_check_good_yaml(tmp_path, capsys):
 @pytest.mark.parametrize('section,words', [
     ({'batch_schedule': {'schedule': {0: 2}, 'via': 'foo'}}, ['dynamic_callbacks.batch_schedule.via', "'foo'"]),
     ({'batch_schedule': {'schedule': {0: 0}}}, ['schedule[0]', '>= 1']),
-    ({'bogus': {}}, ['bogus', 'known: batch_schedule']),
+    ({'bogus': {}}, ['bogus', 'known: batch_growth, batch_schedule']),
     ({'batch_schedule': {'schedule': {0: 2}}, 'integration': {'record_samples': 'yes'}},
      ['integration.record_samples', 'true or false']),
 ])

@@ -1,6 +1,7 @@
 """The pack's callbacks, one a module. Each only sets control flags (see ``protocol``)."""
 
 from .base import DynamicCallback
+from .batch_growth import BatchGrowthCallback, BatchGrowthConfig
 from .batch_schedule import BatchScheduleCallback, BatchScheduleConfig
 
-__all__ = ['DynamicCallback', 'BatchScheduleCallback', 'BatchScheduleConfig']
+__all__ = ['BatchGrowthCallback', 'BatchGrowthConfig', 'DynamicCallback', 'BatchScheduleCallback', 'BatchScheduleConfig']

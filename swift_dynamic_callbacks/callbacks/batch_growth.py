@@ -1,0 +1,195 @@
+"""Progressive batch growth with LR scaling."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .. import protocol
+from ..config import ConfigError, check_choice, check_int
+from ..policies.growth import interval_size, lr_scale, pieces_for_cap
+from ..policies.schedule import scheduled_value
+from ..records import DecisionRecord
+from .base import DynamicCallback
+from .batch_schedule import _int_table
+
+POLICIES = ('interval', 'table', 'callable')
+
+
+def import_callable(path: str) -> Callable[[int, int], int]:
+    """``'package.module:function'`` or ``'package.module.function'`` -> the function."""
+    module, _, name = path.partition(':') if ':' in path else path.rpartition('.')
+    if not module or not name:
+        raise ConfigError(f'function: expected "package.module:function", got {path!r}')
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f'function: cannot import {path!r}: {e}') from None
+    if not callable(fn):
+        raise ConfigError(f'function: {path!r} is not callable')
+    return fn
+
+
+def _checked_size(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'batch_growth.function returned {value!r} {where}; it must return an int >= 1')
+    return value
+
+
+@dataclass(frozen=True)
+class BatchGrowthConfig:
+    """Settings of :class:`BatchGrowthCallback` (YAML key ``dynamic_callbacks.batch_growth``).
+
+    Attributes:
+        policy: ``interval`` (grow by ``factor`` every ``interval`` steps), ``table`` (``{step: size}``) or
+            ``callable`` (``function(step, batch_size) -> batch_size``, called after every optimizer step).
+        initial: per-device batch size at the start (and before the first ``table`` key).
+        factor: interval growth factor, in (1, 8]; fractional factors round up and every growth adds >= 1.
+        interval: optimizer steps between growths (interval policy).
+        maximum: largest per-device batch size (all policies are clamped to it).
+        delay: optimizer steps before the interval schedule starts (first growth at ``delay + interval``).
+        table: ``{0-based optimizer step: per-device batch size}`` (table policy).
+        function: dotted path ``package.module:function`` (or the function itself, in Python).
+        micro_batch_cap: largest number of samples per forward/backward pass; a larger batch is run as
+            ``ceil(batch / cap)`` pieces with the same gradient (``None``: no cap).
+        lr_scaling: ``sqrt`` (default: the rule for Adam-family optimizers, HF's default AdamW included),
+            ``linear`` or ``none``; the factor is relative to ``reference_batch``.
+        reference_batch: the per-device batch size the configured learning rate is meant for (default
+            ``initial``).
+        apply_at: ``step`` (a change applies at the next optimizer step) or ``epoch`` (held until the next
+            epoch boundary: fewer loader restarts).
+    """
+
+    policy: str = 'interval'
+    initial: int = 1
+    factor: float = 2.0
+    interval: int = 100
+    maximum: int = 32
+    delay: int = 0
+    table: Mapping[int, int] = field(default_factory=dict)
+    function: Any = None
+    micro_batch_cap: int | None = None
+    lr_scaling: str = 'sqrt'
+    reference_batch: int | None = None
+    apply_at: str = 'step'
+
+    def __post_init__(self) -> None:
+        check_choice('policy', self.policy, POLICIES)
+        check_int('initial', self.initial, minimum=1)
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not 1 < self.factor <= 8:
+            raise ConfigError(f'factor: must be a number in (1, 8], got {self.factor!r}')
+        check_int('interval', self.interval, minimum=1)
+        check_int('maximum', self.maximum, minimum=1)
+        if self.maximum < self.initial:
+            raise ConfigError(f'maximum: must be >= initial ({self.initial}), got {self.maximum}')
+        check_int('delay', self.delay, minimum=0)
+        object.__setattr__(self, 'table', _int_table('table', self.table, 1))
+        if self.policy == 'table' and not self.table:
+            raise ConfigError('table: the table policy needs at least one {step: batch_size} entry, got none')
+        if self.micro_batch_cap is not None:
+            check_int('micro_batch_cap', self.micro_batch_cap, minimum=1)
+        check_choice('lr_scaling', self.lr_scaling, ('sqrt', 'linear', 'none'))
+        if self.reference_batch is not None:
+            check_int('reference_batch', self.reference_batch, minimum=1)
+        check_choice('apply_at', self.apply_at, ('step', 'epoch'))
+        if self.policy == 'callable':
+            if self.function is None:
+                raise ConfigError('function: the callable policy needs function: "package.module:function"')
+            fn = import_callable(self.function) if isinstance(self.function, str) else self.function
+            if not callable(fn):
+                raise ConfigError(f'function: expected a dotted path or a callable, got {self.function!r}')
+            try:
+                _checked_size(fn(0, self.initial), f'for (step=0, batch_size={self.initial})')
+            except ValueError as e:
+                raise ConfigError(f'function: {e}') from None
+        elif self.function is not None:
+            raise ConfigError(f'function: only used by policy callable, but policy is {self.policy!r}')
+
+    def resolved_function(self) -> Callable[[int, int], int]:
+        return import_callable(self.function) if isinstance(self.function, str) else self.function
+
+
+class BatchGrowthCallback(DynamicCallback):
+    """Grows the per-device batch size by a policy and scales the LR with it, through the control flags.
+
+    Hooks: ``on_train_begin`` (first request, unless resumed), ``on_step_end`` (policy; requests a change for the
+    next step, or holds it for the epoch end with ``apply_at: epoch``), ``on_epoch_end`` (held change).
+    Flags set: ``new_batch_size``, ``new_num_pieces`` (micro-batch cap), ``new_lr_scale``, ``dynamic_decisions``.
+    State: ``batch_size`` (last requested), ``pending`` (held for the epoch end); the loader's position and the
+    LR scale are restored by the integration.
+    """
+
+    name = 'batch_growth'
+    config_class = BatchGrowthConfig
+
+    def __init__(self, config: BatchGrowthConfig | None = None) -> None:
+        super().__init__(config)
+        self.batch_size: int | None = None
+        self.pending: int | None = None
+        self._fn = self.config.resolved_function() if self.config.policy == 'callable' else None
+
+    # ---- policy ----------------------------------------------------------------------------------------
+    def target(self, step: int, current: int) -> int:
+        """Per-device batch size the policy wants from 0-based optimizer step ``step`` on."""
+        c = self.config
+        if c.policy == 'interval':
+            size = interval_size(step, initial=c.initial, factor=c.factor, interval=c.interval, maximum=c.maximum,
+                                 delay=c.delay)
+        elif c.policy == 'table':
+            size = scheduled_value(c.table, step) or c.initial
+        else:
+            size = _checked_size(self._fn(step, current), f'for (step={step}, batch_size={current})')
+        return min(size, c.maximum)
+
+    # ---- hooks -----------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.batch_size is None:  # fresh start (a resume restores batch_size from the checkpoint)
+            self._request(args, control, self.target(state.global_step, self.config.initial), state.global_step,
+                          reason='start')
+
+    def on_step_end(self, args, state, control, **kwargs):
+        size = self.target(state.global_step, self.batch_size or self.config.initial)
+        if size == self.batch_size:
+            self.pending = None
+        elif self.config.apply_at == 'epoch':
+            self.pending = size
+        else:
+            self._request(args, control, size, state.global_step, reason=self.config.policy)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.pending is not None and self.pending != self.batch_size:
+            self._request(args, control, self.pending, state.global_step, reason=f'{self.config.policy}_at_epoch')
+        self.pending = None
+
+    def _request(self, args: Any, control: Any, size: int, step: int, *, reason: str) -> None:
+        c = self.config
+        old = self.batch_size
+        pieces = pieces_for_cap(size, c.micro_batch_cap)
+        scale = lr_scale(size, c.reference_batch or c.initial, c.lr_scaling)
+        protocol.request_batch_size(control, size)
+        protocol.request_num_pieces(control, pieces)
+        protocol.request_lr_scale(control, scale)
+        per_step = args.gradient_accumulation_steps * max(getattr(args, 'world_size', 1), 1)
+        protocol.record_decision(
+            control,
+            DecisionRecord(
+                self.name, 'batch_size', reason, {
+                    'old': old,
+                    'new': size,
+                    'num_pieces': pieces,
+                    'global_batch_size': size * per_step,
+                    'lr_scale': scale
+                },
+                message=f'global batch {old * per_step if old else "-"} -> {size * per_step}, lr x{scale:.4g}',
+                step=step))
+        self.batch_size = size
+        self.pending = None
+
+    # ---- state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {'batch_size': self.batch_size, 'pending': self.pending}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.batch_size = state.get('batch_size')
+        self.pending = state.get('pending')

@@ -1,0 +1,124 @@
+"""Progressive batch growth: pure policies, config errors, and a real swift sft run growing 1 -> 2 -> 4 -> 8."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthConfig
+from swift_dynamic_callbacks.config import ConfigError
+from swift_dynamic_callbacks.policies.growth import grow_once, interval_size, lr_scale, pieces_for_cap
+from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
+
+
+def test_interval_table():
+    sizes = [interval_size(k, initial=1, factor=2, interval=2, maximum=8) for k in range(9)]
+    assert sizes == [1, 1, 2, 2, 4, 4, 8, 8, 8]
+    assert [interval_size(k, initial=1, factor=1.5, interval=1, maximum=10) for k in range(7)] == [1, 2, 3, 5, 8, 10, 10]
+    assert [interval_size(k, initial=2, factor=2, interval=3, maximum=32, delay=2) for k in range(9)] == \
+        [2, 2, 2, 2, 2, 4, 4, 4, 8]
+
+
+@given(initial=st.integers(1, 16), factor=st.floats(1.01, 8), interval=st.integers(1, 50),
+       extra=st.integers(0, 64), delay=st.integers(0, 50), steps=st.lists(st.integers(0, 2000), min_size=2))
+def test_interval_growth_is_monotone_and_bounded(initial, factor, interval, extra, delay, steps):
+    maximum = initial + extra
+    sizes = [interval_size(s, initial=initial, factor=factor, interval=interval, maximum=maximum, delay=delay)
+             for s in sorted(steps)]
+    assert all(initial <= s <= maximum for s in sizes)
+    assert sizes == sorted(sizes)
+
+
+@given(size=st.integers(1, 1000), factor=st.floats(1.01, 8), maximum=st.integers(1, 2000))
+def test_grow_once_always_grows_until_maximum(size, factor, maximum):
+    grown = grow_once(size, factor, maximum)
+    assert grown == min(maximum, max(size + 1, math.ceil(size * factor)))
+    assert grown > size or grown == maximum
+
+
+@given(batch=st.integers(1, 512), cap=st.integers(1, 64))
+def test_pieces_keep_forward_passes_under_the_cap(batch, cap):
+    pieces = pieces_for_cap(batch, cap)
+    assert -(-batch // pieces) <= cap and (pieces == 1 or -(-batch // (pieces - 1)) > cap)
+
+
+def test_lr_scale_rules():
+    assert lr_scale(8, 2, 'linear') == 4.0
+    assert lr_scale(8, 2, 'sqrt') == 2.0
+    assert lr_scale(8, 2, 'none') == 1.0
+    with pytest.raises(ValueError, match='linear, sqrt or none'):
+        lr_scale(8, 2, 'cube')
+
+
+def bad_size(step, batch_size):
+    return 0
+
+
+@pytest.mark.parametrize('settings,field', [
+    ({'factor': 1.0}, 'factor'),
+    ({'factor': 0.5}, 'factor'),
+    ({'initial': 8, 'maximum': 4}, 'maximum'),
+    ({'policy': 'exponential'}, 'policy'),
+    ({'policy': 'callable', 'function': f'{__name__}:bad_size'}, 'function'),
+    ({'policy': 'callable', 'function': 'no_such_module:fn'}, 'function'),
+    ({'policy': 'table'}, 'table'),
+    ({'lr_scaling': 'cubic'}, 'lr_scaling'),
+    ({'apply_at': 'never'}, 'apply_at'),
+    ({'micro_batch_cap': 0}, 'micro_batch_cap'),
+])
+def test_bad_config_names_the_field(settings, field):
+    with pytest.raises(ConfigError) as e:
+        BatchGrowthConfig(**settings)
+    assert str(e.value).startswith(f'{field}:'), str(e.value)
+
+
+def double_until_6(step, batch_size):
+    return min(6, batch_size * 2) if step and step % 3 == 0 else batch_size
+
+
+def test_callable_policy_by_dotted_path():
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    cb = BatchGrowthCallback(BatchGrowthConfig(policy='callable', function=f'{__name__}:double_until_6', maximum=4))
+    assert [cb.target(s, 3) for s in (1, 3)] == [3, 4]  # clamped to maximum
+
+
+GROWTH = {'policy': 'interval', 'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 8, 'micro_batch_cap': 4,
+          'lr_scaling': 'linear'}
+RUN = dict(callbacks=['batch_growth'], lr_scheduler_type='constant', warmup_ratio=0.0, learning_rate=1e-3)
+
+
+@pytest.mark.e2e
+def test_growth_run_exactly_once_lr_scaled_and_resumable(tmp_path, tiny_qwen, gsm8k_16):
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    try:
+        sdc.register(batch_growth=GROWTH, integration={'record_samples': True})
+        full = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'full'), max_steps=8, save_steps=4, **RUN)
+        trace = sample_trace(full)
+        assert [row['batch_size'] for row in trace] == [1, 1, 2, 2, 4, 4, 8, 8]
+        # 1+1+2+2+4+4 = 14 samples, then the last 2 of epoch 0 form a short step; epoch 1 starts with 8
+        assert [[len(b) for b in row['batches']] for row in trace][-2:] == [[2], [8]]
+        by_epoch = indices_by_epoch(trace)
+        assert sorted(by_epoch[0]) == list(range(16))
+        assert len(set(by_epoch[1])) == len(by_epoch[1]) == 8
+        logs = train_logs(full)
+        # linear scaling with a constant schedule: the logged LR is 1e-3 x batch, at the step the batch runs
+        assert [row['learning_rate'] for row in logs] == pytest.approx([1e-3 * b for b in [1, 1, 2, 2, 4, 4, 8, 8]])
+        assert [row['dynamic/num_pieces'] for row in logs] == [1, 1, 1, 1, 1, 1, 2, 2]  # cap 4: 8 runs as 2 x 4
+        growths = [d for d in decisions(full) if d['source'] == 'batch_growth' and d['reason'] == 'interval']
+        assert [(d['step'], d['values']['new'], d['values']['lr_scale']) for d in growths] == [(2, 2, 2.0), (4, 4, 4.0),
+                                                                                              (6, 8, 8.0)]
+        # resume in the middle of the growth: the same sizes at the same steps, the same LR and samples
+        part = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'part'), max_steps=4, save_steps=4, **RUN)
+        resumed = run_sft(tiny_qwen, 'qwen2', gsm8k_16, part, max_steps=8, save_steps=4, fresh=False,
+                          resume_from_checkpoint=os.path.join(part, 'checkpoint-4'), **RUN)
+        assert [row['batches'] for row in sample_trace(resumed)] == [row['batches'] for row in trace]
+        resumed_logs = train_logs(resumed)
+        assert [row['learning_rate'] for row in resumed_logs] == [row['learning_rate'] for row in logs]
+        assert [row['loss'] for row in resumed_logs] == [row['loss'] for row in logs]  # same data, RNG, LR
+    finally:
+        plugin._configured = None
