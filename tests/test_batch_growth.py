@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthConfig
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.policies.growth import grow_once, interval_size, lr_scale, pieces_for_cap
+from swift_dynamic_callbacks.policies.growth import (grow_once, interval_size, loss_variability_size, lr_scale,
+                                                      pieces_for_cap)
 from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
 
 
@@ -122,3 +123,40 @@ def test_growth_run_exactly_once_lr_scaled_and_resumable(tmp_path, tiny_qwen, gs
         assert [row['loss'] for row in resumed_logs] == [row['loss'] for row in logs]  # same data, RNG, LR
     finally:
         plugin._configured = None
+
+
+def test_loss_variability_policy_table():
+    kw = dict(window=4, threshold=0.05, factor=2, maximum=16)
+    assert loss_variability_size([2.0, 2.0, 2.0], 2, **kw) == 2  # too few values: hold
+    assert loss_variability_size([2.0, 2.01, 1.99, 2.0], 2, **kw) == 2  # cv 0.004: stable, hold
+    assert loss_variability_size([2.0, 2.6, 1.5, 2.2], 2, **kw) == 4  # cv 0.18: noisy, grow
+    assert loss_variability_size([9.0, 9.0, 2.0, 2.6, 1.5, 2.2], 16, **kw) == 16  # at maximum
+
+
+def _fake_step(cb, control, step, loss=None):
+    from transformers import TrainerState, TrainingArguments
+    args = TrainingArguments(output_dir='unused', gradient_accumulation_steps=1, report_to=[])
+    state = TrainerState(global_step=step)
+    if loss is not None:
+        cb.on_log(args, state, control, logs={'loss': loss})
+    cb.on_step_end(args, state, control)
+
+
+def test_loss_variability_callback_grows_on_noise_and_clears_its_window():
+    from transformers import TrainerControl
+    from swift_dynamic_callbacks import protocol
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    cb = BatchGrowthCallback(
+        BatchGrowthConfig(policy='loss_variability', initial=2, interval=4, window=4, threshold=0.05, maximum=8))
+    control = TrainerControl()
+    cb.batch_size = 2
+    for step, loss in zip(range(1, 5), [2.0, 2.6, 1.5, 2.2]):  # noisy: grows at step 4 (first check)
+        _fake_step(cb, control, step, loss)
+    assert control.new_batch_size == 4 and cb.losses == []
+    protocol.clear_requests(control)
+    for step, loss in zip(range(5, 9), [2.0, 2.01, 1.99, 2.0]):  # stable: holds at step 8
+        _fake_step(cb, control, step, loss)
+    assert control.new_batch_size is None and cb.batch_size == 4
+    restored = BatchGrowthCallback(cb.config)
+    restored.load_state_dict(cb.state_dict())
+    assert restored.losses == cb.losses and restored.batch_size == 4

@@ -8,13 +8,13 @@ from typing import Any, Callable, Mapping
 
 from .. import protocol
 from ..config import ConfigError, check_choice, check_int
-from ..policies.growth import interval_size, lr_scale, pieces_for_cap
+from ..policies.growth import interval_size, loss_variability_size, lr_scale, pieces_for_cap
 from ..policies.schedule import scheduled_value
 from ..records import DecisionRecord
 from .base import DynamicCallback
 from .batch_schedule import _int_table
 
-POLICIES = ('interval', 'table', 'callable')
+POLICIES = ('interval', 'table', 'callable', 'loss_variability')
 
 
 def import_callable(path: str) -> Callable[[int, int], int]:
@@ -42,11 +42,13 @@ class BatchGrowthConfig:
     """Settings of :class:`BatchGrowthCallback` (YAML key ``dynamic_callbacks.batch_growth``).
 
     Attributes:
-        policy: ``interval`` (grow by ``factor`` every ``interval`` steps), ``table`` (``{step: size}``) or
-            ``callable`` (``function(step, batch_size) -> batch_size``, called after every optimizer step).
+        policy: ``interval`` (grow by ``factor`` every ``interval`` steps), ``table`` (``{step: size}``),
+            ``callable`` (``function(step, batch_size) -> batch_size``, called after every optimizer step) or
+            ``loss_variability`` (every ``interval`` steps, grow by ``factor`` while the coefficient of variation
+            of the last ``window`` logged training losses is above ``threshold``).
         initial: per-device batch size at the start (and before the first ``table`` key).
         factor: interval growth factor, in (1, 8]; fractional factors round up and every growth adds >= 1.
-        interval: optimizer steps between growths (interval policy).
+        interval: optimizer steps between growths (interval policy) or between checks (loss_variability).
         maximum: largest per-device batch size (all policies are clamped to it).
         delay: optimizer steps before the interval schedule starts (first growth at ``delay + interval``).
         table: ``{0-based optimizer step: per-device batch size}`` (table policy).
@@ -59,6 +61,11 @@ class BatchGrowthConfig:
             ``initial``).
         apply_at: ``step`` (a change applies at the next optimizer step) or ``epoch`` (held until the next
             epoch boundary: fewer loader restarts).
+        window: logged losses the loss_variability policy looks at (default 20: with ``logging_steps: 1``, enough
+            values for a stable spread estimate, short enough to follow the run).
+        threshold: coefficient of variation above which the loss counts as noisy (default 0.05: step-to-step
+            loss of an LLM fine-tune at a small batch typically varies by 5-15 % of its value, and by less once the
+            batch averages enough samples).
     """
 
     policy: str = 'interval'
@@ -73,6 +80,8 @@ class BatchGrowthConfig:
     lr_scaling: str = 'sqrt'
     reference_batch: int | None = None
     apply_at: str = 'step'
+    window: int = 20
+    threshold: float = 0.05
 
     def __post_init__(self) -> None:
         check_choice('policy', self.policy, POLICIES)
@@ -93,6 +102,9 @@ class BatchGrowthConfig:
         if self.reference_batch is not None:
             check_int('reference_batch', self.reference_batch, minimum=1)
         check_choice('apply_at', self.apply_at, ('step', 'epoch'))
+        check_int('window', self.window, minimum=2)
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or self.threshold <= 0:
+            raise ConfigError(f'threshold: must be a number > 0, got {self.threshold!r}')
         if self.policy == 'callable':
             if self.function is None:
                 raise ConfigError('function: the callable policy needs function: "package.module:function"')
@@ -116,8 +128,9 @@ class BatchGrowthCallback(DynamicCallback):
     Hooks: ``on_train_begin`` (first request, unless resumed), ``on_step_end`` (policy; requests a change for the
     next step, or holds it for the epoch end with ``apply_at: epoch``), ``on_epoch_end`` (held change).
     Flags set: ``new_batch_size``, ``new_num_pieces`` (micro-batch cap), ``new_lr_scale``, ``dynamic_decisions``.
-    State: ``batch_size`` (last requested), ``pending`` (held for the epoch end); the loader's position and the
-    LR scale are restored by the integration.
+    Hooks also: ``on_log`` (collects training losses for the loss_variability policy).
+    State: ``batch_size`` (last requested), ``pending`` (held for the epoch end), ``losses`` (loss_variability
+    window); the loader's position and the LR scale are restored by the integration.
     """
 
     name = 'batch_growth'
@@ -127,6 +140,7 @@ class BatchGrowthCallback(DynamicCallback):
         super().__init__(config)
         self.batch_size: int | None = None
         self.pending: int | None = None
+        self.losses: list[float] = []
         self._fn = self.config.resolved_function() if self.config.policy == 'callable' else None
 
     # ---- policy ----------------------------------------------------------------------------------------
@@ -138,6 +152,10 @@ class BatchGrowthCallback(DynamicCallback):
                                  delay=c.delay)
         elif c.policy == 'table':
             size = scheduled_value(c.table, step) or c.initial
+        elif c.policy == 'loss_variability':
+            due = step >= c.delay + c.interval and (step - c.delay) % c.interval == 0
+            size = loss_variability_size(self.losses, current, window=c.window, threshold=c.threshold,
+                                         factor=c.factor, maximum=c.maximum) if due else current
         else:
             size = _checked_size(self._fn(step, current), f'for (step={step}, batch_size={current})')
         return min(size, c.maximum)
@@ -156,6 +174,11 @@ class BatchGrowthCallback(DynamicCallback):
             self.pending = size
         else:
             self._request(args, control, size, state.global_step, reason=self.config.policy)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        loss = (logs or {}).get('loss')
+        if self.config.policy == 'loss_variability' and isinstance(loss, (int, float)):
+            self.losses = (self.losses + [float(loss)])[-self.config.window:]
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if self.pending is not None and self.pending != self.batch_size:
@@ -183,13 +206,16 @@ class BatchGrowthCallback(DynamicCallback):
                 },
                 message=f'global batch {old * per_step if old else "-"} -> {size * per_step}, lr x{scale:.4g}',
                 step=step))
+        if old is not None and size != old:
+            self.losses = []  # the loss noise changes with the batch: judge the new size on its own losses
         self.batch_size = size
         self.pending = None
 
     # ---- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {'batch_size': self.batch_size, 'pending': self.pending}
+        return {'batch_size': self.batch_size, 'pending': self.pending, 'losses': list(self.losses)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.batch_size = state.get('batch_size')
         self.pending = state.get('pending')
+        self.losses = [float(x) for x in state.get('losses', [])]

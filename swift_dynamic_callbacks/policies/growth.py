@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import statistics
+from typing import Sequence
 
 
 def grow_once(size: int, factor: float, maximum: int) -> int:
@@ -51,3 +53,22 @@ def lr_scale(global_batch: int, reference_batch: int, rule: str) -> float:
     if rule == 'none':
         return 1.0
     raise ValueError(f'lr_scale: rule must be linear, sqrt or none, got {rule!r}')
+
+
+def loss_variability_size(losses: Sequence[float], current: int, *, window: int, threshold: float, factor: float,
+                          maximum: int) -> int:
+    """Grow while the recent training loss is noisy, hold while it is stable.
+
+    With the last ``window`` logged losses, the coefficient of variation ``cv = pstdev / mean``. When
+    ``cv > threshold`` the gradient estimate is still noisy, and a larger batch averages that noise away: grow once
+    (:func:`grow_once`). Otherwise hold. Fewer than ``window`` values (e.g. just after a growth, when the window is
+    cleared because the noise level changes with the batch): hold.
+    """
+    recent = list(losses)[-window:]
+    if len(recent) < window:
+        return current
+    mean = statistics.fmean(recent)
+    if mean <= 0 or not math.isfinite(mean):
+        return current
+    cv = statistics.pstdev(recent) / mean
+    return grow_once(current, factor, maximum) if cv > threshold else current
