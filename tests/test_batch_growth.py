@@ -113,11 +113,20 @@ def test_growth_run_exactly_once_lr_scaled_and_resumable(tmp_path, tiny_qwen, gs
         growths = [d for d in decisions(full) if d['source'] == 'batch_growth' and d['reason'] == 'interval']
         assert [(d['step'], d['values']['new'], d['values']['lr_scale']) for d in growths] == [(2, 2, 2.0), (4, 4, 4.0),
                                                                                               (6, 8, 8.0)]
+        # one record per growth, with the LR before and after (no second record from the integration)
+        assert [d['values']['old_lr'] for d in growths] == pytest.approx([1e-3, 2e-3, 4e-3])
+        assert [d['values']['new_lr'] for d in growths] == pytest.approx([2e-3, 4e-3, 8e-3])
+        assert not [d for d in decisions(full) if d['kind'] == 'lr_scale']
         # resume in the middle of the growth: the same sizes at the same steps, the same LR and samples
         part = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'part'), max_steps=4, save_steps=4, **RUN)
         resumed = run_sft(tiny_qwen, 'qwen2', gsm8k_16, part, max_steps=8, save_steps=4, fresh=False,
                           resume_from_checkpoint=os.path.join(part, 'checkpoint-4'), **RUN)
         assert [row['batches'] for row in sample_trace(resumed)] == [row['batches'] for row in trace]
+        resumed_growths = [d for d in decisions(resumed) if d['source'] == 'batch_growth' and d['reason'] == 'interval']
+        applied = [d for d in resumed_growths if not d['values'].get('pending')]
+        assert [(d['step'], d['values']['new_lr']) for d in applied] == [(d['step'], d['values']['new_lr']) for d in growths]
+        # the growth decided after the last step of the first run is logged there as pending, then applied once
+        assert [(d['step'], d['values']['new']) for d in resumed_growths if d['values'].get('pending')] == [(4, 4)]
         resumed_logs = train_logs(resumed)
         assert [row['learning_rate'] for row in resumed_logs] == [row['learning_rate'] for row in logs]
         assert [row['loss'] for row in resumed_logs] == [row['loss'] for row in logs]  # same data, RNG, LR
@@ -160,3 +169,20 @@ def test_loss_variability_callback_grows_on_noise_and_clears_its_window():
     restored = BatchGrowthCallback(cb.config)
     restored.load_state_dict(cb.state_dict())
     assert restored.losses == cb.losses and restored.batch_size == 4
+
+
+def test_apply_at_epoch_holds_a_change_until_the_epoch_ends():
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    cb = BatchGrowthCallback(BatchGrowthConfig(initial=1, factor=2, interval=2, maximum=8, apply_at='epoch'))
+    args = TrainingArguments(output_dir='unused', report_to=[])
+    control = TrainerControl()
+    cb.on_train_begin(args, TrainerState(global_step=0), control)
+    assert control.new_batch_size == 1
+    control.new_batch_size = None
+    for step in range(1, 6):  # the interval schedule says 2 from step 2 and 4 from step 4: held
+        cb.on_step_end(args, TrainerState(global_step=step), control)
+        assert control.new_batch_size is None
+    assert cb.pending == 4
+    cb.on_epoch_end(args, TrainerState(global_step=5), control)
+    assert control.new_batch_size == 4 and cb.batch_size == 4 and cb.pending is None

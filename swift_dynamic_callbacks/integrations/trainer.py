@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -81,7 +81,8 @@ class Integration:
 
     State: the loader's (key ``integration.data``: data position, batch size, pieces) and its own (key
     ``integration``: the requests still pending on ``control`` when the checkpoint was written, e.g. made in
-    ``on_step_end`` of the saved step; they are set again on resume and applied at the first step). The epoch
+    ``on_step_end`` of the saved step, with the decision records that go with them; they are set again on resume
+    and applied, and the records written, at the first step). The epoch
     budget and the scheduler length are derived from the arguments again; the LR scale is in ``scheduler.pt``.
     """
 
@@ -101,7 +102,7 @@ class Integration:
         self._resume_checkpoint: str | None = None
         self._samples_at_start = 0
         self._scheduler: Any = None
-        self._recorded_kinds: set[str] = set()  # kinds callbacks recorded since the last step boundary
+        self._held: list[DecisionRecord] = []  # callbacks' records, written at the next step boundary
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def begin_train(self, resume_from_checkpoint: Any) -> None:
@@ -140,6 +141,13 @@ class Integration:
         if self.loader is not None:
             self.loader.close()
         self.drain(self.trainer.control)
+        if protocol.has_pending_request(self.trainer.control):  # decided after the last step: never applied here
+            self._held = [
+                replace(r, values={**r.values, 'pending': True},
+                        message=f'{r.message}; pending at the end of training (a resumed run applies it)'.lstrip('; '))
+                for r in self._held
+            ]
+        self.flush()
 
     def callback_components(self) -> list[Any]:
         """Stateful pack callbacks on the trainer (everything with ``state_key``/``state_dict``)."""
@@ -289,7 +297,6 @@ class Integration:
         control = trainer.control
         control._sdc_integration = True
         self.apply_requests(control)
-        self.drain(control)
         if loader.epoch_complete:
             loader.start_next_epoch()
         pairs = loader.next_step(num_batches)
@@ -300,18 +307,27 @@ class Integration:
         return [batch for _, batch in pairs], num_items_in_batch
 
     def apply_requests(self, control: Any) -> None:
-        """Read the request flags, agree on them across ranks, apply them, clear them."""
+        """Read the request flags, agree on them across ranks, apply them, clear them; write the decisions.
+
+        A change a callback recorded itself is not recorded twice; an LR change is added to the callback's record
+        (``old_lr``/``new_lr``). A change requested through the raw flags alone gets a ``control_flags`` record.
+        """
         request = protocol.pending_request(control)
         if request.via_dataloader:
             self._check_same_dataset(control.new_dataloader)
         protocol.clear_requests(control)
         request = distributed.agree(request, _merge_requests)
-        if request.empty:
-            self._recorded_kinds = set()
-            return
-        loader = self.loader
         self.drain(control)
-        queued_kinds, self._recorded_kinds = self._recorded_kinds, set()
+        try:
+            if not request.empty:
+                self._apply(request)
+        finally:
+            self.flush()
+
+    def _apply(self, request: protocol.BatchRequest) -> None:
+        loader = self.loader
+        queued_kinds = {r.kind for r in self._held}
+        queued_kinds.update(k for r in self._held for k in ('num_pieces', 'lr_scale') if k in r.values)
         if request.batch_size is not None and request.batch_size != loader.batch_size:
             old = loader.batch_size
             loader.set_batch_size(request.batch_size)
@@ -337,13 +353,19 @@ class Integration:
         if request.lr_scale is not None and request.lr_scale != self.lr_scale:
             old_scale, old_lr = self.lr_scale, self._current_lr()
             self.set_lr_scale(request.lr_scale)
+            new_lr = self._current_lr()
+            self._held = [
+                replace(r, values={**r.values, 'old_lr': old_lr, 'new_lr': new_lr},
+                        message=f'{r.message}; lr {old_lr:.4g} -> {new_lr:.4g}'.lstrip('; '))
+                if 'lr_scale' in r.values else r for r in self._held
+            ]
             if 'lr_scale' not in queued_kinds:
                 self._record(
                     DecisionRecord('control_flags', 'lr_scale', 'request', {
                         'old': old_scale,
                         'new': request.lr_scale,
                         'old_lr': old_lr,
-                        'new_lr': self._current_lr()
+                        'new_lr': new_lr
                     }))
 
     def _check_same_dataset(self, dataloader: Any) -> None:
@@ -366,10 +388,12 @@ class Integration:
                               'gradient accumulation)')
 
     def drain(self, control: Any) -> None:
-        """Write the decision records queued on ``control``."""
-        for record in protocol.drain_decisions(control):
-            self._recorded_kinds.add(record.kind)
-            self._recorded_kinds.update(k for k in ('num_pieces', 'lr_scale') if k in record.values)
+        """Take the decision records queued on ``control`` (written by :meth:`flush`)."""
+        self._held.extend(protocol.drain_decisions(control))
+
+    def flush(self) -> None:
+        held, self._held = self._held, []
+        for record in held:
             self._record(record)
 
     def _record(self, record: DecisionRecord) -> None:
@@ -496,9 +520,13 @@ class Integration:
 
     def state_dict(self) -> dict[str, Any]:
         request = protocol.pending_request(self.trainer.control)
-        return {'pending_request': None if request.empty else asdict(request)}
+        return {
+            'pending_request': None if request.empty else asdict(request),
+            'held_decisions': [r.to_json() for r in self._held],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._held = [DecisionRecord(**r) for r in state.get('held_decisions', [])]
         pending = state.get('pending_request')
         if not pending:
             return
@@ -517,7 +545,11 @@ class Integration:
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def save(self, checkpoint_dir: str) -> None:
-        """Write the pack state into ``checkpoint_dir`` (rank 0) before HF writes the rest of the checkpoint."""
+        """Write the pack state into ``checkpoint_dir`` (rank 0) before HF writes the rest of the checkpoint.
+
+        Records still held for the next step boundary are saved with the pending requests (not written yet: the
+        boundary adds the applied LR to them), so a resume writes them exactly once.
+        """
         self.drain(self.trainer.control)
         if not (self.trainer.args.should_save and distributed.is_main_process()):
             return
@@ -639,7 +671,7 @@ class IntegrationCallback(TrainerCallback):
 
     Placed first among the trainer's callbacks, so progress bars and HF's stop rule see its ``max_steps``.
     Hooks: ``on_train_begin`` (marks ``control`` as honoured, sets ``state.max_steps`` for epoch budgets),
-    ``on_step_end`` (epoch end, honest ``state.epoch``, epoch budget), ``on_train_end`` (drains the decision queue).
+    ``on_step_end`` (epoch end, honest ``state.epoch``, epoch budget), ``on_train_end`` (takes the decision queue).
     Flags set: ``should_epoch_stop``, ``should_training_stop``. State: none (the integration owns it).
     """
 
@@ -705,7 +737,6 @@ class DynamicTrainerMixin:
             logs.update(integration.log_values(self.control))
         if 'train_runtime' in logs and integration.loader is not None:
             logs.update(integration.speed_values(float(logs['train_runtime'])))
-        integration.drain(self.control)
         return super().log(logs, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial, *args, **kwargs):
