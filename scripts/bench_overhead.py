@@ -49,14 +49,14 @@ import gc
 import io
 import json
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_common import machine_lines
 
 REPO = Path(__file__).resolve().parent.parent
 TIMER_NAME = 'bench_step_timer'
@@ -105,33 +105,21 @@ def _register_timer() -> None:
 
 
 def _sft_kwargs(model: str, dataset: str, output_dir: str, opts: argparse.Namespace, callbacks: list[str]) -> dict:
-    return dict(
-        model=model,
-        model_type='qwen2',
-        template='qwen2_5',
-        tuner_type='lora',
-        torch_dtype='float32',
-        dataset=[dataset],
+    from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+    return offline_sft_kwargs(
+        model,
+        dataset,
+        output_dir,
         max_steps=opts.max_steps,
         per_device_train_batch_size=opts.batch_size,
         gradient_accumulation_steps=opts.grad_accum,
-        learning_rate=1e-3,
-        logging_steps=1,
         save_steps=10**6,
         save_strategy='no',
         seed=opts.seed,
         data_seed=opts.seed,
-        check_model=False,
-        report_to=['none'],
-        add_version=False,
         dataloader_num_workers=opts.workers,
         dataloader_persistent_workers=opts.workers > 0,
-        dataloader_pin_memory=False,
-        dataset_num_proc=1,
-        split_dataset_ratio=0.0,
-        max_length=1024,
         disable_tqdm=True,
-        output_dir=output_dir,
         callbacks=callbacks,
     )
 
@@ -317,24 +305,11 @@ def _breakdown(model: str, dataset: str, opts: argparse.Namespace) -> str:
 
 def _report(results: list[tuple[dict, dict]], opts: argparse.Namespace, argv: list[str], setup_s: float,
             total_s: float) -> str:
-    import torch
-    import transformers
-    import swift
-    import swift_dynamic_callbacks as sdc
-
     lines: list[str] = []
     add = lines.append
     add('## Integration overhead: installed, no change requested, vs. plain ms-swift')
     add('')
-    add(f'Command: `{" ".join(shlex.quote(a) for a in argv)}`')
-    add('')
-    add(f'Machine: {platform.platform()}, Python {platform.python_version()}, os.cpu_count()={os.cpu_count()}, '
-        f'usable CPUs={len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else "?"}, '
-        f'torch threads={torch.get_num_threads()}, device=cpu'
-        + (f' (CUDA available: {torch.cuda.get_device_name(0)}, not used by this run)'
-           if torch.cuda.is_available() else ''))
-    add(f'Versions: torch {torch.__version__}, transformers {transformers.__version__}, ms-swift '
-        f'{swift.__version__}, swift_dynamic_callbacks {sdc.__version__}')
+    lines.extend(machine_lines(argv))
     add(f'Setup: tiny Qwen2 (hidden 64, 2 layers, real 151936 vocab) LoRA fp32, gsm8k {opts.rows} rows, '
         f'per-device batch {opts.batch_size}, grad accum {opts.grad_accum}, workers {opts.workers}, '
         f'max_steps {opts.max_steps}, logging_steps 1, seed {opts.seed}. Per run: steps '

@@ -279,3 +279,45 @@ def write_mixed_length_dataset(dest_file: str | Path, n: int = 64, seed: int = 0
             assistant = '\n\n'.join(f'Problem {i}:\n{r["answer"]}' for i, r in enumerate(picked, 1))
         rows.append(_messages(user, assistant))
     return _write_jsonl(dest_file, rows)
+
+
+#: ms-swift flags of each tiny architecture (a local model directory needs model_type and template).
+MODEL_FLAGS: dict[str, dict[str, str]] = {
+    'qwen2': {'model_type': 'qwen2', 'template': 'qwen2_5'},
+    'llama': {'model_type': 'llama', 'template': 'llama', 'system': 'You are a tiny assistant.'},
+}
+
+
+def offline_sft_kwargs(model: str | Path, dataset: str | Path, output_dir: str | Path, *, arch: str = 'qwen2',
+                       **overrides: Any) -> dict[str, Any]:
+    """``SftArguments`` keyword arguments for an offline LoRA run of a tiny model (tests, benchmarks).
+
+    No hub access (``check_model=False``), no reporting, one dataset process, no data split, workers 0,
+    ``max_length`` 1024 (ms-swift deletes longer rows by default); ``overrides`` replace any of them.
+    """
+    if arch not in MODEL_FLAGS:
+        raise ValueError(f'arch: must be one of {", ".join(MODEL_FLAGS)}, got {arch!r}')
+    kwargs: dict[str, Any] = dict(
+        model=str(model),
+        tuner_type='lora',
+        torch_dtype='float32',
+        dataset=[str(dataset)],
+        max_steps=8,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_steps=1000,
+        check_model=False,
+        report_to=['none'],
+        add_version=False,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        dataset_num_proc=1,
+        split_dataset_ratio=0.0,
+        max_length=1024,
+        output_dir=str(output_dir),
+    )
+    kwargs.update(MODEL_FLAGS[arch])
+    kwargs.update(overrides)
+    return kwargs

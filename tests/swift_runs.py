@@ -7,37 +7,11 @@ import os
 import shutil
 from typing import Any, Iterable
 
-MODEL_FLAGS = {
-    'qwen2': {'model_type': 'qwen2', 'template': 'qwen2_5'},
-    'llama': {'model_type': 'llama', 'template': 'llama', 'system': 'You are a tiny assistant.'},
-}
+from swift_dynamic_callbacks.tiny import offline_sft_kwargs
 
 
 def sft_kwargs(model: str, arch: str, dataset: str, output_dir: str, **overrides: Any) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(
-        model=model,
-        tuner_type='lora',
-        torch_dtype='float32',
-        dataset=[dataset],
-        max_steps=8,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=1,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_steps=1000,
-        check_model=False,
-        report_to=['none'],
-        add_version=False,
-        dataloader_num_workers=0,
-        dataloader_pin_memory=False,
-        dataset_num_proc=1,
-        split_dataset_ratio=0.0,
-        max_length=1024,
-        output_dir=output_dir,
-    )
-    kwargs.update(MODEL_FLAGS[arch])
-    kwargs.update(overrides)
-    return kwargs
+    return offline_sft_kwargs(model, dataset, output_dir, arch=arch, **overrides)
 
 
 def run_sft(model: str, arch: str, dataset: str, output_dir: str, *, callbacks: Iterable[str] = (),

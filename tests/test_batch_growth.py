@@ -186,3 +186,25 @@ def test_apply_at_epoch_holds_a_change_until_the_epoch_ends():
     assert cb.pending == 4
     cb.on_epoch_end(args, TrainerState(global_step=5), control)
     assert control.new_batch_size == 4 and cb.batch_size == 4 and cb.pending is None
+
+
+@pytest.mark.e2e
+def test_epoch_budget_growth_runs_the_whole_lr_schedule(tmp_path, tiny_qwen, gsm8k_16):
+    """With num_train_epochs, growth shortens the run; the LR decay is stretched to end when the data does."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    try:
+        sdc.register(batch_growth={'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4, 'lr_scaling': 'none'})
+        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth'], max_steps=-1,
+                      num_train_epochs=1, lr_scheduler_type='linear', warmup_ratio=0.0, learning_rate=1e-3)
+        logs = train_logs(out)
+        assert [row['dynamic/batch_size'] for row in logs] == [1, 1, 2, 2, 4, 4, 4]  # 16 samples in 7 steps, not 16
+        lrs = [row['learning_rate'] for row in logs]
+        assert lrs[0] == pytest.approx(1e-3 * 15 / 16)  # before any growth: 16 steps at batch 1
+        assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+        # per_device_train_batch_size is 2, so the first plan is 8 steps; the growth's start at 1 makes it 16, then
+        # the growths 9 and 7: each time the rest of the schedule is stretched to end with the data
+        stretched = [d['values']['new'] for d in decisions(out) if d['kind'] == 'max_steps' and d['reason'] != 'epoch_budget']
+        assert stretched == [16, 9, 7]
+    finally:
+        plugin._configured = None

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable, Mapping
@@ -273,7 +272,8 @@ class Integration:
                 'schedule\'s length); training stops when the epochs of data are used, whatever the batch sizes'))
 
     def update_max_steps(self, state: Any, reason: str) -> None:
-        """Keep ``state.max_steps`` (progress, remaining time, HF's stop) equal to the steps the epoch budget needs."""
+        """Keep ``state.max_steps`` (progress, remaining time, HF's stop) equal to the steps the epoch budget needs,
+        and stretch the LR schedule's remaining part to end there (no jump at the change)."""
         loader = self.loader
         if self.epoch_budget is None or loader is None:
             return
@@ -281,6 +281,10 @@ class Integration:
                                                      self.epoch_budget, loader.batch_size, loader.entries_per_step)
         if needed != state.max_steps:
             old, state.max_steps = state.max_steps, needed
+            if self.scheduler_steps is not None:
+                for fn in getattr(self._scheduler, 'lr_lambdas', None) or []:
+                    if isinstance(fn, ScaledLambda):
+                        fn.stretch(state.global_step, needed, self.scheduler_steps)
             if reason != 'start':
                 self._record(
                     DecisionRecord('integration', 'max_steps', reason, {
@@ -558,11 +562,16 @@ class Integration:
 
 
 class ScaledLambda:
-    """An ``LambdaLR`` lambda times ``scale``.
+    """An ``LambdaLR`` lambda times ``scale``, on a time axis that can be stretched.
+
+    ``lr(step) = scale * fn(v(step))`` with ``v(step) = v0 + (step - t0) * rate`` from step ``t0`` on (identity
+    before the first stretch). :meth:`stretch` makes the rest of the schedule end at a new total number of steps
+    without a jump, so an epoch-budget run whose step count changes with the batch size still runs its whole
+    warmup/decay.
 
     ``LambdaLR.state_dict`` saves a callable object's ``__dict__`` into ``scheduler.pt`` (loaded back with
-    ``weights_only=True``), so the wrapped function lives in a slot and ``__dict__`` holds only the float
-    ``scale``: the scale is checkpointed with the scheduler and restored with it on resume.
+    ``weights_only=True``), so the wrapped function lives in a slot and ``__dict__`` holds only floats: scale and
+    time axis are checkpointed with the scheduler and restored with it on resume.
     """
 
     __slots__ = ('_fn', '__dict__')
@@ -570,9 +579,20 @@ class ScaledLambda:
     def __init__(self, fn: Callable[[int], float], scale: float = 1.0) -> None:
         self._fn = fn
         self.scale = scale
+        self.t0, self.v0, self.rate = 0.0, 0.0, 1.0
+
+    def virtual_step(self, step: float) -> float:
+        return self.v0 + (step - self.t0) * self.rate if step >= self.t0 else float(step)
+
+    def stretch(self, step: int, total: int, horizon: int) -> None:
+        """From ``step`` on, reach the schedule's ``horizon`` exactly at real step ``total``."""
+        v0 = self.virtual_step(step)
+        if total > step:
+            self.t0, self.v0, self.rate = float(step), v0, max(horizon - v0, 0.0) / (total - step)
 
     def __call__(self, step: int) -> float:
-        return self._fn(step) * self.scale
+        v = self.virtual_step(step)
+        return self._fn(int(v) if float(v).is_integer() else v) * self.scale
 
 
 def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchRequest:
