@@ -70,28 +70,27 @@ class BatchScheduleCallback(DynamicCallback):
         self._request(state.global_step, control, train_dataloader, force=False)
 
     def _request(self, step: int, control: Any, train_dataloader: Any, *, force: bool) -> None:
-        size = scheduled_value(self.config.schedule, step)
-        if size is not None and (force or changes_at(self.config.schedule, step)):
+        """Request each table's value when it changes at ``step`` (every value when ``force``)."""
+
+        def request_size(size: int) -> None:
             if self.config.via == 'dataloader':
                 if train_dataloader is None:
                     raise RuntimeError('batch_schedule via=dataloader needs the train_dataloader callback argument')
                 protocol.request_dataloader(control, DataLoader(train_dataloader.dataset, batch_size=size))
             else:
                 protocol.request_batch_size(control, size)
-            if not force:
+
+        tables = (('batch_size', self.config.schedule, request_size),
+                  ('num_pieces', self.config.pieces, lambda pieces: protocol.request_num_pieces(control, pieces)))
+        for kind, table, request in tables:
+            value = scheduled_value(table, step)
+            if value is None or not (force or changes_at(table, step)):
+                continue
+            request(value)
+            if not force:  # at the start the integration records whether anything changed
                 protocol.record_decision(
                     control,
-                    DecisionRecord(self.name, 'batch_size', 'schedule', {
-                        'old': scheduled_value(self.config.schedule, step - 1),
-                        'new': size
-                    }, step=step))
-        pieces = scheduled_value(self.config.pieces, step)
-        if pieces is not None and (force or changes_at(self.config.pieces, step)):
-            protocol.request_num_pieces(control, pieces)
-            if not force:
-                protocol.record_decision(
-                    control,
-                    DecisionRecord(self.name, 'num_pieces', 'schedule', {
-                        'old': scheduled_value(self.config.pieces, step - 1),
-                        'new': pieces
+                    DecisionRecord(self.name, kind, 'schedule', {
+                        'old': scheduled_value(table, step - 1),
+                        'new': value
                     }, step=step))
