@@ -144,7 +144,7 @@ class Integration:
             self._held = [
                 replace(r, values={**r.values, 'pending': True},
                         message=f'{r.message}; pending at the end of training (a resumed run applies it)'.lstrip('; '))
-                for r in self._held
+                if _is_request_record(r) else r for r in self._held
             ]
         self.flush()
 
@@ -559,6 +559,12 @@ class Integration:
             return
         components = [self] + ([self.loader] if self.loader is not None else []) + self.callback_components()
         write_state(checkpoint_dir, build_payload(components, self.snapshot_config()))
+
+
+def _is_request_record(record: DecisionRecord) -> bool:
+    """A record that goes with a batch-size / pieces / LR-scale request (applied at the next step boundary)."""
+    return record.kind in ('batch_size', 'num_pieces', 'lr_scale') or any(k in record.values
+                                                                          for k in ('num_pieces', 'lr_scale'))
 
 
 class ScaledLambda:
