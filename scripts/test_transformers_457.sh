@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end tests (real tiny `swift sft` LoRA runs) under transformers 4.57.6, in their own venv (.venv-tf457).
+# End-to-end tests (real tiny `swift sft` LoRA runs, incl. batch growth) under transformers 4.57.6, in their own venv (.venv-tf457).
 # The pins are the combination checked with `pip check` and the e2e tests: ms-swift 4.6.0 accepts transformers
 # 4.57.6 as is; peft / trl / accelerate are pinned to the releases pip resolves for it today, so a later release
 # that drops 4.57 support cannot break this job. torch is pinned in the same pip command so pip takes the CPU wheel.
@@ -43,4 +43,4 @@ fi
 "$TF457_VENV/bin/python" -c 'import transformers, swift; print("transformers", transformers.__version__, "ms-swift", swift.__version__)'
 echo "[test_transformers_457] environment ready in $(( $(date +%s) - start ))s"
 
-"$TF457_VENV/bin/python" -m pytest tests/test_e2e_swift.py -q -p no:cacheprovider "$@"
+"$TF457_VENV/bin/python" -m pytest tests/test_e2e_swift.py tests/test_batch_growth.py -m e2e -q -p no:cacheprovider "$@"
