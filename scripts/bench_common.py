@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shlex
+from pathlib import Path
 
 
 def machine_lines(argv: list[str]) -> list[str]:
@@ -25,3 +27,17 @@ def machine_lines(argv: list[str]) -> list[str]:
         f'Versions: torch {torch.__version__}, transformers {transformers.__version__}, ms-swift '
         f'{swift.__version__}, swift_dynamic_callbacks {sdc.__version__}',
     ]
+
+
+def base_parser(doc: str, repo: Path, work_dir_name: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ``--work-dir`` (under ``<repo>/.cache``), ``--seed``, ``--json``,
+    ``--verbose``; each script adds its own."""
+    parser = argparse.ArgumentParser(description=doc.split('\n\n')[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--work-dir', default=str(repo / '.cache' / work_dir_name),
+                        help=f'model, data and run outputs (default: <repo>/.cache/{work_dir_name}, git-ignored)')
+    parser.add_argument('--seed', type=int, default=42)
+    parser.add_argument('--json', default=None, help='also write all raw numbers to this JSON file')
+    parser.add_argument('--verbose', dest='quiet', action='store_false',
+                        help='show the ms-swift / HF output of every run (hidden by default)')
+    return parser

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import machine_lines
+from bench_common import base_parser, machine_lines
 
 REPO = Path(__file__).resolve().parent.parent
 LAST_LOSSES = 5
@@ -275,10 +275,7 @@ def _report(results: list[dict[str, Any]], opts: argparse.Namespace, argv: list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--work-dir', default=str(REPO / '.cache' / 'bench-growth'),
-                        help='model, data and run outputs (default: <repo>/.cache/bench-growth, git-ignored)')
+    parser = base_parser(__doc__, REPO, 'bench-growth')
     parser.add_argument('--rows', type=int, default=64, help='gsm8k rows (default 64)')
     parser.add_argument('--epochs', type=float, default=2, help='num_train_epochs of every run (default 2)')
     parser.add_argument('--small', type=int, default=1, help='small per-device batch, growth start (default 1)')
@@ -289,10 +286,6 @@ def main(argv: list[str] | None = None) -> int:
                         help='torch.set_num_threads for all runs (default 1; 0: torch\'s own choice). With 2 '
                         'threads on a 2-core machine that also runs other jobs, a step can take ~10x longer (the '
                         'threads wait for each other); 1 thread keeps the default run in a few minutes')
-    parser.add_argument('--seed', type=int, default=42)
-    parser.add_argument('--json', default=None, help='also write all raw numbers to this JSON file')
-    parser.add_argument('--verbose', dest='quiet', action='store_false',
-                        help='show the ms-swift / HF output of every run (hidden by default)')
     opts = parser.parse_args(argv)
     from swift_dynamic_callbacks.tiny import GSM8K_ROWS, build_tiny_model, write_gsm8k_dataset
     if not 1 <= opts.rows <= GSM8K_ROWS:

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import machine_lines
+from bench_common import base_parser, machine_lines
 
 REPO = Path(__file__).resolve().parent.parent
 TIMER_NAME = 'bench_step_timer'
@@ -361,10 +361,7 @@ def _report(results: list[tuple[dict, dict]], opts: argparse.Namespace, argv: li
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--work-dir', default=str(REPO / '.cache' / 'bench'),
-                        help='model, data and run outputs (default: <repo>/.cache/bench, git-ignored)')
+    parser = base_parser(__doc__, REPO, 'bench')
     parser.add_argument('--rounds', type=int, default=3, help='alternating plain/pack rounds (default 3)')
     parser.add_argument('--max-steps', type=int, default=30, help='optimizer steps per run (default 30)')
     parser.add_argument('--batch-size', type=int, default=2, help='per-device train batch size (default 2)')
@@ -376,14 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--threads', type=int, default=None,
                         help='torch.set_num_threads for both sides (default: torch\'s own choice); 1 keeps a second '
                         'core free, which steadies the figures on a machine shared with other jobs')
-    parser.add_argument('--seed', type=int, default=42)
     parser.add_argument('--target', type=float, default=1.02, help='ratio target printed as PASS/FAIL (1.02)')
     parser.add_argument('--breakdown', action='store_true',
                         help='afterwards, one more plain and pack run with timed hooks: ms per step in each of the '
                         'integration\'s entry points (not part of the ratio)')
-    parser.add_argument('--json', default=None, help='also write all raw numbers to this JSON file')
-    parser.add_argument('--verbose', dest='quiet', action='store_false',
-                        help='show the ms-swift / HF output of every run (hidden by default)')
     opts = parser.parse_args(argv)
     if opts.rounds < 1 or opts.max_steps < 2 or not 0 <= opts.warmup < opts.max_steps - 1:
         parser.error('need --rounds >= 1 and 0 <= --warmup < --max-steps - 1')
