@@ -6,6 +6,7 @@ Commands:
     swift-dynamic check CONFIG.yaml                    validate only (exit 2 with the error on bad settings)
     swift-dynamic plugin-path                          print the plugin file for ``external_plugins``
     swift-dynamic prepare-demo DIR                     build the tiny Qwen2 model + dataset the demo config uses
+    swift-dynamic report OUTPUT_DIR [--out DIR]        write dynamic_report.png and dynamic_report.md for a run
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo = sub.add_parser('prepare-demo', help='build the tiny model and dataset of the demo config')
     p_demo.add_argument('dir')
     p_demo.add_argument('--rows', type=int, default=256)
+    p_report = sub.add_parser('report', help='plot a run and summarise its decisions (PNG + markdown)')
+    p_report.add_argument('output_dir', help='the ms-swift output_dir of the run')
+    p_report.add_argument('--out', default=None, help='where to write the report (default: OUTPUT_DIR)')
     args, extra = parser.parse_known_args(argv)
     if args.command != 'sft' and extra:
         parser.error(f'unrecognized arguments: {" ".join(extra)}')
@@ -90,6 +94,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f'swift-dynamic: configuration error: {e}', file=sys.stderr)
         return 2
+    if args.command == 'report':
+        from .report import ReportError, write_report
+        try:
+            png, md = write_report(args.output_dir, args.out)
+        except ReportError as e:
+            print(f'swift-dynamic report: {e}', file=sys.stderr)
+            return 2
+        print(f'report: {md}\nplot: {png}')
+        return 0
     if args.command == 'plugin-path':
         print(PLUGIN_FILE)
         return 0
