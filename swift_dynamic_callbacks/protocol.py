@@ -18,6 +18,11 @@ flag                        set by               read by                      cl
                             (append only)        decision log (rank 0)        boundary, log and save
 ``dynamic_metrics``         any callback         integration: merged into     never; a key keeps its last value
                             (per-key overwrite)  every training log line      until its owner overwrites it
+``measure_grad_noise``      any callback         integration, at every step   never (a standing request: set it
+                            (``True``)           boundary                     back to ``False`` to stop)
+``grad_noise_sample``       the integration      callbacks, in                by the integration at the next step
+                            (after a step's      ``on_step_end``              boundary
+                            last backward)
 ==========================  ===================  ===========================  ====================================
 
 Semantics:
@@ -38,6 +43,10 @@ Semantics:
 - A request made during step ``N`` (``on_step_end``, ``on_log``, ``on_save``, ``on_evaluate`` ...) takes effect
   from optimizer step ``N + 1``. Requests made in ``on_step_begin`` apply one step later (the micro-batches of
   the running step are already drawn).
+- ``measure_grad_noise = True`` asks the integration to measure, in every optimizer step with at least two
+  forward/backward passes, the squared gradient norm after the first pass and after the last one, and to hand
+  them over as ``grad_noise_sample`` (a :class:`GradNoiseSample`) for the step's ``on_step_end``. It costs one
+  sum of squares over the trainable parameters' gradients twice a step; no extra forward/backward pass.
 - Two requests for the same flag before a boundary: the last one wins. Different sizes through both forms
   (``new_batch_size`` and ``new_dataloader``) at the same boundary are a conflict and raise.
 
@@ -62,11 +71,13 @@ NEW_NUM_PIECES = 'new_num_pieces'
 NEW_LR_SCALE = 'new_lr_scale'
 DYNAMIC_DECISIONS = 'dynamic_decisions'
 DYNAMIC_METRICS = 'dynamic_metrics'
+MEASURE_GRAD_NOISE = 'measure_grad_noise'
+GRAD_NOISE_SAMPLE = 'grad_noise_sample'
 
 #: Flags that request a change and are cleared once the integration applied them.
 REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE)
 #: Every attribute this protocol defines on ``TrainerControl``.
-ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS)
+ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE)
 
 
 @dataclass(frozen=True)
@@ -88,6 +99,37 @@ class BatchRequest:
     @property
     def empty(self) -> bool:
         return self.batch_size is None and self.num_pieces is None and self.lr_scale is None
+
+
+@dataclass(frozen=True)
+class GradNoiseSample:
+    """Gradient norms of one optimizer step, measured by the integration for ``measure_grad_noise``.
+
+    Both norms are of *mean* gradients (per loss token), so they are comparable whatever the loss normalisation:
+    ``small_sqnorm`` is ``|g|^2`` of the step's first forward/backward pass alone (``small_tokens`` loss tokens),
+    ``big_sqnorm`` that of the whole step's accumulated gradient (``big_tokens`` loss tokens over all ranks,
+    ``samples`` samples over all ranks), before clipping.
+    """
+
+    small_sqnorm: float
+    small_tokens: int
+    big_sqnorm: float
+    big_tokens: int
+    samples: int
+
+
+def request_grad_noise(control: Any, enabled: bool = True) -> None:
+    """Ask the integration for a :class:`GradNoiseSample` after every optimizer step (standing request)."""
+    setattr(control, MEASURE_GRAD_NOISE, bool(enabled))
+
+
+def grad_noise_requested(control: Any) -> bool:
+    return bool(getattr(control, MEASURE_GRAD_NOISE, False))
+
+
+def grad_noise_sample(control: Any) -> GradNoiseSample | None:
+    """The sample of the step that just ended (``None`` when the step had a single pass or none was asked)."""
+    return getattr(control, GRAD_NOISE_SAMPLE, None)
 
 
 def _positive_int(name: str, value: Any) -> int:

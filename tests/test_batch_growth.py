@@ -70,6 +70,7 @@ def bad_size(step, batch_size):
     ({'lr_scaling': 'cubic'}, 'lr_scaling'),
     ({'apply_at': 'never'}, 'apply_at'),
     ({'micro_batch_cap': 0}, 'micro_batch_cap'),
+    ({'noise_decay': 1.0}, 'noise_decay'),
 ])
 def test_bad_config_names_the_field(settings, field):
     with pytest.raises(ConfigError) as e:
@@ -206,5 +207,34 @@ def test_epoch_budget_growth_runs_the_whole_lr_schedule(tmp_path, tiny_qwen, gsm
         # the growths 9 and 7: each time the rest of the schedule is stretched to end with the data
         stretched = [d['values']['new'] for d in decisions(out) if d['kind'] == 'max_steps' and d['reason'] != 'epoch_budget']
         assert stretched == [16, 9, 7]
+    finally:
+        plugin._configured = None
+
+
+@pytest.mark.e2e
+def test_sample_budget_max_steps_counts_samples(tmp_path, tiny_qwen, gsm8k_16):
+    """max_steps_unit: samples -- max_steps 12 at batch 2 is 24 samples; growing the batch means fewer steps."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    try:
+        sdc.register(batch_growth={'initial': 2, 'factor': 2, 'interval': 2, 'maximum': 8, 'lr_scaling': 'none'},
+                     integration={'max_steps_unit': 'samples', 'record_samples': True})
+        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth'], max_steps=12,
+                      per_device_train_batch_size=2, lr_scheduler_type='linear', warmup_ratio=0.0,
+                      learning_rate=1e-3)
+        trace = sample_trace(out)
+        used = [sum(len(b) for b in row['batches']) for row in trace]
+        # 2, 2, 4, 4 (12 samples), then 8: the epoch's last 4, then 8 of epoch 1 -> 24 samples in 6 steps
+        assert used == [2, 2, 4, 4, 4, 8] and sum(used) == 24
+        by_epoch = indices_by_epoch(trace)
+        assert sorted(by_epoch[0]) == list(range(16)) and len(set(by_epoch[1])) == 8
+        logs = train_logs(out)
+        assert len(logs) == 6 and logs[-1]['global_step/max_steps'] == '6/6'  # the progress total is honest
+        lrs = [row['learning_rate'] for row in logs]
+        assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+        budget = [d for d in decisions(out) if d['kind'] == 'max_steps' and d['reason'] == 'sample_budget']
+        assert budget and budget[0]['values']['budget_samples'] == 24
+        stops = [d for d in decisions(out) if d['kind'] == 'stop']
+        assert [d['reason'] for d in stops] == ['sample_budget']
     finally:
         plugin._configured = None

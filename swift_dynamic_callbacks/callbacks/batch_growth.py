@@ -8,13 +8,14 @@ from typing import Any, Callable, Mapping
 
 from .. import protocol
 from ..config import ConfigError, check_choice, check_int
-from ..policies.growth import interval_size, loss_variability_size, lr_scale, pieces_for_cap
+from ..policies.growth import (critical_batch, ema, interval_size, loss_variability_size, lr_scale, noise_scale_size,
+                               noise_scale_terms, pieces_for_cap)
 from ..policies.schedule import scheduled_value
 from ..records import DecisionRecord
 from .base import DynamicCallback
 from .batch_schedule import _int_table
 
-POLICIES = ('interval', 'table', 'callable', 'loss_variability')
+POLICIES = ('interval', 'table', 'callable', 'loss_variability', 'noise_scale')
 
 
 def import_callable(path: str) -> Callable[[int, int], int]:
@@ -45,7 +46,9 @@ class BatchGrowthConfig:
         policy: ``interval`` (grow by ``factor`` every ``interval`` steps), ``table`` (``{step: size}``),
             ``callable`` (``function(step, batch_size) -> batch_size``, called after every optimizer step) or
             ``loss_variability`` (every ``interval`` steps, grow by ``factor`` while the coefficient of variation
-            of the last ``window`` logged training losses is above ``threshold``).
+            of the last ``window`` logged training losses is above ``threshold``) or ``noise_scale`` (every
+            ``interval`` steps, grow toward the critical batch size estimated from the gradient noise scale, see
+            below).
         initial: per-device batch size at the start (and before the first ``table`` key).
         factor: interval growth factor, in (1, 8]; fractional factors round up and every growth adds >= 1.
         interval: optimizer steps between growths (interval policy) or between checks (loss_variability).
@@ -66,6 +69,16 @@ class BatchGrowthConfig:
         threshold: coefficient of variation above which the loss counts as noisy (default 0.05: step-to-step
             loss of an LLM fine-tune at a small batch typically varies by 5-15 % of its value, and by less once the
             batch averages enough samples).
+        noise_decay: EMA decay of the noise-scale terms (default 0.95, about 20 steps of memory: one step's
+            estimate from a single small pass is very noisy, and McCandlish et al. smooth both terms the same way).
+            The noise_scale policy also waits for ``window`` measured steps before its first decision.
+
+    The ``noise_scale`` policy estimates B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018) from gradients
+    gradient accumulation already computes: the integration measures the mean-gradient norm after a step's first
+    forward/backward pass and after its last (``protocol.measure_grad_noise``; no extra passes). B_simple is in
+    loss tokens; divided by the mean tokens per sample it is a global batch in samples, and divided by
+    ``gradient_accumulation_steps x world size`` the per-device size to grow toward. It needs at least two passes
+    per step: ``gradient_accumulation_steps >= 2`` or ``micro_batch_cap`` below the batch size.
     """
 
     policy: str = 'interval'
@@ -82,6 +95,7 @@ class BatchGrowthConfig:
     apply_at: str = 'step'
     window: int = 20
     threshold: float = 0.05
+    noise_decay: float = 0.95
 
     def __post_init__(self) -> None:
         check_choice('policy', self.policy, POLICIES)
@@ -105,6 +119,9 @@ class BatchGrowthConfig:
         check_int('window', self.window, minimum=2)
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or self.threshold <= 0:
             raise ConfigError(f'threshold: must be a number > 0, got {self.threshold!r}')
+        if isinstance(self.noise_decay, bool) or not isinstance(self.noise_decay,
+                                                                  (int, float)) or not 0 <= self.noise_decay < 1:
+            raise ConfigError(f'noise_decay: must be a number in [0, 1), got {self.noise_decay!r}')
         if self.policy == 'callable':
             if self.function is None:
                 raise ConfigError('function: the callable policy needs function: "package.module:function"')
@@ -129,8 +146,11 @@ class BatchGrowthCallback(DynamicCallback):
     next step, or holds it for the epoch end with ``apply_at: epoch``), ``on_epoch_end`` (held change).
     Flags set: ``new_batch_size``, ``new_num_pieces`` (micro-batch cap), ``new_lr_scale``, ``dynamic_decisions``.
     Hooks also: ``on_log`` (collects training losses for the loss_variability policy).
+    Flags also: ``measure_grad_noise`` (noise_scale policy); reads ``grad_noise_sample`` in ``on_step_end`` and
+    publishes ``dynamic/grad_noise_scale`` (critical global batch, samples) in ``dynamic_metrics``.
     State: ``batch_size`` (last requested), ``pending`` (held for the epoch end), ``losses`` (loss_variability
-    window); the loader's position and the LR scale are restored by the integration.
+    window), ``noise`` (noise_scale EMAs and sample count); the loader's position and the LR scale are restored by
+    the integration.
     """
 
     name = 'batch_growth'
@@ -141,6 +161,8 @@ class BatchGrowthCallback(DynamicCallback):
         self.batch_size: int | None = None
         self.pending: int | None = None
         self.losses: list[float] = []
+        self.noise: dict[str, Any] = {'g2': None, 'trace': None, 'tokens_per_sample': None, 'count': 0}
+        self.critical_per_device: float | None = None
         self._fn = self.config.resolved_function() if self.config.policy == 'callable' else None
 
     # ---- policy ----------------------------------------------------------------------------------------
@@ -156,17 +178,59 @@ class BatchGrowthCallback(DynamicCallback):
             due = step >= c.delay + c.interval and (step - c.delay) % c.interval == 0
             size = loss_variability_size(self.losses, current, window=c.window, threshold=c.threshold,
                                          factor=c.factor, maximum=c.maximum) if due else current
+        elif c.policy == 'noise_scale':
+            due = step >= c.delay + c.interval and (step - c.delay) % c.interval == 0
+            warm = self.noise['count'] >= c.window
+            size = noise_scale_size(self.critical_per_device, current, factor=c.factor,
+                                    maximum=c.maximum) if due and warm else current
         else:
             size = _checked_size(self._fn(step, current), f'for (step={step}, batch_size={current})')
         return min(size, c.maximum)
 
+    def observe_noise(self, sample: protocol.GradNoiseSample, passes_per_step: int) -> float | None:
+        """Fold one step's gradient norms into the EMAs; returns the critical global batch in samples."""
+        c, n = self.config, self.noise
+        if sample.small_tokens <= 0 or sample.big_tokens <= sample.small_tokens or sample.samples <= 0:
+            return self._critical_samples(passes_per_step)
+        g2, trace = noise_scale_terms(sample.small_sqnorm, sample.small_tokens, sample.big_sqnorm, sample.big_tokens)
+        n['g2'] = ema(n['g2'], g2, c.noise_decay)
+        n['trace'] = ema(n['trace'], trace, c.noise_decay)
+        n['tokens_per_sample'] = ema(n['tokens_per_sample'], sample.big_tokens / sample.samples, c.noise_decay)
+        n['count'] += 1
+        return self._critical_samples(passes_per_step)
+
+    def _critical_samples(self, passes_per_step: int) -> float | None:
+        n = self.noise
+        tokens = critical_batch(n['g2'], n['trace']) if n['g2'] is not None else None
+        if tokens is None or not n['tokens_per_sample']:
+            self.critical_per_device = None
+            return None
+        samples = tokens / n['tokens_per_sample']
+        self.critical_per_device = samples / passes_per_step
+        return samples
+
     # ---- hooks -----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
+        if self.config.policy == 'noise_scale':
+            cap = self.config.micro_batch_cap
+            if args.gradient_accumulation_steps < 2 and not (cap is not None and cap < self.config.maximum):
+                raise ConfigError(
+                    'dynamic_callbacks.batch_growth.policy: noise_scale needs at least two forward/backward passes '
+                    f'per optimizer step to compare gradients, but gradient_accumulation_steps is '
+                    f'{args.gradient_accumulation_steps} and micro_batch_cap is {cap}; set '
+                    'gradient_accumulation_steps >= 2 (or a micro_batch_cap below maximum)')
+            protocol.request_grad_noise(control)
         if self.batch_size is None:  # fresh start (a resume restores batch_size from the checkpoint)
             self._request(args, control, self.target(state.global_step, self.config.initial), state.global_step,
                           reason='start')
 
     def on_step_end(self, args, state, control, **kwargs):
+        sample = protocol.grad_noise_sample(control) if self.config.policy == 'noise_scale' else None
+        if sample is not None:
+            passes = args.gradient_accumulation_steps * max(getattr(args, 'world_size', 1), 1)
+            critical = self.observe_noise(sample, passes)
+            if critical is not None:
+                protocol.publish_metrics(control, {'dynamic/grad_noise_scale': round(critical, 3)})
         size = self.target(state.global_step, self.batch_size or self.config.initial)
         if size == self.batch_size:
             self.pending = None
@@ -194,6 +258,9 @@ class BatchGrowthCallback(DynamicCallback):
         protocol.request_num_pieces(control, pieces)
         protocol.request_lr_scale(control, scale)
         per_step = args.gradient_accumulation_steps * max(getattr(args, 'world_size', 1), 1)
+        extra = {}
+        if c.policy == 'noise_scale' and self.critical_per_device is not None:
+            extra = {'critical_global_batch': round(self.critical_per_device * per_step, 3)}
         protocol.record_decision(
             control,
             DecisionRecord(
@@ -202,7 +269,8 @@ class BatchGrowthCallback(DynamicCallback):
                     'new': size,
                     'num_pieces': pieces,
                     'global_batch_size': size * per_step,
-                    'lr_scale': scale
+                    'lr_scale': scale,
+                    **extra
                 },
                 message=f'global batch {old * per_step if old else "-"} -> {size * per_step}, lr x{scale:.4g}',
                 step=step))
@@ -213,9 +281,17 @@ class BatchGrowthCallback(DynamicCallback):
 
     # ---- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {'batch_size': self.batch_size, 'pending': self.pending, 'losses': list(self.losses)}
+        return {
+            'batch_size': self.batch_size,
+            'pending': self.pending,
+            'losses': list(self.losses),
+            'noise': dict(self.noise),
+            'critical_per_device': self.critical_per_device
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.batch_size = state.get('batch_size')
         self.pending = state.get('pending')
         self.losses = [float(x) for x in state.get('losses', [])]
+        self.noise = {**self.noise, **state.get('noise', {})}
+        self.critical_per_device = state.get('critical_per_device')

@@ -35,7 +35,7 @@ import torch
 from transformers import TrainerCallback
 
 from .. import distributed, protocol
-from ..config import ConfigError, check_bool, from_mapping, to_mapping
+from ..config import ConfigError, check_bool, check_choice, from_mapping, to_mapping
 from ..loader import ElasticDataLoader, EmptyMicroBatch
 from ..policies.data_plan import piece_bounds, steps_to_budget
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
@@ -61,14 +61,21 @@ class IntegrationConfig:
         record_samples: write ``dynamic_samples.rank<R>.jsonl`` with the dataset indices of every micro-batch
             (an audit trail of exactly-once data; small: one line per optimizer step).
         log_values: merge the current batch size, pieces, global batch and samples seen into training logs.
+        max_steps_unit: what ``max_steps`` counts when the batch size changes: ``steps`` (default: optimizer
+            steps, whatever their size; HF's meaning) or ``samples`` (a data budget of ``max_steps`` steps at the
+            configured ``per_device_train_batch_size`` x ``gradient_accumulation_steps`` samples per device: growing the batch then means fewer, larger steps, and training stops at the
+            first step boundary where the budget of samples is used; the LR schedule, ``state.max_steps`` and the
+            progress bar follow the step count the budget needs at the current batch size).
     """
 
     record_samples: bool = False
     log_values: bool = True
+    max_steps_unit: str = 'steps'
 
     def __post_init__(self) -> None:
         check_bool('record_samples', self.record_samples)
         check_bool('log_values', self.log_values)
+        check_choice('max_steps_unit', self.max_steps_unit, ('steps', 'samples'))
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None) -> 'IntegrationConfig':
@@ -94,7 +101,8 @@ class Integration:
         self.pack_config = dict(pack_config or {})
         self.loader: ElasticDataLoader | None = None
         self.decisions = DecisionLog(None, enabled=False)
-        self.epoch_budget: float | None = None  # num_train_epochs, for epoch-based runs
+        self.epoch_budget: float | None = None  # num_train_epochs (or a sample budget as epochs of data)
+        self._budget_reason = 'epoch_budget'
         self.scheduler_steps: int | None = None  # the LR schedule's length in epoch-based runs
         self._user_max_steps: int | None = None
         self._resume_payload: dict[str, Any] | None = None
@@ -102,6 +110,7 @@ class Integration:
         self._samples_at_start = 0
         self._scheduler: Any = None
         self._held: list[DecisionRecord] = []  # callbacks' records, written at the next step boundary
+        self._probe: GradNoiseProbe | None = None  # this step's gradient-noise measurement (measure_grad_noise)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def begin_train(self, resume_from_checkpoint: Any) -> None:
@@ -252,24 +261,33 @@ class Integration:
         (:meth:`update_max_steps`); training stops when the budget of data is used (:meth:`after_step`).
         """
         args = self.trainer.args
-        if args.max_steps > 0:
+        entries = loader.entries_per_step
+        if args.max_steps > 0 and self.config.max_steps_unit == 'steps':
             self.epoch_budget = self.scheduler_steps = None
             return
-        epochs = float(args.num_train_epochs)
-        if epochs <= 0:
-            raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs}')
-        entries = loader.entries_per_step
+        if args.max_steps > 0:  # a sample budget: max_steps steps at the initial batch size, as epochs of data
+            budget_samples = args.max_steps * batch_size * entries
+            epochs = budget_samples / max(loader.epoch_size, 1)
+            reason = 'sample_budget'
+            message = (f'max_steps {args.max_steps} at batch size {batch_size} is a budget of {budget_samples} '
+                       'samples per device; training stops when they are used, whatever the batch sizes')
+        else:
+            epochs = float(args.num_train_epochs)
+            if epochs <= 0:
+                raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs}')
+            reason = 'epoch_budget'
+            message = (f'{epochs} epochs at batch size {batch_size} are {{steps}} optimizer steps (the LR schedule\'s '
+                       'length); training stops when the epochs of data are used, whatever the batch sizes')
         self.epoch_budget = epochs
+        self._budget_reason = reason
         self.scheduler_steps = steps_to_budget(0, 0, loader.epoch_size, epochs, batch_size, entries)
+        values = {'num_train_epochs': epochs, 'max_steps': self.scheduler_steps}
+        if reason == 'sample_budget':
+            values = {'budget_samples': budget_samples, 'epochs': epochs, 'max_steps': self.scheduler_steps}
         args.max_steps = steps_to_budget(0, 0, loader.epoch_size, epochs, 1, entries)
+        values['loop_bound'] = args.max_steps
         self._record(
-            DecisionRecord(
-                'integration', 'max_steps', 'epoch_budget', {
-                    'num_train_epochs': epochs,
-                    'max_steps': self.scheduler_steps,
-                    'loop_bound': args.max_steps
-                }, f'{epochs} epochs at batch size {batch_size} are {self.scheduler_steps} optimizer steps (the LR '
-                'schedule\'s length); training stops when the epochs of data are used, whatever the batch sizes'))
+            DecisionRecord('integration', 'max_steps', reason, values, message.format(steps=self.scheduler_steps)))
 
     def update_max_steps(self, state: Any, reason: str) -> None:
         """Keep ``state.max_steps`` (progress, remaining time, HF's stop) equal to the steps the epoch budget needs,
@@ -306,6 +324,15 @@ class Integration:
         pairs = loader.next_step(num_batches)
         real = [batch for indices, batch in pairs if indices]
         _, num_items_in_batch = original(iter(real), len(real), device)
+        setattr(control, protocol.GRAD_NOISE_SAMPLE, None)
+        self._probe = None
+        if protocol.grad_noise_requested(control):
+            if trainer.is_deepspeed_enabled:
+                raise ConfigError('measure_grad_noise (batch_growth policy noise_scale) is not supported under '
+                                  'DeepSpeed: its partitioned gradients cannot be read between passes')
+            self._probe = GradNoiseProbe(
+                len(real), sum(len(indices) for indices, _ in pairs), world=distributed.world_size(),
+                tokens_averaged=bool(getattr(trainer.args, 'average_tokens_across_devices', False)))
         if self.config.record_samples:
             self._write_samples([indices for indices, _ in pairs])
         return [batch for _, batch in pairs], num_items_in_batch
@@ -472,8 +499,8 @@ class Integration:
         if self.epoch_budget is not None and loader.epoch_progress >= self.epoch_budget - 1e-9:
             if not control.should_training_stop:
                 self._record(
-                    DecisionRecord('integration', 'stop', 'epoch_budget', {'epochs': self.epoch_budget},
-                                   f'{self.epoch_budget} epochs of data used'))
+                    DecisionRecord('integration', 'stop', self._budget_reason, {'epochs': self.epoch_budget},
+                                   f'{self.epoch_budget:.6g} epochs of data used'))
             control.should_training_stop = True
 
     # ---- the micro-step -----------------------------------------------------------------------------
@@ -483,13 +510,14 @@ class Integration:
         if isinstance(inputs, EmptyMicroBatch):
             return torch.zeros((), device=self.trainer.args.device)
         pieces = self.loader.num_pieces if self.loader is not None else 1
-        if pieces <= 1:
+        probe = self._probe
+        if pieces <= 1 and probe is None:
             return run(inputs)
         if num_items_in_batch is None:
-            raise RuntimeError('num_pieces > 1 needs the loss normalised by num_items_in_batch (token-sum losses, '
-                               'as ms-swift uses); this model/trainer computes a per-batch mean, so splitting '
-                               'would change the gradient')
-        parts = split_micro_batch(inputs, pieces)
+            raise RuntimeError('num_pieces > 1 and measure_grad_noise need the loss normalised by '
+                               'num_items_in_batch (token-sum losses, as ms-swift uses); this model/trainer computes '
+                               'a per-batch mean, so splitting would change the gradient')
+        parts = split_micro_batch(inputs, pieces) if pieces > 1 else [inputs]
         total = None
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
@@ -497,6 +525,10 @@ class Integration:
             with ctx:
                 loss = run(part)
             total = loss if total is None else total + loss
+            if probe is not None:
+                sample = probe.after_pass(model, part, num_items_in_batch, end_of_micro_batch=last)
+                if sample is not None:
+                    setattr(self.trainer.control, protocol.GRAD_NOISE_SAMPLE, sample)
         return total
 
     # ---- numbers for the logs -------------------------------------------------------------------------
@@ -599,6 +631,61 @@ class ScaledLambda:
     def __call__(self, step: int) -> float:
         v = self.virtual_step(step)
         return self._fn(int(v) if float(v).is_integer() else v) * self.scale
+
+
+class GradNoiseProbe:
+    """Measures one optimizer step's mean-gradient norms for ``measure_grad_noise`` (no extra passes).
+
+    After the step's first forward/backward pass the accumulated gradient is that pass's alone; after the last
+    pass of the last micro-batch it is the whole step's (synchronised across ranks). Under ms-swift's token-sum
+    loss a pass's gradient is ``k * sum of its tokens' gradients`` with ``k = 1 / num_items_in_batch`` (times the
+    world size when ``average_tokens_across_devices``), so the first pass's *mean* gradient is its gradient over
+    ``k * tokens``; the accumulated gradient already is a mean. Cost: one sum of squares over the trainable
+    parameters' gradients after the first and after the last pass.
+    """
+
+    def __init__(self, micro_batches: int, samples: int, *, world: int, tokens_averaged: bool) -> None:
+        self.remaining = micro_batches
+        self.samples = samples
+        self.world = world
+        self.tokens_averaged = tokens_averaged
+        self.passes = 0
+        self.small: tuple[float, int] | None = None
+
+    def after_pass(self, model: Any, part: Mapping[str, Any], num_items_in_batch: Any, *,
+                   end_of_micro_batch: bool) -> protocol.GradNoiseSample | None:
+        self.passes += 1
+        if self.passes == 1:
+            tokens = _loss_tokens(part)
+            normaliser = float(num_items_in_batch)
+            scale = normaliser / (tokens * (self.world if self.tokens_averaged else 1)) if tokens else 0.0
+            self.small = (_grad_sqnorm(model) * scale * scale, tokens)
+        if not end_of_micro_batch:
+            return None
+        self.remaining -= 1
+        if self.remaining > 0 or self.passes < 2 or self.small is None:
+            return None
+        total_tokens = int(num_items_in_batch) * (1 if self.tokens_averaged or self.world == 1 else self.world)
+        return protocol.GradNoiseSample(
+            small_sqnorm=self.small[0],
+            small_tokens=self.small[1],
+            big_sqnorm=_grad_sqnorm(model),
+            big_tokens=total_tokens,
+            samples=self.samples * self.world)
+
+
+def _loss_tokens(inputs: Mapping[str, Any]) -> int:
+    labels = inputs.get('labels')
+    if not isinstance(labels, torch.Tensor):
+        raise RuntimeError('measure_grad_noise needs a labels tensor in every micro-batch to count loss tokens')
+    return int(labels.ne(-100).sum())
+
+
+def _grad_sqnorm(model: Any) -> float:
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(sum(torch.linalg.vector_norm(g.float())**2 for g in grads))
 
 
 def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchRequest:

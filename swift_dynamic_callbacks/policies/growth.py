@@ -72,3 +72,50 @@ def loss_variability_size(losses: Sequence[float], current: int, *, window: int,
         return current
     cv = statistics.pstdev(recent) / mean
     return grow_once(current, factor, maximum) if cv > threshold else current
+
+
+def noise_scale_terms(small_sqnorm: float, small_batch: float, big_sqnorm: float,
+                      big_batch: float) -> tuple[float, float]:
+    """Unbiased estimates of ``|G|^2`` and ``tr(Sigma)`` from mean-gradient norms at two batch sizes.
+
+    McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", appendix A.1): with ``|g_b|^2`` the
+    squared norm of a mean gradient over a batch of ``b`` (here in loss tokens),
+    ``E|g_b|^2 = |G|^2 + tr(Sigma) / b``, so for ``b < B``::
+
+        |G|^2    ~ (B |g_B|^2 - b |g_b|^2) / (B - b)
+        tr(Sigma) ~ (|g_b|^2 - |g_B|^2) / (1 / b - 1 / B)
+
+    One step's pair is very noisy (either term can be negative); smooth both (:func:`ema`) before dividing.
+    """
+    if not 0 < small_batch < big_batch:
+        raise ValueError(f'noise_scale_terms: need 0 < small_batch < big_batch, got {small_batch}, {big_batch}')
+    g2 = (big_batch * big_sqnorm - small_batch * small_sqnorm) / (big_batch - small_batch)
+    trace = (small_sqnorm - big_sqnorm) / (1 / small_batch - 1 / big_batch)
+    return g2, trace
+
+
+def ema(previous: float | None, value: float, decay: float) -> float:
+    """Exponential moving average ``decay * previous + (1 - decay) * value`` (``value`` when there is none yet)."""
+    return value if previous is None else decay * previous + (1 - decay) * value
+
+
+def critical_batch(g2: float, trace: float) -> float | None:
+    """The simple noise scale ``B_simple = tr(Sigma) / |G|^2`` (the batch size, in the units the terms were
+    measured in, past which a larger batch stops paying off); ``None`` while the estimate is not positive."""
+    if g2 <= 0 or trace <= 0 or not math.isfinite(g2) or not math.isfinite(trace):
+        return None
+    return trace / g2
+
+
+def noise_scale_size(critical_per_device: float | None, current: int, *, factor: float, maximum: int) -> int:
+    """Grow toward the critical batch: one :func:`grow_once` step, but not past ``floor(critical)``; never shrink.
+
+    ``critical_per_device`` is the critical global batch (samples) divided by passes-per-step times ranks, i.e.
+    the per-device micro-batch size that would reach it. ``None`` (no estimate yet): hold.
+    """
+    if critical_per_device is None:
+        return current
+    target = min(maximum, math.floor(critical_per_device))
+    if target <= current:
+        return current
+    return min(grow_once(current, factor, maximum), target)
