@@ -3,5 +3,9 @@
 from .base import DynamicCallback
 from .batch_growth import BatchGrowthCallback, BatchGrowthConfig
 from .batch_schedule import BatchScheduleCallback, BatchScheduleConfig
+from .training_log import TrainingLogCallback, TrainingLogConfig
 
-__all__ = ['BatchGrowthCallback', 'BatchGrowthConfig', 'DynamicCallback', 'BatchScheduleCallback', 'BatchScheduleConfig']
+__all__ = [
+    'BatchGrowthCallback', 'BatchGrowthConfig', 'DynamicCallback', 'BatchScheduleCallback', 'BatchScheduleConfig',
+    'TrainingLogCallback', 'TrainingLogConfig'
+]

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from ..callbacks import BatchGrowthCallback, BatchScheduleCallback, DynamicCallback
+from ..callbacks import BatchGrowthCallback, BatchScheduleCallback, DynamicCallback, TrainingLogCallback
 from ..config import ConfigError
 from .trainer import IntegrationConfig, install
 
@@ -27,7 +27,10 @@ SECTION = 'dynamic_callbacks'
 PLUGIN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'swift_plugin.py')
 
 #: Every pack callback by its ms-swift name.
-CALLBACKS: dict[str, type[DynamicCallback]] = {cls.name: cls for cls in (BatchGrowthCallback, BatchScheduleCallback)}
+CALLBACKS: dict[str, type[DynamicCallback]] = {
+    cls.name: cls
+    for cls in (BatchGrowthCallback, BatchScheduleCallback, TrainingLogCallback)
+}
 
 
 @dataclass(frozen=True)
