@@ -41,6 +41,20 @@ def test_cpu_memory_figures():
     assert 0 < figures['dynamic/memory_rss_gib'] <= figures['dynamic/memory_peak_gib'] * 1.01
 
 
+def test_cuda_memory_figures(monkeypatch):
+    """No GPU here: torch.cuda's counters faked, to check the keys and units of the CUDA branch."""
+    import torch
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'is_initialized', lambda: True)
+    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 0)
+    monkeypatch.setattr(torch.cuda, 'max_memory_allocated', lambda device=None: 3 * gib)
+    monkeypatch.setattr(torch.cuda, 'max_memory_reserved', lambda device=None: 4 * gib)
+    monkeypatch.setattr(torch.cuda, 'memory_allocated', lambda device=None: gib // 2)
+    assert memory_figures() == {'dynamic/memory_peak_gib': 3.0, 'dynamic/memory_reserved_gib': 4.0,
+                                'dynamic/memory_allocated_gib': 0.5}
+
+
 def _objects(tmp_path, **state):
     from transformers import TrainerControl, TrainerState, TrainingArguments
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=1,
