@@ -1,0 +1,254 @@
+"""Early stopping on an evaluation metric or a logged training value, with patience that survives resume."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .. import distributed, protocol
+from ..config import ConfigError, check_choice, check_int
+from ..policies.stopping import MODES, StopReason, stop_decision
+from ..records import DecisionRecord
+from .base import DynamicCallback
+
+RESUME_STOPPED = ('stop', 'continue')
+
+
+def _check_number(name: str, value: Any, *, optional: bool = False, minimum: float | None = None) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f'{name}: expected a finite number{" or null" if optional else ""}, got {value!r}')
+    if minimum is not None and value < minimum:
+        raise ConfigError(f'{name}: must be >= {minimum}, got {value!r}')
+
+
+@dataclass(frozen=True)
+class EarlyStoppingConfig:
+    """Settings of :class:`EarlyStoppingCallback` (YAML key ``dynamic_callbacks.early_stopping``).
+
+    Attributes:
+        monitor: the value to watch, exactly as logged. Names starting with ``eval_`` (``eval_loss``,
+            ``eval_token_acc``) are checked after every evaluation; other names (``loss``, ``grad_norm``) on every
+            training log line (``logging_steps``).
+        mode: ``min`` (lower is better) or ``max``.
+        patience: checks in a row without improvement before stopping (evaluations, or log lines for a training
+            value).
+        min_delta: how much better than the best a value must be to count as an improvement (>= 0).
+        threshold: stop as soon as the value reaches it (``<=`` in mode min, ``>=`` in max); ``None``: off.
+        divergence: stop as soon as the value is past it the wrong way (``>`` in mode min, ``<`` in max);
+            ``None``: off.
+        resume_stopped: what a resumed run that had already stopped does: ``stop`` again at once (default), or
+            ``continue`` (patience starts over; both are recorded in the decision log).
+    """
+
+    monitor: str = 'eval_loss'
+    mode: str = 'min'
+    patience: int = 3
+    min_delta: float = 0.0
+    threshold: float | None = None
+    divergence: float | None = None
+    resume_stopped: str = 'stop'
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.monitor, str) or not self.monitor:
+            raise ConfigError(f'monitor: expected a logged metric name such as "eval_loss" or "loss", '
+                              f'got {self.monitor!r}')
+        check_choice('mode', self.mode, MODES)
+        check_int('patience', self.patience, minimum=1)
+        _check_number('min_delta', self.min_delta, minimum=0.0)
+        _check_number('threshold', self.threshold, optional=True)
+        _check_number('divergence', self.divergence, optional=True)
+        if self.threshold is not None and self.divergence is not None:
+            sign = 1 if self.mode == 'min' else -1
+            if sign * self.divergence <= sign * self.threshold:
+                raise ConfigError(f'divergence: must be {"above" if self.mode == "min" else "below"} threshold '
+                                  f'({self.threshold}) in mode {self.mode}, got {self.divergence}')
+        check_choice('resume_stopped', self.resume_stopped, RESUME_STOPPED)
+
+    @property
+    def on_eval(self) -> bool:
+        """True when the monitored value is an evaluation metric (checked in ``on_evaluate``)."""
+        return self.monitor.startswith('eval_')
+
+
+def _merge_votes(votes: list[tuple[bool, str | None]]) -> tuple[bool, str | None]:
+    """All ranks stop when one does; the reason is the first stopping rank's."""
+    for stop, reason in votes:
+        if stop:
+            return True, reason
+    return False, None
+
+
+class EarlyStoppingCallback(DynamicCallback):
+    """Ends training softly when the monitored value stops improving, reaches a goal, diverges or is not finite.
+
+    Hooks: ``on_evaluate`` (eval metrics) or ``on_log`` (training values): check, agree across ranks
+    (``distributed.agree``), and on a stop set ``control.should_training_stop`` and ``control.should_save`` (the
+    step completes and HF saves a final checkpoint before the loop ends). ``on_save`` writes the stop record once
+    that checkpoint exists (``on_train_end`` if no save followed). ``on_train_begin`` publishes the restored
+    remaining patience and stops a resumed run that had already stopped; ``on_step_end`` keeps it stopped and
+    clears ``should_save`` / ``should_evaluate`` for the one step HF runs before it checks the flag. The first
+    check fails with a :class:`ConfigError` listing the names seen when the monitored value is not among them.
+    Flags set: ``should_training_stop``, ``should_save``, ``should_evaluate`` (cleared), ``dynamic_decisions``,
+    ``dynamic_metrics`` (``dynamic/early_stopping_patience_left``, ``dynamic/early_stopping_best``).
+    State: ``best``, ``wait``, ``checks``, ``stopped``, ``reason``, ``stop_step``.
+    """
+
+    name = 'early_stopping'
+    config_class = EarlyStoppingConfig
+
+    def __init__(self, config: EarlyStoppingConfig | None = None) -> None:
+        super().__init__(config)
+        self.best: float | None = None
+        self.wait = 0
+        self.checks = 0
+        self.stopped = False
+        self.reason: StopReason | None = None
+        self.stop_step: int | None = None
+        self._record_pending: DecisionRecord | None = None
+        self._resumed_stopped = False  # this run was resumed from a checkpoint written after the stop
+
+    # ---- hooks -----------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.checks:  # resumed: the remaining patience is in the logs from the first step on
+            protocol.publish_metrics(control, self._metrics())
+        if not self.stopped:
+            return
+        reason = self.reason.value if self.reason else None
+        if self.config.resume_stopped == 'continue':
+            protocol.record_decision(
+                control,
+                DecisionRecord(
+                    self.name, 'resume', 'continue_after_stop', {
+                        'stopped_at': self.stop_step,
+                        'original_reason': reason
+                    },
+                    f'this run had stopped at step {self.stop_step} ({reason}); resume_stopped: continue, patience '
+                    'starts over',
+                    step=state.global_step))
+            self.stopped, self.reason, self.stop_step, self.wait = False, None, None, 0
+            protocol.publish_metrics(control, self._metrics())
+            return
+        control.should_training_stop = True
+        self._resumed_stopped = True
+        protocol.record_decision(
+            control,
+            DecisionRecord(
+                self.name, 'stop', 'already_stopped', {
+                    'stopped_at': self.stop_step,
+                    'original_reason': reason,
+                    'best': self.best
+                },
+                f'resumed a run that early stopping had ended at step {self.stop_step} ({reason}); stopping again '
+                '(set resume_stopped: continue to train on)',
+                step=state.global_step))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._resumed_stopped:  # HF runs one step before it looks at the flag: stop, and keep that step unsaved
+            control.should_training_stop = True
+            control.should_save = False
+            control.should_evaluate = False
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.config.on_eval:
+            self._check(state, control, metrics or {}, 'evaluation')
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if self.config.on_eval or any(k.startswith('eval_') for k in logs) or 'train_runtime' in logs:
+            return  # evaluation lines and the end-of-training summary are not training log lines
+        self._check(state, control, logs, 'training log line')
+
+    def on_save(self, args, state, control, **kwargs):
+        self._flush_record(control, saved=f'checkpoint-{state.global_step}')
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._flush_record(control, saved=None)
+
+    # ---- the check -------------------------------------------------------------------------------------
+    def _check(self, state: Any, control: Any, values: Mapping[str, Any], where: str) -> None:
+        if self.stopped:
+            return
+        c = self.config
+        value = values.get(c.monitor)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if value is None:
+                numeric = sorted(k for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+                raise ConfigError(f'early_stopping.monitor: {c.monitor!r} is not in the {where} at step '
+                                  f'{state.global_step}; names seen: {", ".join(numeric) or "none"}')
+            raise ConfigError(f'early_stopping.monitor: {c.monitor!r} is not a number in the {where} at step '
+                              f'{state.global_step} (got {value!r})')
+        decision = stop_decision(float(value), self.best, self.wait, mode=c.mode, patience=c.patience,
+                                 min_delta=c.min_delta, threshold=c.threshold, divergence=c.divergence)
+        stop, reason = distributed.agree((decision.stop, decision.reason.value if decision.reason else None),
+                                         _merge_votes)
+        self.best, self.wait = decision.best, decision.wait
+        self.checks += 1
+        protocol.publish_metrics(control, self._metrics())
+        if not stop:
+            return
+        self.stopped, self.reason, self.stop_step = True, StopReason(reason), state.global_step
+        control.should_training_stop = True
+        control.should_save = True
+        self._record_pending = DecisionRecord(
+            self.name, 'stop', self.reason.value, {
+                'monitor': c.monitor,
+                'value': float(value),
+                'best': self.best,
+                'wait': self.wait,
+                'patience': c.patience,
+                'min_delta': c.min_delta,
+                'threshold': c.threshold,
+                'divergence': c.divergence,
+            },
+            self._message(float(value)),
+            step=state.global_step)
+
+    def _message(self, value: float) -> str:
+        c = self.config
+        if self.reason is StopReason.PATIENCE:
+            return f'{c.monitor}={value:.6g}: no improvement over best {self.best:.6g} (min_delta {c.min_delta}) ' \
+                   f'in {self.wait} checks'
+        if self.reason is StopReason.THRESHOLD:
+            return f'{c.monitor}={value:.6g} reached threshold {c.threshold}'
+        if self.reason is StopReason.DIVERGENCE:
+            return f'{c.monitor}={value:.6g} is past divergence bound {c.divergence}'
+        return f'{c.monitor}={value} is not finite'
+
+    def _metrics(self) -> dict[str, float]:
+        values = {'dynamic/early_stopping_patience_left': float(max(self.config.patience - self.wait, 0))}
+        if self.best is not None:
+            values['dynamic/early_stopping_best'] = self.best
+        return values
+
+    def _flush_record(self, control: Any, saved: str | None) -> None:
+        record, self._record_pending = self._record_pending, None
+        if record is None:
+            return
+        if saved is not None:
+            record = DecisionRecord(record.source, record.kind, record.reason, {**record.values, 'checkpoint': saved},
+                                    f'{record.message}; final checkpoint {saved}', step=record.step)
+        protocol.record_decision(control, record)
+
+    # ---- state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            'best': self.best,
+            'wait': self.wait,
+            'checks': self.checks,
+            'stopped': self.stopped,
+            'reason': self.reason.value if self.reason else None,
+            'stop_step': self.stop_step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        best = state.get('best')
+        self.best = None if best is None else float(best)
+        self.wait = int(state.get('wait', 0))
+        self.checks = int(state.get('checks', 0))
+        self.stopped = bool(state.get('stopped', False))
+        reason = state.get('reason')
+        self.reason = None if reason is None else StopReason(reason)
+        self.stop_step = state.get('stop_step')
