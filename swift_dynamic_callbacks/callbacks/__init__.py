@@ -4,8 +4,11 @@ from .base import DynamicCallback
 from .batch_growth import BatchGrowthCallback, BatchGrowthConfig
 from .batch_schedule import BatchScheduleCallback, BatchScheduleConfig
 from .training_log import TrainingLogCallback, TrainingLogConfig
+from .checkpoint_rotation import CheckpointRotationCallback, CheckpointRotationConfig
+from .early_stopping import EarlyStoppingCallback, EarlyStoppingConfig
 
 __all__ = [
     'BatchGrowthCallback', 'BatchGrowthConfig', 'DynamicCallback', 'BatchScheduleCallback', 'BatchScheduleConfig',
+    'CheckpointRotationCallback', 'CheckpointRotationConfig', 'EarlyStoppingCallback', 'EarlyStoppingConfig',
     'TrainingLogCallback', 'TrainingLogConfig'
 ]
