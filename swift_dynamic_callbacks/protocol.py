@@ -14,6 +14,7 @@ flag                        set by               read by                      cl
 ``new_batch_size``          any callback         same                         same
 ``new_num_pieces``          any callback         same                         same
 ``new_lr_scale``            any callback         same                         same
+``new_lr_schedule``         any callback         same                         same
 ``dynamic_decisions``       any callback         integration: written to the  drained (emptied) at every step
                             (append only)        decision log (rank 0)        boundary, log and save
 ``dynamic_metrics``         any callback         integration: merged into     never; a key keeps its last value
@@ -40,6 +41,13 @@ Semantics:
   the configured schedule, from the next optimizer step on. It is absolute, not cumulative (``1.0`` restores
   the configured LR). The integration scales the scheduler itself, so the LR the optimizer uses, the LR in the
   logs and the LR after a resume are the same; a scheduler it cannot scale fails with a clear error.
+- ``new_lr_schedule = {...}`` replaces the *shape* of the LR schedule (the function of the step that HF's
+  ``lr_scheduler_type`` gave) by a JSON-able schedule mapping evaluated by
+  :func:`~swift_dynamic_callbacks.policies.lr.schedule_factor`: ``warmup``, ``hold``, ``min_ratio``, optional
+  ``restarts`` (``[[step, peak, rewarmup], ...]``, steps are the trainer's optimizer steps) and ``guard``. The
+  integration fills in ``total`` (the schedule's horizon), puts it inside the scheduler (saved in
+  ``scheduler.pt``) and sets the optimizer's LR at once; ``new_lr_scale`` still multiplies it. Each request
+  replaces the previous schedule whole.
 - A request made during step ``N`` (``on_step_end``, ``on_log``, ``on_save``, ``on_evaluate`` ...) takes effect
   from optimizer step ``N + 1``. Requests made in ``on_step_begin`` apply one step later (the micro-batches of
   the running step are already drawn).
@@ -69,13 +77,15 @@ NEW_DATALOADER = 'new_dataloader'
 NEW_BATCH_SIZE = 'new_batch_size'
 NEW_NUM_PIECES = 'new_num_pieces'
 NEW_LR_SCALE = 'new_lr_scale'
+NEW_LR_SCHEDULE = 'new_lr_schedule'
 DYNAMIC_DECISIONS = 'dynamic_decisions'
 DYNAMIC_METRICS = 'dynamic_metrics'
 MEASURE_GRAD_NOISE = 'measure_grad_noise'
 GRAD_NOISE_SAMPLE = 'grad_noise_sample'
 
 #: Flags that request a change and are cleared once the integration applied them.
-REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE)
+REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE,
+                 NEW_LR_SCHEDULE)
 #: Every attribute this protocol defines on ``TrainerControl``.
 ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE)
 
@@ -88,17 +98,20 @@ class BatchRequest:
         batch_size: requested per-device micro-batch size, or ``None``.
         num_pieces: requested pieces per micro-batch, or ``None``.
         lr_scale: requested factor on the LR schedule, or ``None``.
+        lr_schedule: requested LR schedule mapping, or ``None``.
         via_dataloader: True when the size came from the seed form (``new_dataloader``).
     """
 
     batch_size: int | None = None
     num_pieces: int | None = None
     lr_scale: float | None = None
+    lr_schedule: Mapping[str, Any] | None = None
     via_dataloader: bool = False
 
     @property
     def empty(self) -> bool:
-        return self.batch_size is None and self.num_pieces is None and self.lr_scale is None
+        return (self.batch_size is None and self.num_pieces is None and self.lr_scale is None
+                and self.lr_schedule is None)
 
 
 @dataclass(frozen=True)
@@ -157,6 +170,34 @@ def _positive_float(name: str, value: Any) -> float:
 def request_lr_scale(control: Any, scale: float) -> None:
     """Ask for the LR schedule times ``scale`` (relative to the configured LR) from the next optimizer step on."""
     control.new_lr_scale = _positive_float(NEW_LR_SCALE, scale)
+
+
+SCHEDULE_KEYS = ('warmup', 'hold', 'min_ratio')
+
+
+def check_lr_schedule(schedule: Any) -> dict[str, Any]:
+    """Validate an LR schedule mapping (keys ``warmup``, ``hold``, ``min_ratio``; optional ``restarts``,
+    ``guard``); returns a plain-dict copy."""
+    if not isinstance(schedule, Mapping) or any(k not in schedule for k in SCHEDULE_KEYS):
+        raise ValueError(f'control.{NEW_LR_SCHEDULE} must be a mapping with keys {", ".join(SCHEDULE_KEYS)}, '
+                         f'got {schedule!r}')
+    out = dict(schedule)
+    for key in ('warmup', 'hold'):
+        value = out[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+                isinstance(value, float) and value >= 1):
+            raise ValueError(f'control.{NEW_LR_SCHEDULE}[{key!r}] must be steps (int >= 0) or a fraction '
+                             f'(float in [0, 1)), got {value!r}')
+    if not 0 <= out['min_ratio'] <= 1:
+        raise ValueError(f'control.{NEW_LR_SCHEDULE}["min_ratio"] must be in [0, 1], got {out["min_ratio"]!r}')
+    out['restarts'] = [[int(r[0]), float(r[1]), int(r[2])] for r in out.get('restarts', ())]
+    out['guard'] = _positive_float(f'{NEW_LR_SCHEDULE}["guard"]', out.get('guard', 1.0))
+    return out
+
+
+def request_lr_schedule(control: Any, schedule: Mapping[str, Any]) -> None:
+    """Ask for the LR schedule's shape to be ``schedule`` from the next optimizer step on."""
+    setattr(control, NEW_LR_SCHEDULE, check_lr_schedule(schedule))
 
 
 def request_dataloader(control: Any, dataloader: Any) -> None:
@@ -226,13 +267,17 @@ def pending_request(control: Any) -> BatchRequest:
     lr_scale = getattr(control, NEW_LR_SCALE, None)
     if lr_scale is not None:
         lr_scale = _positive_float(NEW_LR_SCALE, lr_scale)
-    return BatchRequest(batch_size=batch_size, num_pieces=num_pieces, lr_scale=lr_scale,
+    lr_schedule = getattr(control, NEW_LR_SCHEDULE, None)
+    if lr_schedule is not None:
+        lr_schedule = check_lr_schedule(lr_schedule)
+    return BatchRequest(batch_size=batch_size, num_pieces=num_pieces, lr_scale=lr_scale, lr_schedule=lr_schedule,
                         via_dataloader=via_dataloader)
 
 
 def has_pending_request(control: Any) -> bool:
     return bool(getattr(control, SHOULD_UPDATE_DATALOADER, False)) or any(
-        getattr(control, flag, None) is not None for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE))
+        getattr(control, flag, None) is not None
+        for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE, NEW_LR_SCHEDULE))
 
 
 def clear_requests(control: Any) -> None:
@@ -242,6 +287,7 @@ def clear_requests(control: Any) -> None:
     control.new_batch_size = None
     control.new_num_pieces = None
     control.new_lr_scale = None
+    control.new_lr_schedule = None
 
 
 def drain_decisions(control: Any) -> list:

@@ -6,9 +6,11 @@ from .batch_schedule import BatchScheduleCallback, BatchScheduleConfig
 from .training_log import TrainingLogCallback, TrainingLogConfig
 from .checkpoint_rotation import CheckpointRotationCallback, CheckpointRotationConfig
 from .early_stopping import EarlyStoppingCallback, EarlyStoppingConfig
+from .lr_schedule import LRScheduleCallback, LRScheduleConfig
 
 __all__ = [
     'BatchGrowthCallback', 'BatchGrowthConfig', 'DynamicCallback', 'BatchScheduleCallback', 'BatchScheduleConfig',
     'CheckpointRotationCallback', 'CheckpointRotationConfig', 'EarlyStoppingCallback', 'EarlyStoppingConfig',
+    'LRScheduleCallback', 'LRScheduleConfig',
     'TrainingLogCallback', 'TrainingLogConfig'
 ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from ..callbacks import (BatchGrowthCallback, BatchScheduleCallback, CheckpointRotationCallback, DynamicCallback,
-                         EarlyStoppingCallback, TrainingLogCallback)
+                         EarlyStoppingCallback, LRScheduleCallback, TrainingLogCallback)
 from ..config import ConfigError
 from .trainer import IntegrationConfig, install
 
@@ -30,8 +30,8 @@ PLUGIN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'swift_pl
 #: Every pack callback by its ms-swift name.
 CALLBACKS: dict[str, type[DynamicCallback]] = {
     cls.name: cls
-    for cls in (BatchGrowthCallback, BatchScheduleCallback, EarlyStoppingCallback, CheckpointRotationCallback,
-                TrainingLogCallback)
+    for cls in (BatchGrowthCallback, BatchScheduleCallback, LRScheduleCallback, EarlyStoppingCallback,
+                CheckpointRotationCallback, TrainingLogCallback)
 }
 
 

@@ -17,7 +17,8 @@
 - ``_save_checkpoint`` writes the pack state (:mod:`~swift_dynamic_callbacks.state`) into the checkpoint first;
   ``train(resume_from_checkpoint=...)`` restores it, so a resumed run continues at the next unseen sample;
 - ``log`` merges the current numbers (batch size, samples seen, callbacks' ``dynamic_metrics``) into every
-  training log line, and decision records are written to ``dynamic_decisions.jsonl`` on rank 0.
+  training log line and logs the LR the optimizer used in the step (ms-swift reads it after the scheduler
+  stepped, i.e. the next step's), and decision records are written to ``dynamic_decisions.jsonl`` on rank 0.
 
 ``_inner_training_loop`` is not overridden.
 """
@@ -38,6 +39,7 @@ from .. import distributed, protocol
 from ..config import ConfigError, check_bool, check_choice, from_mapping, to_mapping
 from ..loader import ElasticDataLoader, EmptyMicroBatch
 from ..policies.data_plan import piece_bounds, steps_to_budget
+from ..policies.lr import schedule_factor
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
 from ..state import (StateError, build_payload, read_state, restore_components, stateful_components, write_state)
 
@@ -109,6 +111,8 @@ class Integration:
         self._resume_checkpoint: str | None = None
         self._samples_at_start = 0
         self._scheduler: Any = None
+        self.horizon: int | None = None  # the LR schedule's length in optimizer steps (before any stretch)
+        self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
         self._held: list[DecisionRecord] = []  # callbacks' records, written at the next step boundary
         self._probe: GradNoiseProbe | None = None  # this step's gradient-noise measurement (measure_grad_noise)
 
@@ -319,6 +323,8 @@ class Integration:
         control = trainer.control
         control._sdc_integration = True
         self.apply_requests(control)
+        optimizer = getattr(trainer, 'optimizer', None)
+        self.step_lr = float(optimizer.param_groups[0]['lr']) if optimizer is not None else None
         if loader.epoch_complete:
             loader.start_next_epoch()
         pairs = loader.next_step(num_batches)
@@ -381,22 +387,30 @@ class Integration:
                         'old': old,
                         'new': request.num_pieces
                     }))
-        if request.lr_scale is not None and request.lr_scale != self.lr_scale:
-            old_scale, old_lr = self.lr_scale, self._current_lr()
+        old_lr = self._current_lr()
+        if request.lr_schedule is not None:
+            self.set_lr_schedule(request.lr_schedule)
+            if not any(r.kind in LR_RECORD_KINDS for r in self._held):
+                self._record(DecisionRecord('control_flags', 'lr_schedule', 'request', {'schedule': request.lr_schedule}))
+        scaled = request.lr_scale is not None and request.lr_scale != self.lr_scale
+        if scaled:
+            old_scale = self.lr_scale
             self.set_lr_scale(request.lr_scale)
+        if scaled or request.lr_schedule is not None:
             new_lr = self._current_lr()
             self._held = [
                 replace(r, values={**r.values, 'old_lr': old_lr, 'new_lr': new_lr},
                         message=f'{r.message}; lr {old_lr:.4g} -> {new_lr:.4g}'.lstrip('; '))
-                if 'lr_scale' in r.values else r for r in self._held
+                if _changes_lr(r) else r for r in self._held
             ]
+        if scaled:
             if 'lr_scale' not in queued_kinds:
                 self._record(
                     DecisionRecord('control_flags', 'lr_scale', 'request', {
                         'old': old_scale,
                         'new': request.lr_scale,
                         'old_lr': old_lr,
-                        'new_lr': new_lr
+                        'new_lr': self._current_lr()
                     }))
 
     def _check_same_dataset(self, dataloader: Any) -> None:
@@ -467,19 +481,45 @@ class Integration:
         scaled = [fn.scale for fn in lambdas if isinstance(fn, ScaledLambda)]
         return scaled[0] if scaled else 1.0
 
-    def set_lr_scale(self, scale: float) -> None:
-        """Scale the schedule and the optimizer's current LR now, so this step already runs at the new LR."""
+    def _scaled_lambdas(self, what: str, remedy: str) -> list['ScaledLambda']:
         scheduler = self._scheduler
         lambdas = getattr(scheduler, 'lr_lambdas', None)
         if not lambdas or not all(isinstance(fn, ScaledLambda) for fn in lambdas):
-            raise ConfigError(f'LR scaling was requested but the LR scheduler ({type(scheduler).__name__}) is not a '
-                              'LambdaLR the pack can scale; use one of HF\'s lr_scheduler_type schedules '
-                              '(linear, cosine, constant_with_warmup, warmup_stable_decay, ...) or set the batch '
-                              'callback\'s lr_scaling to none')
-        for fn in lambdas:
+            raise ConfigError(f'{what} was requested but the LR scheduler ({type(scheduler).__name__}) is not a '
+                              'LambdaLR the pack can take over; use one of HF\'s lr_scheduler_type schedules '
+                              f'(linear, cosine, constant, constant_with_warmup, warmup_stable_decay, ...) or {remedy}')
+        return lambdas
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Scale the schedule and the optimizer's current LR now, so this step already runs at the new LR."""
+        for fn in self._scaled_lambdas('LR scaling', 'set the batch callback\'s lr_scaling to none'):
             fn.scale = scale
-        lrs = [group['initial_lr'] * fn(scheduler.last_epoch) for group, fn in zip(scheduler.optimizer.param_groups,
-                                                                                     lambdas)]
+        self._refresh_lr()
+
+    def set_lr_schedule(self, schedule: Mapping[str, Any]) -> None:
+        """Make ``schedule`` (:mod:`~swift_dynamic_callbacks.policies.lr`) the shape every param group follows.
+
+        Its steps are the trainer's optimizer steps; they are put on each lambda's (possibly stretched) time axis:
+        restarts already placed keep their place, a new one is placed at the current point of the axis.
+        """
+        lambdas = self._scaled_lambdas('An LR schedule (lr_schedule callback)', 'remove the lr_schedule callback')
+        if self.horizon is None:
+            raise RuntimeError('swift-dynamic-callbacks: an LR schedule request before the scheduler was created')
+        for fn in lambdas:
+            placed = {int(real): virtual for real, virtual in
+                      zip((fn.schedule or {}).get('restarts_real', ()), ((fn.schedule or {}).get('restarts', ())))}
+            restarts, real_steps = [], []
+            for step, peak, rewarmup in schedule.get('restarts', ()):
+                start = placed[step][0] if step in placed else fn.virtual_step(step)
+                restarts.append([start, float(peak), int(rewarmup)])
+                real_steps.append(int(step))
+            fn.schedule = {**schedule, 'total': int(self.horizon), 'restarts': restarts, 'restarts_real': real_steps}
+        self._refresh_lr()
+
+    def _refresh_lr(self) -> None:
+        scheduler = self._scheduler
+        lrs = [group['initial_lr'] * fn(scheduler.last_epoch)
+               for group, fn in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas)]
         for group, lr in zip(scheduler.optimizer.param_groups, lrs):
             group['lr'] = lr
         scheduler._last_lr = lrs
@@ -573,6 +613,8 @@ class Integration:
             protocol.request_num_pieces(control, pending['num_pieces'])
         if pending.get('lr_scale') is not None:
             protocol.request_lr_scale(control, pending['lr_scale'])
+        if pending.get('lr_schedule') is not None:
+            protocol.request_lr_schedule(control, pending['lr_schedule'])
 
     def speed_values(self, runtime: float) -> dict[str, float]:
         """HF's ``train_samples_per_second`` assumes a constant batch; this counts the samples really used."""
@@ -593,10 +635,17 @@ class Integration:
         write_state(checkpoint_dir, build_payload(components, self.snapshot_config()))
 
 
+LR_RECORD_KINDS = ('lr_schedule', 'lr_restart', 'lr_guard')
+
+
+def _changes_lr(record: DecisionRecord) -> bool:
+    return 'lr_scale' in record.values or record.kind in LR_RECORD_KINDS
+
+
 def _is_request_record(record: DecisionRecord) -> bool:
-    """A record that goes with a batch-size / pieces / LR-scale request (applied at the next step boundary)."""
-    return record.kind in ('batch_size', 'num_pieces', 'lr_scale') or any(k in record.values
-                                                                          for k in ('num_pieces', 'lr_scale'))
+    """A record that goes with a batch-size / pieces / LR request (applied at the next step boundary)."""
+    return record.kind in ('batch_size', 'num_pieces', 'lr_scale') + LR_RECORD_KINDS or any(
+        k in record.values for k in ('num_pieces', 'lr_scale'))
 
 
 class ScaledLambda:
@@ -605,7 +654,8 @@ class ScaledLambda:
     ``lr(step) = scale * fn(v(step))`` with ``v(step) = v0 + (step - t0) * rate`` from step ``t0`` on (identity
     before the first stretch). :meth:`stretch` makes the rest of the schedule end at a new total number of steps
     without a jump, so an epoch-budget run whose step count changes with the batch size still runs its whole
-    warmup/decay.
+    warmup/decay. With a ``schedule`` mapping (``new_lr_schedule``), ``fn`` is replaced by
+    :func:`~swift_dynamic_callbacks.policies.lr.schedule_factor` of it on the same time axis.
 
     ``LambdaLR.state_dict`` saves a callable object's ``__dict__`` into ``scheduler.pt`` (loaded back with
     ``weights_only=True``), so the wrapped function lives in a slot and ``__dict__`` holds only floats: scale and
@@ -618,6 +668,7 @@ class ScaledLambda:
         self._fn = fn
         self.scale = scale
         self.t0, self.v0, self.rate = 0.0, 0.0, 1.0
+        self.schedule: dict[str, Any] | None = None
 
     def virtual_step(self, step: float) -> float:
         return self.v0 + (step - self.t0) * self.rate if step >= self.t0 else float(step)
@@ -630,6 +681,8 @@ class ScaledLambda:
 
     def __call__(self, step: int) -> float:
         v = self.virtual_step(step)
+        if self.schedule is not None:
+            return schedule_factor(self.schedule, v) * self.scale
         return self._fn(int(v) if float(v).is_integer() else v) * self.scale
 
 
@@ -690,15 +743,17 @@ def _grad_sqnorm(model: Any) -> float:
 
 def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchRequest:
     """The one request all ranks apply: identical requests pass; otherwise the smallest batch and LR scale, most
-    pieces."""
+    pieces, and the lowest rank's LR schedule."""
     requests = list(requests)
     sizes = [r.batch_size for r in requests if r.batch_size is not None]
     pieces = [r.num_pieces for r in requests if r.num_pieces is not None]
     scales = [r.lr_scale for r in requests if r.lr_scale is not None]
+    schedules = [r.lr_schedule for r in requests if r.lr_schedule is not None]
     return protocol.BatchRequest(
         batch_size=min(sizes) if sizes else None,
         num_pieces=max(pieces) if pieces else None,
         lr_scale=min(scales) if scales else None,
+        lr_schedule=schedules[0] if schedules else None,
         via_dataloader=any(r.via_dataloader for r in requests))
 
 
@@ -834,20 +889,26 @@ class DynamicTrainerMixin:
     # budget's horizon and the scalable wrapper.
     def create_optimizer_and_scheduler(self, num_training_steps, *args, **kwargs):
         steps = self.dynamic_integration.scheduler_steps
-        result = super().create_optimizer_and_scheduler(steps if steps is not None else num_training_steps, *args,
-                                                        **kwargs)
+        steps = steps if steps is not None else num_training_steps
+        self.dynamic_integration.horizon = steps
+        result = super().create_optimizer_and_scheduler(steps, *args, **kwargs)
         self.dynamic_integration.wrap_scheduler(self.lr_scheduler)
         return result
 
     def create_scheduler(self, num_training_steps, *args, **kwargs):
         steps = self.dynamic_integration.scheduler_steps
-        scheduler = super().create_scheduler(steps if steps is not None else num_training_steps, *args, **kwargs)
+        steps = steps if steps is not None else num_training_steps
+        self.dynamic_integration.horizon = steps
+        scheduler = super().create_scheduler(steps, *args, **kwargs)
         return self.dynamic_integration.wrap_scheduler(scheduler)
 
     def log(self, logs, *args, **kwargs):
         integration = self.dynamic_integration
         if 'loss' in logs and integration.loader is not None:
             logs.update(integration.log_values(self.control))
+            if 'learning_rate' in logs and integration.step_lr is not None:
+                # ms-swift reads the LR after the scheduler stepped (the next step's); log the one this step used
+                logs['learning_rate'] = integration.step_lr
         if 'train_runtime' in logs and integration.loader is not None:
             logs.update(integration.speed_values(float(logs['train_runtime'])))
         return super().log(logs, *args, **kwargs)
