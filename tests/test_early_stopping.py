@@ -125,7 +125,7 @@ def test_name_does_not_clash_with_ms_swift():
 
 # ---- hooks with fakes ------------------------------------------------------------------------------------
 
-ARGS = TrainingArguments(output_dir='unused', report_to=[])
+ARGS = TrainingArguments(output_dir='unused', report_to=[], eval_strategy='steps', eval_steps=10)
 
 
 def evaluate(cb, control, step, value, **extra):
@@ -184,6 +184,17 @@ def test_missing_metric_fails_at_the_first_evaluation_listing_the_names():
         evaluate(cb, TrainerControl(), 5, 1.0, eval_token_acc=0.5)
     assert 'eval_accuracy' in str(e.value) and 'eval_loss, eval_token_acc' in str(e.value)
     assert str(e.value).startswith('early_stopping.monitor:')
+
+
+def test_eval_monitor_without_evaluation_fails_at_train_begin():
+    cb = EarlyStoppingCallback(EarlyStoppingConfig(monitor='eval_loss'))
+    with pytest.raises(ConfigError, match="'eval_loss' is an evaluation metric but this run never evaluates"):
+        cb.on_train_begin(TrainingArguments(output_dir='unused', report_to=[], eval_strategy='no'), TrainerState(),
+                          TrainerControl())
+    cb.on_train_begin(TrainingArguments(output_dir='unused', report_to=[], eval_strategy='steps', eval_steps=5),
+                      TrainerState(), TrainerControl())
+    EarlyStoppingCallback(EarlyStoppingConfig(monitor='loss')).on_train_begin(
+        TrainingArguments(output_dir='unused', report_to=[], eval_strategy='no'), TrainerState(), TrainerControl())
 
 
 def test_train_metric_is_read_from_training_log_lines_only():

@@ -90,7 +90,8 @@ class EarlyStoppingCallback(DynamicCallback):
     that checkpoint exists (``on_train_end`` if no save followed). ``on_train_begin`` publishes the restored
     remaining patience and stops a resumed run that had already stopped; ``on_step_end`` keeps it stopped and
     clears ``should_save`` / ``should_evaluate`` for the one step HF runs before it checks the flag. The first
-    check fails with a :class:`ConfigError` listing the names seen when the monitored value is not among them.
+    check fails with a :class:`ConfigError` listing the names seen when the monitored value is not among them
+    (``on_train_begin`` already fails when an ``eval_`` metric is monitored and the run never evaluates).
     Flags set: ``should_training_stop``, ``should_save``, ``should_evaluate`` (cleared), ``dynamic_decisions``,
     ``dynamic_metrics`` (``dynamic/early_stopping_patience_left``, ``dynamic/early_stopping_best``).
     State: ``best``, ``wait``, ``checks``, ``stopped``, ``reason``, ``stop_step``.
@@ -112,6 +113,11 @@ class EarlyStoppingCallback(DynamicCallback):
 
     # ---- hooks -----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
+        strategy = getattr(args, 'eval_strategy', None)
+        if self.config.on_eval and getattr(strategy, 'value', strategy) == 'no':
+            raise ConfigError(f'early_stopping.monitor: {self.config.monitor!r} is an evaluation metric but this run '
+                              'never evaluates (eval_strategy no); give it evaluation data (split_dataset_ratio or '
+                              'val_dataset, eval_steps) or monitor a training value such as loss')
         if self.checks:  # resumed: the remaining patience is in the logs from the first step on
             protocol.publish_metrics(control, self._metrics())
         if not self.stopped:
