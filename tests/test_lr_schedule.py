@@ -248,7 +248,7 @@ def test_lr_schedule_with_batch_growth_multiplies(tmp_path, tiny_qwen, gsm8k_16)
         sdc.register(lr_schedule={**LR_SETTINGS, 'max_restarts': 0},
                      batch_growth={'initial': 1, 'factor': 2, 'interval': 4, 'maximum': 4, 'lr_scaling': 'linear'})
         out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'lr_schedule'],
-                      **LR_RUN)
+                      gradient_accumulation_steps=2, **LR_RUN)  # the schedule counts optimizer steps
         logs = train_logs(out)
         expected = _schedule(warmup=2, hold=2, min_ratio=0.1, total=12)
         sizes = [row['dynamic/batch_size'] for row in logs]
@@ -271,3 +271,53 @@ def test_scheduler_the_pack_cannot_take_over_fails_at_start(tmp_path, tiny_qwen,
                     eval_strategy='steps', eval_steps=1, split_dataset_ratio=0.25)
     finally:
         plugin._configured = None
+
+
+def test_param_group_ratios_are_kept():
+    from types import SimpleNamespace
+    from swift_dynamic_callbacks.integrations.trainer import Integration
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([{'params': [a], 'lr': 1e-3}, {'params': [b], 'lr': 1e-4}], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    integration = Integration(SimpleNamespace(args=None))
+    integration.wrap_scheduler(sched)
+    integration.horizon = 20
+    integration.set_lr_schedule(protocol.check_lr_schedule({'warmup': 4, 'hold': 0, 'min_ratio': 0.1}))
+    integration.set_lr_scale(2.0)
+    for _ in range(6):
+        opt.step()
+        sched.step()
+    lrs = [g['lr'] for g in opt.param_groups]
+    factor = schedule_factor(_schedule(warmup=4, hold=0, min_ratio=0.1, total=20), 6)
+    assert lrs == pytest.approx([2e-3 * factor, 2e-4 * factor])
+
+
+def test_eval_metric_monitor_uses_evaluations():
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    cb = LRScheduleCallback(LRScheduleConfig(warmup=0, monitor='eval_acc', mode='max', patience=1, cooldown=0,
+                                             smooth=1))
+    control, args = TrainerControl(), TrainingArguments(output_dir='unused', report_to=[])
+    _fake(cb, control, 1, loss=5.0)  # training logs are not looked at
+    cb.on_evaluate(args, TrainerState(global_step=2, max_steps=10), control, metrics={'eval_acc': 0.5})
+    cb.on_evaluate(args, TrainerState(global_step=4, max_steps=10), control, metrics={'eval_acc': 0.4})
+    assert cb.restarts == [[4, 0.5, 0]]
+    with pytest.raises(ConfigError, match="'eval_acc' is not in the evaluation"):
+        LRScheduleCallback(cb.config).on_evaluate(args, TrainerState(), control, metrics={'eval_loss': 1.0})
+
+
+def test_plot_script_prints_and_plots_a_simulated_plateau(tmp_path, capsys):
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), '..', 'scripts', 'plot_lr_schedule.py')
+    spec = importlib.util.spec_from_file_location('plot_lr_schedule', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = tmp_path / 'c.yaml'
+    config.write_text('dynamic_callbacks:\n  lr_schedule: {warmup: 10, hold: 10, max_restarts: 1}\n')
+    png = tmp_path / 'lr.png'
+    assert module.main(['--config', str(config), '--steps', '100', '--lr', '1e-3', '--plateau', '50', '--plateau',
+                        '70', '--png', str(png)]) == 0
+    out = capsys.readouterr().out
+    assert '| 50 | 0.0005 | 0.5000 | restart' in out
+    assert 'plateau at step 70: max_restarts (1) used' in out
+    assert '| 15 | 0.001 | 1.0000 |' in out  # hold
+    assert png.stat().st_size > 10_000
