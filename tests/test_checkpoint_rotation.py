@@ -15,6 +15,7 @@ from swift_dynamic_callbacks.callbacks.checkpoint_rotation import (CheckpointRot
                                                                    CheckpointRotationConfig, checkpoint_metric)
 from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.policies.rotation import checkpoint_step, select_for_deletion
+from swift_dynamic_callbacks.state import read_state
 from swift_runs import decisions, read_jsonl, run_sft
 
 # ---- the pure selection ---------------------------------------------------------------------------------
@@ -234,6 +235,13 @@ def test_rotation_with_save_steps_not_eval_steps_then_resume(tmp_path, tiny_qwen
         assert listing(out) == sorted({f'checkpoint-{best}', 'checkpoint-8'}, key=checkpoint_step)
         assert deleted(out) == ['checkpoint-2', 'checkpoint-6'] + (['checkpoint-4'] if best == '8' else [])
         assert os.readlink(os.path.join(out, 'last-checkpoint')) == 'checkpoint-8'
+        # a kept checkpoint holds everything a resume needs, the pack's state and configuration included
+        files = set(os.listdir(os.path.join(out, 'checkpoint-8')))
+        assert {'adapter_model.safetensors', 'optimizer.pt', 'scheduler.pt', 'rng_state.pth', 'trainer_state.json',
+                'dynamic_callbacks_state.json'} <= files
+        pack_state = read_state(os.path.join(out, 'checkpoint-8'))
+        assert pack_state['config']['checkpoint_rotation'] == ROTATION and 'checkpoint_rotation' in pack_state[
+            'components']
         # resume from the rotated run: checkpoint-8 is protected while the run that resumed from it goes on
         run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, fresh=False, max_steps=12,
                 resume_from_checkpoint=os.path.join(out, 'checkpoint-8'), **RUN)
