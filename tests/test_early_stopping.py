@@ -255,7 +255,7 @@ def test_ranks_agree_through_the_distributed_helper(monkeypatch):
 
 RUN = dict(callbacks=['early_stopping'], split_dataset_ratio=0.125, eval_steps=2, save_steps=3, max_steps=20,
            per_device_eval_batch_size=2, lr_scheduler_type='constant', warmup_ratio=0.0)
-PLATEAU = {'monitor': 'eval_loss', 'min_delta': 1.0e6, 'patience': 3}  # every evaluation after the first: no improvement
+PLATEAU = {'monitor': 'eval_loss', 'min_delta': 1.0e6, 'patience': 3}  # after the first evaluation: no improvement
 
 
 def _dirs(out):
@@ -286,7 +286,8 @@ def test_plateau_stop_keeps_patience_across_resume_and_a_stopped_run_stays_stopp
         assert (stop['kind'], stop['reason'], stop['step']) == ('stop', 'patience', 8)
         assert stop['values']['checkpoint'] == 'checkpoint-8' and stop['values']['wait'] == 3
         assert read_state(os.path.join(out, 'checkpoint-8'))['components']['early_stopping']['stopped'] is True
-        left = {row['global_step/max_steps']: row.get('dynamic/early_stopping_patience_left') for row in train_logs(out)}
+        left = {row['global_step/max_steps']: row.get('dynamic/early_stopping_patience_left')
+                for row in train_logs(out)}
         assert [left[f'{s}/20'] for s in (5, 6, 7, 8)] == [2.0, 2.0, 1.0, 1.0]  # restored on resume, in every line
         # resuming the stopped run does not train on silently: it stops at once, with a record saying so
         run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, fresh=False,

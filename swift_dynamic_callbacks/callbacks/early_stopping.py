@@ -181,7 +181,8 @@ class EarlyStoppingCallback(DynamicCallback):
         value = values.get(c.monitor)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             if value is None:
-                numeric = sorted(k for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+                numeric = sorted(k for k, v in values.items()
+                                 if isinstance(v, (int, float)) and not isinstance(v, bool))
                 raise ConfigError(f'early_stopping.monitor: {c.monitor!r} is not in the {where} at step '
                                   f'{state.global_step}; names seen: {", ".join(numeric) or "none"}')
             raise ConfigError(f'early_stopping.monitor: {c.monitor!r} is not a number in the {where} at step '
