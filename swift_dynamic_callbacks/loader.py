@@ -14,6 +14,15 @@ prefetched batches of the old size are discarded (never trained on), so a change
 HF sees this object as ``train_dataloader``. It deliberately has no length: the number of steps in an
 epoch depends on batch sizes chosen while it runs, so the integration makes HF take its ``max_steps`` path
 and ends each epoch itself (``control.should_epoch_stop``).
+
+Length-aware batching (:meth:`ElasticDataLoader.set_plan`, a :class:`~.policies.length.BatchPlan`): the epoch order
+may be laid out in shuffled chunks of similar length, and the rest of the epoch is planned as a list of micro-batch
+sizes decided from the samples' lengths (token budget or rules, at most ``batch_size`` samples each) before any of
+them is collated. The plan is made again (from the current position) at every epoch start, batch-size change and
+plan change; under data parallelism the ranks then agree on the number of optimizer steps left in the epoch
+(:func:`~.policies.length.agreed_steps`) and a rank with fewer splits its largest micro-batches
+(:func:`~.policies.length.equalize_steps`), so no rank waits in an all-reduce for another. The remaining sizes are
+part of the state, so a resume continues with exactly the micro-batches the interrupted run would have drawn.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .policies.data_plan import epoch_steps, step_sizes
+from . import distributed
+from .policies import length as length_policy
+from .policies.data_plan import epoch_steps, step_sizes, steps_to_budget
 
 
 class EmptyMicroBatch(dict):
@@ -60,6 +71,17 @@ class _PlannedBatchSampler:
         self.loader = weakref.proxy(loader)
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self.loader.plan is not None:  # a snapshot now: the plan of the rest of the epoch
+            return self._planned(self.loader._order, self.loader.position, list(self.loader._sizes))
+        return self._even()
+
+    @staticmethod
+    def _planned(order: list[int], start: int, sizes: list[int]) -> Iterator[list[int]]:
+        for size in sizes:
+            yield order[start:start + size]
+            start += size
+
+    def _even(self) -> Iterator[list[int]]:
         order, start = self.loader._order, self.loader.position
         batch_size, entries = self.loader.batch_size, self.loader.entries_per_step
         for sizes in epoch_steps(len(order) - start, batch_size, entries):
@@ -69,6 +91,8 @@ class _PlannedBatchSampler:
                     start += size
 
     def __len__(self) -> int:
+        if self.loader.plan is not None:
+            return len(self.loader._sizes)
         remaining = len(self.loader._order) - self.loader.position
         return sum(1 for sizes in epoch_steps(remaining, self.loader.batch_size, self.loader.entries_per_step)
                    for s in sizes if s)
@@ -84,9 +108,12 @@ class ElasticDataLoader:
         batch_size: initial per-device micro-batch size.
         entries_per_step: micro-batches per optimizer step (HF's ``gradient_accumulation_steps``).
         loader_kwargs: extra ``torch.utils.data.DataLoader`` settings (workers, pin memory, prefetch ...).
+        lengths: ``() -> tokens of every dataset index``, called once, when a batch plan first needs them.
 
     State (``state_dict``): ``epoch``, ``position`` (samples of this rank's epoch shard consumed),
-    ``batch_size``, ``num_pieces``, ``samples_seen`` (this rank, all epochs).
+    ``batch_size``, ``num_pieces``, ``samples_seen`` (this rank, all epochs); with a batch plan also ``plan``,
+    ``order_plan`` (the plan that laid out the current epoch's order) and ``plan_sizes`` (the micro-batch sizes
+    left in the epoch, run-length encoded).
     """
 
     state_key = 'integration.data'
@@ -98,7 +125,8 @@ class ElasticDataLoader:
                  *,
                  batch_size: int,
                  entries_per_step: int,
-                 loader_kwargs: Mapping[str, Any] | None = None) -> None:
+                 loader_kwargs: Mapping[str, Any] | None = None,
+                 lengths: Callable[[], Sequence[int]] | None = None) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self._epoch_order = epoch_order
@@ -111,6 +139,13 @@ class ElasticDataLoader:
         self.loader_kwargs = dict(loader_kwargs or {})
         self.num_workers = int(self.loader_kwargs.get('num_workers', 0))
         self._order: list[int] = list(epoch_order(0))
+        self._lengths_fn = lengths
+        self._lengths: list[int] | None = None
+        self.plan: length_policy.BatchPlan | None = None
+        self._order_plan: length_policy.BatchPlan | None = None  # the plan that laid out this epoch's order
+        self._chunks: list[int] | None = None  # chunk sizes of this epoch's bucketed order
+        self._sizes: list[int] = []  # planned micro-batch sizes left in the epoch (with a plan)
+        self.token_stats = [0, 0, 0]  # real tokens, padded tokens, micro-batches drawn since the last read
         self._sampler = _PlannedBatchSampler(self)
         # Every DataLoader iterator draws its base seed from a generator. A plain loader draws it from the global
         # torch RNG once per epoch (when the epoch's iterator starts); this one restarts its iterator on every
@@ -139,6 +174,11 @@ class ElasticDataLoader:
         gets real batches.
         """
         order, start = list(self._order), self.position
+        if self.plan is not None:
+            for size in list(self._sizes):
+                yield self.collate_fn([self.dataset[i] for i in order[start:start + size]])
+                start += size
+            return
         for sizes in epoch_steps(len(order) - start, self.batch_size, self.entries_per_step):
             for size in sizes:
                 if size:
@@ -169,19 +209,134 @@ class ElasticDataLoader:
     def start_next_epoch(self) -> None:
         self.epoch += 1
         self.position = 0
-        self._order = list(self._epoch_order(self.epoch))
+        self._order_plan = self.plan if self.plan is not None and self.plan.bucketing else None
+        self._order, self._chunks = self._layout(self.epoch, self._order_plan)
         self._needs_epoch_seed = True
+        self._replan()
         self._restart()
 
     def set_batch_size(self, batch_size: int) -> None:
         if batch_size != self.batch_size:
             self.batch_size = batch_size
+            self._replan()
             self._restart()
 
     def set_entries_per_step(self, entries: int) -> None:
         if entries != self.entries_per_step:
             self.entries_per_step = entries
+            self._replan()
             self._restart()
+
+    # ---- length-aware batching ---------------------------------------------------------------------------
+    @property
+    def order_bucketed(self) -> bool:
+        """Whether the current epoch's order was laid out by a bucketing plan."""
+        return self._order_plan is not None
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of every dataset index (computed once, by the ``lengths`` callable)."""
+        if self._lengths is None:
+            if self._lengths_fn is None:
+                raise ValueError('a batch plan needs the samples\' lengths, but this loader was built without them')
+            lengths = [int(x) for x in self._lengths_fn()]
+            if len(lengths) != len(self.dataset):
+                raise ValueError(f'got {len(lengths)} lengths for a dataset of {len(self.dataset)} samples')
+            self._lengths = lengths
+        return self._lengths
+
+    def set_plan(self, plan: length_policy.BatchPlan) -> bool:
+        """Use ``plan`` from now on; returns False when it is the current plan already.
+
+        At the start of an epoch the epoch is laid out again (bucketing); later in an epoch the rest of the current
+        order keeps its place and is cut by the new plan, and bucketing starts with the next epoch. Collective
+        under data parallelism (every rank calls it at the same step boundary).
+        """
+        if plan == self.plan:
+            return False
+        self.lengths  # noqa: B018  (fail here, not in the middle of a step, when lengths are unavailable)
+        self.plan = plan
+        if self.position == 0:
+            self._order_plan = plan if plan.bucketing else None
+            self._order, self._chunks = self._layout(self.epoch, self._order_plan)
+        self._replan()
+        self._restart()
+        return True
+
+    def _layout(self, epoch: int, plan: length_policy.BatchPlan | None) -> tuple[list[int], list[int] | None]:
+        base = list(self._epoch_order(epoch))
+        if plan is None or not plan.bucketing:
+            return base, None
+        return length_policy.epoch_layout(base, self.lengths, plan, epoch)
+
+    def _plan_rest(self) -> list[int]:
+        lengths = self.lengths
+        return length_policy.plan_sizes([lengths[i] for i in self._order], self.position, self._chunks, self.plan,
+                                        self.batch_size)
+
+    def _replan(self) -> None:
+        """Plan the rest of the epoch's micro-batches; under data parallelism agree on its optimizer steps."""
+        if self.plan is None:
+            return
+        sizes = self._plan_rest()
+        counts = distributed.gather_objects((len(sizes), self.remaining))
+        steps = length_policy.agreed_steps(counts, self.entries_per_step)
+        self._sizes = length_policy.equalize_steps(sizes, self.entries_per_step, steps)
+
+    def over_budget(self) -> list[int]:
+        """Dataset indices of this rank's epoch longer than the plan's ``max_tokens`` (each runs alone)."""
+        if self.plan is None:
+            return []
+        lengths = self.lengths
+        return [self._order[k] for k in length_policy.over_budget((lengths[i] for i in self._order), self.plan)]
+
+    def planned_padding(self) -> tuple[int, int, int]:
+        """``(real, padded, micro_batches)`` of the rest of the epoch as planned."""
+        lengths, start, batches = self.lengths, self.position, []
+        for size in self._sizes:
+            batches.append([lengths[i] for i in self._order[start:start + size]])
+            start += size
+        real, padded = length_policy.padding(batches)
+        return real, padded, len(batches)
+
+    def take_token_stats(self) -> tuple[int, int, int]:
+        """``(real, padded, micro_batches)`` drawn since the last call (with a plan), and reset them."""
+        stats, self.token_stats = tuple(self.token_stats), [0, 0, 0]
+        return stats
+
+    def steps_to_budget(self, budget_epochs: float) -> int:
+        """Optimizer steps still needed to use ``budget_epochs`` epochs of data (at the current batch size/plan).
+
+        With a plan, the rest of this epoch is counted from the planned sizes and later epochs are laid out and
+        planned as they will be (without the cross-rank split, which may add a step under data parallelism).
+        """
+        entries = self.entries_per_step
+        if self.plan is None:
+            return steps_to_budget(self.epoch, self.position, self.epoch_size, budget_epochs, self.batch_size,
+                                   entries)
+        epoch_size = max(self.epoch_size, 1)
+        epoch, position, sizes, steps = self.epoch, self.position, list(self._sizes), 0
+        while epoch + position / epoch_size < budget_epochs - 1e-9:
+            if position >= epoch_size:
+                epoch += 1
+                order, chunks = self._layout(epoch, self.plan if self.plan.bucketing else None)
+                sizes = length_policy.plan_sizes([self.lengths[i] for i in order], 0, chunks, self.plan,
+                                                 self.batch_size)
+                position = 0
+                continue
+            fraction = min(budget_epochs - epoch, 1.0)
+            target = min(epoch_size, -(-round(fraction * epoch_size * 1e9) // 10**9))
+            count = 0
+            for size in sizes:
+                if position >= target:
+                    break
+                position += size
+                count += 1
+            steps += length_policy.steps_for(count, entries)
+            if target < epoch_size:
+                break
+            position = epoch_size
+        return steps
 
     def _restart(self) -> None:
         """Drop the running iterator (and whatever its workers prefetched); the next draw starts at ``position``."""
@@ -208,7 +363,12 @@ class ElasticDataLoader:
                 self._needs_epoch_seed = False
             self._iterator = iter(self._loader)
         out: list[tuple[list[int], Any]] = []
-        for size in step_sizes(self.remaining, self.batch_size, entries):
+        if self.plan is not None:
+            planned = self._sizes[:entries]
+            sizes = (0, ) * (entries - len(planned)) + tuple(planned)  # a short last step: empty ones first
+        else:
+            sizes = step_sizes(self.remaining, self.batch_size, entries)
+        for size in sizes:
             if size == 0:
                 out.append(([], EmptyMicroBatch()))
                 continue
@@ -219,14 +379,21 @@ class ElasticDataLoader:
                                    f'{expected[:8]}... (epoch {self.epoch}, position {self.position})')
             self.position += size
             self.samples_seen += size
+            if self.plan is not None:
+                lengths = [self.lengths[i] for i in indices]
+                self.token_stats[0] += sum(lengths)
+                self.token_stats[1] += len(lengths) * max(lengths)
+                self.token_stats[2] += 1
             out.append((list(indices), batch))
+        if self.plan is not None:
+            del self._sizes[:len(planned)]
         if self.epoch_complete:
             self._iterator = None
         return out
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             'epoch': self.epoch,
             'position': self.position,
             'batch_size': self.batch_size,
@@ -234,19 +401,80 @@ class ElasticDataLoader:
             'samples_seen': self.samples_seen,
             'epoch_size': len(self._order),
         }
+        if self.plan is not None:
+            state['plan'] = self.plan.to_json()
+            state['order_plan'] = self._order_plan.to_json() if self._order_plan is not None else None
+            state['plan_sizes'] = length_policy.run_length(self._sizes)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         from .state import StateError
         epoch, position = int(state['epoch']), int(state['position'])
-        order = list(self._epoch_order(epoch))
+        plan = length_policy.BatchPlan.from_json(state['plan']) if state.get('plan') else None
+        order_plan = length_policy.BatchPlan.from_json(state['order_plan']) if state.get('order_plan') else None
+        order, chunks = self._layout(epoch, order_plan)
         if int(state.get('epoch_size', len(order))) != len(order):
             raise StateError(f'the checkpoint was written for an epoch of {state["epoch_size"]} samples on this rank, '
                              f'but the training dataset now gives {len(order)}; resume with the same dataset')
         if not 0 <= position <= len(order):
             raise StateError(f'corrupt loader state: position {position} outside the epoch of {len(order)} samples')
+        sizes = length_policy.from_run_length(state.get('plan_sizes', [])) if plan is not None else []
+        if plan is not None and sum(sizes) != len(order) - position:
+            raise StateError(f'corrupt loader state: planned micro-batches hold {sum(sizes)} samples, but '
+                             f'{len(order) - position} are left in the epoch')
         self.epoch, self._order, self.position = epoch, order, position
+        self.plan, self._order_plan, self._chunks, self._sizes = plan, order_plan, chunks, sizes
         self._needs_epoch_seed = True
         self.batch_size = int(state['batch_size'])
         self.num_pieces = int(state.get('num_pieces', 1))
         self.samples_seen = int(state.get('samples_seen', 0))
         self._restart()
+
+
+_LENGTHS_ATTR = '_sdc_lengths'
+
+
+def _normalise(value: Any) -> int:
+    if isinstance(value, (list, tuple)):
+        return int(max(value)) if value else 0
+    return int(value)
+
+
+def dataset_lengths(dataset: Any) -> list[int]:
+    """Tokens of every sample of ``dataset``, computed once and cached with the dataset.
+
+    Read, in this order: the ``lengths`` (ms-swift's encoded datasets: an int or a list per row, its maximum is
+    taken, as ms-swift's ``group_by_length`` does) or ``length`` column of a ``datasets.Dataset``, of the
+    ``dataset`` attribute of a lazy wrapper (ms-swift's ``LazyLLMDataset``), or a ``lengths`` attribute. Otherwise
+    every sample is read once and measured (``max(len(input_ids), len(labels))``); the result is kept on the dataset
+    object (``_sdc_lengths``), so later epochs, plan changes and resumes do not encode anything again.
+    """
+    cached = getattr(dataset, _LENGTHS_ATTR, None)
+    if cached is not None and len(cached) == len(dataset):
+        return cached
+    lengths: list[int] | None = None
+    for source in (dataset, getattr(dataset, 'dataset', None)):
+        columns = getattr(source, 'column_names', None) or ()
+        if source is not None and len(source) == len(dataset):
+            for column in ('lengths', 'length'):
+                if column in columns:
+                    lengths = [_normalise(v) for v in source[column]]
+                    break
+        if lengths is not None:
+            break
+    if lengths is None and isinstance(getattr(dataset, 'lengths', None), (list, tuple)):
+        lengths = [_normalise(v) for v in dataset.lengths]
+    if lengths is None:
+        lengths = []
+        for i in range(len(dataset)):
+            item = dataset[i]
+            fields = item if isinstance(item, Mapping) else {}
+            sizes = [len(fields[k]) for k in ('input_ids', 'labels') if fields.get(k) is not None]
+            if not sizes:
+                raise ValueError(f'cannot measure sample {i}: no input_ids/labels (a lengths column would do)')
+            lengths.append(max(sizes))
+    try:
+        setattr(dataset, _LENGTHS_ATTR, lengths)
+    except (AttributeError, TypeError):
+        pass
+    return lengths

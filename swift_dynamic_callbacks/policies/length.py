@@ -1,0 +1,319 @@
+"""Length-aware batching as pure functions: bucketed epoch orders and micro-batch sizes decided from lengths.
+
+Terms (a collator that pads every micro-batch to its longest member, as ms-swift's does):
+
+- *padded tokens* of a micro-batch = ``samples x longest``; *real tokens* = the sum of its lengths;
+- *padding fraction* = ``1 - real / padded`` (over a set of micro-batches: sums of both).
+
+A :class:`BatchPlan` says how many samples a micro-batch may hold, given its longest sample:
+
+- ``token_budget``: ``floor(max_tokens / longest)`` (at least 1), so ``samples x longest <= max_tokens``; a single
+  sample longer than ``max_tokens`` goes alone (:func:`over_budget` lists them for a warning);
+- ``rules``: the size of the last rule ``[longer_than, samples]`` with ``longest > longer_than`` (the seed's rule
+  ``[[0, 8], [1024, 2]]``: longest > 1024 tokens -> 2 samples, else 8).
+
+The trainer's current per-device batch size (``cap``) stays an upper bound on the samples of a micro-batch.
+
+An epoch is laid out by :func:`epoch_layout` and cut by :func:`plan_sizes`:
+
+1. bucketing on: sort this rank's samples by length (ties in a seeded random order), open a new bucket whenever a
+   length exceeds the bucket's first length by more than ``bucket_width`` (relative) and the bucket holds at least
+   ``bucket_fill`` of one micro-batch the plan allows for its longest sample (so sparse length ranges do not leave
+   tiny buckets that could only make tiny batches), shuffle inside every bucket,
+   cut each bucket greedily into *chunks* the plan allows, and shuffle the chunks (seed ``(seed, epoch)``), so
+   consecutive micro-batches come from unrelated buckets and every epoch differs;
+   bucketing off: the order given (the host sampler's random order) is one segment;
+2. :func:`plan_sizes` walks the order from a position: inside each chunk (segment) it cuts greedily by the plan,
+   then splits every piece evenly into ``ceil(n / cap)`` micro-batches of at most ``cap`` samples. A subset of a
+   piece never has more padded tokens than the piece, so splitting never breaks the budget.
+
+Under data parallelism every rank must run the same number of optimizer steps per epoch (the gradient all-reduce
+waits for all ranks). :func:`equalize_steps` splits a rank's largest micro-batches in halves until its count needs
+the agreed number of steps; :func:`agreed_steps` is the agreement rule.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+MODES = ('token_budget', 'rules')
+DEFAULT_RULES: tuple[tuple[int, int], ...] = ((0, 8), (1024, 2))
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How micro-batches are formed from sample lengths (the value of ``control.new_batch_plan``).
+
+    Attributes:
+        mode: ``token_budget`` or ``rules``.
+        max_tokens: most padded tokens (``samples x longest``) of a micro-batch (``token_budget``).
+        rules: ``((longer_than, samples), ...)``, ascending, the first ``longer_than`` is 0 (``rules``).
+        bucketing: lay each epoch out in shuffled chunks of similar length (else keep the given order).
+        bucket_width: relative length spread of a bucket (0.03: lengths within 3 % of the bucket's shortest),
+            exceeded only where a bucket needs more samples to reach ``bucket_fill``.
+        bucket_fill: fraction of a full micro-batch (the plan's limit for the bucket's longest sample) a bucket
+            holds before the next one may open (0: width alone; 1: at least one full micro-batch a bucket).
+        seed: seed of the bucketed order (with the epoch number).
+    """
+
+    mode: str = 'token_budget'
+    max_tokens: int = 16384
+    rules: tuple[tuple[int, int], ...] = DEFAULT_RULES
+    bucketing: bool = True
+    bucket_width: float = 0.03
+    bucket_fill: float = 0.5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f'mode: must be one of {", ".join(MODES)}, got {self.mode!r}')
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f'max_tokens: must be an int >= 1, got {self.max_tokens!r}')
+        object.__setattr__(self, 'rules', check_rules(self.rules))
+        if not isinstance(self.bucketing, bool):
+            raise ValueError(f'bucketing: expected true or false, got {self.bucketing!r}')
+        width = self.bucket_width
+        if isinstance(width, bool) or not isinstance(width, (int, float)) or not 0 <= width <= 10:
+            raise ValueError(f'bucket_width: must be a number in [0, 10], got {width!r}')
+        object.__setattr__(self, 'bucket_width', float(width))
+        fill = self.bucket_fill
+        if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 <= fill <= 1:
+            raise ValueError(f'bucket_fill: must be a number in [0, 1], got {fill!r}')
+        object.__setattr__(self, 'bucket_fill', float(fill))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f'seed: expected an integer, got {self.seed!r}')
+
+    def limit(self, longest: int) -> int:
+        """Most samples of a micro-batch whose longest sample has ``longest`` tokens (at least 1)."""
+        if self.mode == 'token_budget':
+            return max(1, self.max_tokens // max(longest, 1))
+        return rule_size(self.rules, longest)
+
+    def to_json(self) -> dict[str, Any]:
+        return {'mode': self.mode, 'max_tokens': self.max_tokens, 'rules': [list(r) for r in self.rules],
+                'bucketing': self.bucketing, 'bucket_width': self.bucket_width, 'bucket_fill': self.bucket_fill,
+                'seed': self.seed}
+
+    @classmethod
+    def from_json(cls, mapping: Mapping[str, Any]) -> 'BatchPlan':
+        if not isinstance(mapping, Mapping):
+            raise ValueError(f'a batch plan is a mapping, got {mapping!r}')
+        unknown = sorted(set(mapping) - {'mode', 'max_tokens', 'rules', 'bucketing', 'bucket_width', 'bucket_fill',
+                                  'seed'})
+        if unknown:
+            raise ValueError(f'unknown batch plan key(s) {", ".join(unknown)}')
+        return cls(**dict(mapping))
+
+
+def check_rules(rules: Any) -> tuple[tuple[int, int], ...]:
+    """``{longer_than: samples}`` or ``[[longer_than, samples], ...]`` -> sorted tuple; the first threshold is 0."""
+    items = list(rules.items()) if isinstance(rules, Mapping) else list(rules or ())
+    out = []
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError(f'rules: each rule is [longer_than, samples], got {item!r}')
+        threshold, size = item
+        if isinstance(threshold, str) and threshold.strip().isdigit():
+            threshold = int(threshold)
+        for what, value, low in (('longer_than', threshold, 0), ('samples', size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f'rules: {what} must be an int >= {low}, got {value!r} in {item!r}')
+        out.append((threshold, size))
+    out.sort()
+    if not out or out[0][0] != 0:
+        raise ValueError(f'rules: need a rule for longer_than 0 (the size of short batches), got {out!r}')
+    if len({t for t, _ in out}) != len(out):
+        raise ValueError(f'rules: a longer_than threshold appears twice in {out!r}')
+    return tuple(out)
+
+
+def rule_size(rules: Sequence[tuple[int, int]], longest: int) -> int:
+    """Samples allowed by the last rule with ``longest > longer_than`` (the first rule when none matches)."""
+    size = rules[0][1]
+    for threshold, samples in rules:
+        if longest > threshold:
+            size = samples
+    return size
+
+
+def greedy_pieces(lengths: Sequence[int], plan: BatchPlan, cap: int | None = None) -> list[int]:
+    """Cut consecutive samples into pieces: add a sample while the piece (with it) stays within the plan's limit
+    for its longest sample (and ``cap``). A sample that the limit does not allow next to anything goes alone."""
+    sizes: list[int] = []
+    count, longest = 0, 0
+    for length in lengths:
+        new_longest = max(longest, length)
+        limit = plan.limit(new_longest)
+        if cap is not None:
+            limit = min(limit, cap)
+        if count and count + 1 > limit:
+            sizes.append(count)
+            count, longest = 1, length
+        else:
+            count, longest = count + 1, new_longest
+    if count:
+        sizes.append(count)
+    return sizes
+
+
+def even_split(size: int, cap: int) -> list[int]:
+    """``size`` samples as ``ceil(size / cap)`` micro-batches of at most ``cap``, sizes differing by at most one
+    (larger first)."""
+    if size < 1 or cap < 1:
+        raise ValueError(f'even_split: need size >= 1 and cap >= 1, got {size}, {cap}')
+    parts = -(-size // cap)
+    base, extra = divmod(size, parts)
+    return [base + 1] * extra + [base] * (parts - extra)
+
+
+def epoch_layout(indices: Sequence[int], lengths: Sequence[int], plan: BatchPlan,
+                 epoch: int) -> tuple[list[int], list[int] | None]:
+    """This rank's order for ``epoch`` and its chunk sizes (``None``: one segment, bucketing off).
+
+    Args:
+        indices: the rank's dataset indices of the epoch (the host's order; kept as is without bucketing).
+        lengths: tokens of every dataset index (``lengths[i]``).
+        plan: the batch plan (its ``seed`` and ``bucket_width``).
+        epoch: data epoch (part of the seed: every epoch is laid out differently).
+    """
+    if not plan.bucketing:
+        return list(indices), None
+    rng = random.Random(f'{plan.seed}:{epoch}')
+    shuffled = list(indices)
+    rng.shuffle(shuffled)
+    shuffled.sort(key=lambda i: lengths[i])  # stable: equal lengths stay in random order
+    buckets: list[list[int]] = []
+    start = longest = 0
+    for i in shuffled:
+        length = lengths[i]
+        # a new bucket once the length leaves the width and the bucket holds bucket_fill of a micro-batch
+        full = len(buckets[-1]) >= plan.bucket_fill * plan.limit(longest) if buckets else True
+        if not buckets or (length > start * (1 + plan.bucket_width) and full):
+            buckets.append([])
+            start = length
+        buckets[-1].append(i)
+        longest = length
+    chunks: list[list[int]] = []
+    for bucket in buckets:
+        rng.shuffle(bucket)
+        at = 0
+        for size in greedy_pieces([lengths[i] for i in bucket], plan):
+            chunks.append(bucket[at:at + size])
+            at += size
+    rng.shuffle(chunks)
+    return [i for chunk in chunks for i in chunk], [len(c) for c in chunks]
+
+
+def segments(start: int, total: int, chunk_sizes: Sequence[int] | None) -> list[tuple[int, int]]:
+    """``(begin, end)`` ranges of the order from ``start`` on: the rest of the current chunk, then whole chunks."""
+    if chunk_sizes is None:
+        return [(start, total)] if start < total else []
+    out, end = [], 0
+    for size in chunk_sizes:
+        begin, end = end, end + size
+        if end > start:
+            out.append((max(begin, start), end))
+    if end != total:
+        raise ValueError(f'chunk sizes add up to {end}, but the epoch has {total} samples')
+    return out
+
+
+def plan_sizes(ordered_lengths: Sequence[int], start: int, chunk_sizes: Sequence[int] | None, plan: BatchPlan,
+               cap: int) -> list[int]:
+    """Micro-batch sizes for the order from ``start`` to its end (their sum is ``len(ordered_lengths) - start``).
+
+    Inside every segment (:func:`segments`): :func:`greedy_pieces` by the plan, then :func:`even_split` by ``cap``.
+    """
+    sizes: list[int] = []
+    for begin, end in segments(start, len(ordered_lengths), chunk_sizes):
+        for piece in greedy_pieces(ordered_lengths[begin:end], plan):
+            sizes.extend(even_split(piece, cap))
+    return sizes
+
+
+def over_budget(lengths: Iterable[int], plan: BatchPlan) -> list[int]:
+    """Positions of samples longer than ``max_tokens`` (token_budget mode; they run alone, over the budget)."""
+    if plan.mode != 'token_budget':
+        return []
+    return [k for k, length in enumerate(lengths) if length > plan.max_tokens]
+
+
+def steps_for(micro_batches: int, entries: int) -> int:
+    """Optimizer steps that ``micro_batches`` take at ``entries`` micro-batches a step."""
+    return -(-micro_batches // entries)
+
+
+def agreed_steps(counts: Sequence[tuple[int, int]], entries: int) -> int:
+    """The steps every rank runs for the rest of the epoch: the most any rank needs.
+
+    Args:
+        counts: per rank ``(micro_batches, samples)`` left in the epoch.
+
+    Raises:
+        ValueError: a rank has fewer samples than the micro-batches it would need (the same on every rank).
+    """
+    steps = max((steps_for(m, entries) for m, _ in counts), default=0)
+    need = (steps - 1) * entries + 1 if steps else 0
+    short = [r for r, (_, samples) in enumerate(counts) if samples < need]
+    if short:
+        raise ValueError(f'rank(s) {short} have fewer samples left ({[counts[r][1] for r in short]}) than the '
+                         f'{need} micro-batches needed to run {steps} optimizer steps like the other ranks; use a '
+                         'larger max_tokens / rule sizes or fewer ranks')
+    return steps
+
+
+def equalize_steps(sizes: Sequence[int], entries: int, steps: int) -> list[int]:
+    """Split the largest micro-batches (most samples, earliest first) in halves until ``sizes`` need ``steps``
+    optimizer steps at ``entries`` micro-batches a step (at least ``(steps - 1) * entries + 1`` micro-batches).
+
+    Halves of a micro-batch are within its budget. Order and samples are unchanged.
+
+    Raises:
+        ValueError: more micro-batches than ``steps`` allow, or no micro-batch left to split.
+    """
+    out = list(sizes)
+    if len(out) > steps * entries:
+        raise ValueError(f'{len(out)} micro-batches need more than {steps} steps of {entries}')
+    need = (steps - 1) * entries + 1 if steps else 0
+    while len(out) < need:
+        k = max(range(len(out)), key=lambda j: (out[j], -j), default=None)
+        if k is None or out[k] < 2:
+            raise ValueError(f'cannot split {sum(out)} samples into {need} micro-batches')
+        out[k:k + 1] = [out[k] - out[k] // 2, out[k] // 2]
+    return out
+
+
+def padding(batches: Iterable[Sequence[int]]) -> tuple[int, int]:
+    """``(real, padded)`` tokens of micro-batches given as their samples' lengths."""
+    real = padded = 0
+    for lengths in batches:
+        if lengths:
+            real += sum(lengths)
+            padded += len(lengths) * max(lengths)
+    return real, padded
+
+
+def padding_fraction(real: int, padded: int) -> float:
+    return 1.0 - real / padded if padded else 0.0
+
+
+def run_length(sizes: Sequence[int]) -> list[list[int]]:
+    """``[5, 5, 5, 2]`` -> ``[[5, 3], [2, 1]]`` (compact checkpoint form)."""
+    out: list[list[int]] = []
+    for size in sizes:
+        if out and out[-1][0] == size:
+            out[-1][1] += 1
+        else:
+            out.append([size, 1])
+    return out
+
+
+def from_run_length(pairs: Sequence[Sequence[int]]) -> list[int]:
+    return [int(size) for size, count in pairs for _ in range(int(count))]
+
+
+def mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else 0.0
