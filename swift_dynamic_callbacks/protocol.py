@@ -15,6 +15,7 @@ flag                        set by               read by                      cl
 ``new_num_pieces``          any callback         same                         same
 ``new_lr_scale``            any callback         same                         same
 ``new_lr_schedule``         any callback         same                         same
+``new_batch_plan``          any callback         same                         same
 ``dynamic_decisions``       any callback         integration: written to the  drained (emptied) at every step
                             (append only)        decision log (rank 0)        boundary, log and save
 ``dynamic_metrics``         any callback         integration: merged into     never; a key keeps its last value
@@ -48,6 +49,12 @@ Semantics:
   integration fills in ``total`` (the schedule's horizon), puts it inside the scheduler (saved in
   ``scheduler.pt``) and sets the optimizer's LR at once; ``new_lr_scale`` still multiplies it. Each request
   replaces the previous schedule whole.
+- ``new_batch_plan = {...}`` (a :class:`~swift_dynamic_callbacks.policies.length.BatchPlan` as a mapping:
+  ``mode`` ``token_budget``/``rules``, ``max_tokens``, ``rules``, ``bucketing``, ``bucket_width``,
+  ``bucket_fill``, ``seed``) asks for length-aware batching: from the next step on, each micro-batch's size
+  is decided from its samples' lengths before it is collated (at most the current batch size), and from the
+  next epoch start on (at once when no sample of the epoch has been drawn) the epoch order is bucketed by
+  length. Each request replaces the previous plan whole.
 - A request made during step ``N`` (``on_step_end``, ``on_log``, ``on_save``, ``on_evaluate`` ...) takes effect
   from optimizer step ``N + 1``. Requests made in ``on_step_begin`` apply one step later (the micro-batches of
   the running step are already drawn).
@@ -78,6 +85,7 @@ NEW_BATCH_SIZE = 'new_batch_size'
 NEW_NUM_PIECES = 'new_num_pieces'
 NEW_LR_SCALE = 'new_lr_scale'
 NEW_LR_SCHEDULE = 'new_lr_schedule'
+NEW_BATCH_PLAN = 'new_batch_plan'
 DYNAMIC_DECISIONS = 'dynamic_decisions'
 DYNAMIC_METRICS = 'dynamic_metrics'
 MEASURE_GRAD_NOISE = 'measure_grad_noise'
@@ -85,7 +93,7 @@ GRAD_NOISE_SAMPLE = 'grad_noise_sample'
 
 #: Flags that request a change and are cleared once the integration applied them.
 REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE,
-                 NEW_LR_SCHEDULE)
+                 NEW_LR_SCHEDULE, NEW_BATCH_PLAN)
 #: Every attribute this protocol defines on ``TrainerControl``.
 ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE)
 
@@ -99,6 +107,7 @@ class BatchRequest:
         num_pieces: requested pieces per micro-batch, or ``None``.
         lr_scale: requested factor on the LR schedule, or ``None``.
         lr_schedule: requested LR schedule mapping, or ``None``.
+        batch_plan: requested length-aware batch plan mapping, or ``None``.
         via_dataloader: True when the size came from the seed form (``new_dataloader``).
     """
 
@@ -106,12 +115,13 @@ class BatchRequest:
     num_pieces: int | None = None
     lr_scale: float | None = None
     lr_schedule: Mapping[str, Any] | None = None
+    batch_plan: Mapping[str, Any] | None = None
     via_dataloader: bool = False
 
     @property
     def empty(self) -> bool:
         return (self.batch_size is None and self.num_pieces is None and self.lr_scale is None
-                and self.lr_schedule is None)
+                and self.lr_schedule is None and self.batch_plan is None)
 
 
 @dataclass(frozen=True)
@@ -195,6 +205,21 @@ def check_lr_schedule(schedule: Any) -> dict[str, Any]:
     return out
 
 
+def check_batch_plan(plan: Any) -> dict[str, Any]:
+    """Validate a batch plan mapping (:class:`~swift_dynamic_callbacks.policies.length.BatchPlan`); returns it
+    complete (defaults filled in)."""
+    from .policies.length import BatchPlan
+    try:
+        return BatchPlan.from_json(plan).to_json()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f'control.{NEW_BATCH_PLAN}: {e}') from None
+
+
+def request_batch_plan(control: Any, plan: Mapping[str, Any]) -> None:
+    """Ask for length-aware micro-batches (and bucketed epochs) from the next optimizer step on."""
+    setattr(control, NEW_BATCH_PLAN, check_batch_plan(plan))
+
+
 def request_lr_schedule(control: Any, schedule: Mapping[str, Any]) -> None:
     """Ask for the LR schedule's shape to be ``schedule`` from the next optimizer step on."""
     setattr(control, NEW_LR_SCHEDULE, check_lr_schedule(schedule))
@@ -270,11 +295,16 @@ def pending_request(control: Any) -> BatchRequest:
     lr_schedule = getattr(control, NEW_LR_SCHEDULE, None)
     if lr_schedule is not None:
         lr_schedule = check_lr_schedule(lr_schedule)
+    batch_plan = getattr(control, NEW_BATCH_PLAN, None)
+    if batch_plan is not None:
+        batch_plan = check_batch_plan(batch_plan)
     return BatchRequest(batch_size=batch_size, num_pieces=num_pieces, lr_scale=lr_scale, lr_schedule=lr_schedule,
-                        via_dataloader=via_dataloader)
+                        batch_plan=batch_plan, via_dataloader=via_dataloader)
 
 
 def has_pending_request(control: Any) -> bool:
+    if getattr(control, NEW_BATCH_PLAN, None) is not None:
+        return True
     return bool(getattr(control, SHOULD_UPDATE_DATALOADER, False)) or any(
         getattr(control, flag, None) is not None
         for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE, NEW_LR_SCHEDULE))
@@ -288,6 +318,7 @@ def clear_requests(control: Any) -> None:
     control.new_num_pieces = None
     control.new_lr_scale = None
     control.new_lr_schedule = None
+    control.new_batch_plan = None
 
 
 def drain_decisions(control: Any) -> list:

@@ -6,11 +6,12 @@ from .batch_schedule import BatchScheduleCallback, BatchScheduleConfig
 from .training_log import TrainingLogCallback, TrainingLogConfig
 from .checkpoint_rotation import CheckpointRotationCallback, CheckpointRotationConfig
 from .early_stopping import EarlyStoppingCallback, EarlyStoppingConfig
+from .length_batching import LengthBatchingCallback, LengthBatchingConfig
 from .lr_schedule import LRScheduleCallback, LRScheduleConfig
 
 __all__ = [
     'BatchGrowthCallback', 'BatchGrowthConfig', 'DynamicCallback', 'BatchScheduleCallback', 'BatchScheduleConfig',
     'CheckpointRotationCallback', 'CheckpointRotationConfig', 'EarlyStoppingCallback', 'EarlyStoppingConfig',
-    'LRScheduleCallback', 'LRScheduleConfig',
+    'LengthBatchingCallback', 'LengthBatchingConfig', 'LRScheduleCallback', 'LRScheduleConfig',
     'TrainingLogCallback', 'TrainingLogConfig'
 ]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from ..callbacks import (BatchGrowthCallback, BatchScheduleCallback, CheckpointRotationCallback, DynamicCallback,
-                         EarlyStoppingCallback, LRScheduleCallback, TrainingLogCallback)
+                         EarlyStoppingCallback, LengthBatchingCallback, LRScheduleCallback, TrainingLogCallback)
 from ..config import ConfigError
 from .trainer import IntegrationConfig, install
 
@@ -31,7 +31,7 @@ PLUGIN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'swift_pl
 CALLBACKS: dict[str, type[DynamicCallback]] = {
     cls.name: cls
     for cls in (BatchGrowthCallback, BatchScheduleCallback, LRScheduleCallback, EarlyStoppingCallback,
-                CheckpointRotationCallback, TrainingLogCallback)
+                CheckpointRotationCallback, TrainingLogCallback, LengthBatchingCallback)
 }
 
 

@@ -37,8 +37,9 @@ from transformers import TrainerCallback
 
 from .. import distributed, protocol
 from ..config import ConfigError, check_bool, check_choice, from_mapping, to_mapping
-from ..loader import ElasticDataLoader, EmptyMicroBatch
+from ..loader import ElasticDataLoader, EmptyMicroBatch, dataset_lengths
 from ..policies.data_plan import piece_bounds, steps_to_budget
+from ..policies.length import BatchPlan, padding_fraction
 from ..policies.lr import schedule_factor
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
 from ..state import (StateError, build_payload, read_state, restore_components, stateful_components, write_state)
@@ -212,7 +213,8 @@ class Integration:
             order,
             batch_size=batch_size,
             entries_per_step=args.gradient_accumulation_steps,
-            loader_kwargs=loader_kwargs)
+            loader_kwargs=loader_kwargs,
+            lengths=lambda: dataset_lengths(dataset))
         self.loader = loader
         self._restore_loader(loader)
         self._samples_at_start = loader.samples_seen
@@ -299,8 +301,7 @@ class Integration:
         loader = self.loader
         if self.epoch_budget is None or loader is None:
             return
-        needed = state.global_step + steps_to_budget(loader.epoch, loader.position, loader.epoch_size,
-                                                     self.epoch_budget, loader.batch_size, loader.entries_per_step)
+        needed = state.global_step + loader.steps_to_budget(self.epoch_budget)
         if needed != state.max_steps:
             old, state.max_steps = state.max_steps, needed
             if self.scheduler_steps is not None:
@@ -377,6 +378,8 @@ class Integration:
                             'new': request.batch_size,
                             'global_batch_size': self.global_batch_size()
                         }))
+        if request.batch_plan is not None:
+            self._apply_batch_plan(request.batch_plan, queued_kinds)
         if request.num_pieces is not None and request.num_pieces != loader.num_pieces:
             self._check_splittable()
             old = loader.num_pieces
@@ -412,6 +415,44 @@ class Integration:
                         'old_lr': old_lr,
                         'new_lr': self._current_lr()
                     }))
+
+    def _apply_batch_plan(self, mapping: Mapping[str, Any], queued_kinds: set[str]) -> None:
+        """``new_batch_plan``: hand the plan to the loader, add what it plans for the rest of the epoch to the plan's
+        decision record, and write a warning record for samples longer than the token budget (each runs alone)."""
+        loader = self.loader
+        plan = BatchPlan.from_json(mapping)
+        old = loader.plan.to_json() if loader.plan is not None else None
+        if not loader.set_plan(plan):
+            return
+        self.update_max_steps(self.trainer.state, 'batch_plan')
+        real, padded, batches = loader.planned_padding()
+        applied = {'micro_batches_left': batches, 'planned_padding_fraction': round(padding_fraction(real, padded), 6),
+                   'bucketed_from_epoch': loader.epoch if loader.order_bucketed else loader.epoch + 1}
+        if 'batch_plan' in queued_kinds:
+            self._held = [replace(r, values={**r.values, **applied}) if r.kind == 'batch_plan' else r
+                          for r in self._held]
+        else:
+            self._held.append(DecisionRecord('control_flags', 'batch_plan', 'request', {'old': old, 'new': mapping,
+                                                                                         **applied}))
+        over = sum(distributed.gather_objects(loader.over_budget()), [])
+        if over:
+            longest = max(loader.lengths[i] for i in over)
+            message = (f'{len(over)} sample(s) are longer than max_tokens={plan.max_tokens} (longest {longest} '
+                       'tokens); each runs alone in its micro-batch, over the token budget')
+            logger.warning(message)
+            self._held.append(DecisionRecord('integration', 'over_budget', 'warning', {
+                'samples': len(over), 'indices': sorted(over)[:32], 'longest': longest, 'max_tokens': plan.max_tokens
+            }, message))
+
+    def token_values(self) -> dict[str, float]:
+        """Padded tokens per micro-batch and padding fraction of the micro-batches drawn since the last log line
+        (all ranks), from the samples' lengths (a batch plan is set)."""
+        stats = distributed.gather_objects(self.loader.take_token_stats())
+        real, padded, batches = (sum(column) for column in zip(*stats))
+        if not batches:
+            return {}
+        return {'dynamic/tokens_per_batch': round(padded / batches, 3),
+                'dynamic/padding_fraction': round(padding_fraction(real, padded), 6)}
 
     def _check_same_dataset(self, dataloader: Any) -> None:
         dataset = getattr(dataloader, 'dataset', None)
@@ -591,6 +632,8 @@ class Integration:
                 'dynamic/epoch_coverage': round(loader.position / max(loader.epoch_size, 1), 6),
                 'dynamic/lr_scale': self.lr_scale,
             })
+        if loader is not None and self.config.log_values and loader.plan is not None:
+            values.update(self.token_values())
         values.update(protocol.current_metrics(control))
         return values
 
@@ -615,6 +658,8 @@ class Integration:
             protocol.request_lr_scale(control, pending['lr_scale'])
         if pending.get('lr_schedule') is not None:
             protocol.request_lr_schedule(control, pending['lr_schedule'])
+        if pending.get('batch_plan') is not None:
+            protocol.request_batch_plan(control, pending['batch_plan'])
 
     def speed_values(self, runtime: float) -> dict[str, float]:
         """HF's ``train_samples_per_second`` assumes a constant batch; this counts the samples really used."""
@@ -754,6 +799,7 @@ def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.Batch
         num_pieces=max(pieces) if pieces else None,
         lr_scale=min(scales) if scales else None,
         lr_schedule=schedules[0] if schedules else None,
+        batch_plan=next((r.batch_plan for r in requests if r.batch_plan is not None), None),
         via_dataloader=any(r.via_dataloader for r in requests))
 
 
