@@ -16,6 +16,7 @@ flag                        set by               read by                      cl
 ``new_lr_scale``            any callback         same                         same
 ``new_lr_schedule``         any callback         same                         same
 ``new_batch_plan``          any callback         same                         same
+``new_pass_limit``          any callback         same                         same
 ``dynamic_decisions``       any callback         integration: written to the  drained (emptied) at every step
                             (append only)        decision log (rank 0)        boundary, log and save
 ``dynamic_metrics``         any callback         integration: merged into     never; a key keeps its last value
@@ -25,6 +26,10 @@ flag                        set by               read by                      cl
 ``grad_noise_sample``       the integration      callbacks, in                by the integration at the next step
                             (after a step's      ``on_step_end``              boundary
                             last backward)
+``pass_size``               the integration      callbacks, in                overwritten every step
+                            (after each step)    ``on_step_end``
+``oom_event``               the integration      callbacks, in                by the integration at the next step
+                            (after recovering)   ``on_step_end``              boundary
 ==========================  ===================  ===========================  ====================================
 
 Semantics:
@@ -49,6 +54,12 @@ Semantics:
   integration fills in ``total`` (the schedule's horizon), puts it inside the scheduler (saved in
   ``scheduler.pt``) and sets the optimizer's LR at once; ``new_lr_scale`` still multiplies it. Each request
   replaces the previous schedule whole.
+- ``new_pass_limit = {'samples': s, 'tokens': t, 'rules': [[longer_than, samples], ...]}`` caps the samples of
+  one forward/backward pass (:mod:`~swift_dynamic_callbacks.policies.memory`): a micro-batch above the cap runs
+  as more pieces (same gradient), whatever ``new_num_pieces`` asked. Each request replaces the previous limit
+  whole; all values ``None`` removes it. After an out-of-memory error inside a step the integration retries the
+  step's passes at half the pass size, lowers the limit itself and reports it in ``oom_event`` (an
+  :class:`OomEvent`); ``pass_size`` is the largest pass (samples) of the step that just ended.
 - ``new_batch_plan = {...}`` (a :class:`~swift_dynamic_callbacks.policies.length.BatchPlan` as a mapping:
   ``mode`` ``token_budget``/``rules``, ``max_tokens``, ``rules``, ``bucketing``, ``bucket_width``,
   ``bucket_fill``, ``seed``) asks for length-aware batching: from the next step on, each micro-batch's size
@@ -86,6 +97,9 @@ NEW_NUM_PIECES = 'new_num_pieces'
 NEW_LR_SCALE = 'new_lr_scale'
 NEW_LR_SCHEDULE = 'new_lr_schedule'
 NEW_BATCH_PLAN = 'new_batch_plan'
+NEW_PASS_LIMIT = 'new_pass_limit'
+PASS_SIZE = 'pass_size'
+OOM_EVENT = 'oom_event'
 DYNAMIC_DECISIONS = 'dynamic_decisions'
 DYNAMIC_METRICS = 'dynamic_metrics'
 MEASURE_GRAD_NOISE = 'measure_grad_noise'
@@ -93,9 +107,10 @@ GRAD_NOISE_SAMPLE = 'grad_noise_sample'
 
 #: Flags that request a change and are cleared once the integration applied them.
 REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE,
-                 NEW_LR_SCHEDULE, NEW_BATCH_PLAN)
+                 NEW_LR_SCHEDULE, NEW_PASS_LIMIT, NEW_BATCH_PLAN)
 #: Every attribute this protocol defines on ``TrainerControl``.
-ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE)
+ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE, PASS_SIZE,
+                             OOM_EVENT)
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,7 @@ class BatchRequest:
         lr_scale: requested factor on the LR schedule, or ``None``.
         lr_schedule: requested LR schedule mapping, or ``None``.
         batch_plan: requested length-aware batch plan mapping, or ``None``.
+        pass_limit: requested pass limit mapping, or ``None``.
         via_dataloader: True when the size came from the seed form (``new_dataloader``).
     """
 
@@ -116,12 +132,13 @@ class BatchRequest:
     lr_scale: float | None = None
     lr_schedule: Mapping[str, Any] | None = None
     batch_plan: Mapping[str, Any] | None = None
+    pass_limit: Mapping[str, Any] | None = None
     via_dataloader: bool = False
 
     @property
     def empty(self) -> bool:
         return (self.batch_size is None and self.num_pieces is None and self.lr_scale is None
-                and self.lr_schedule is None and self.batch_plan is None)
+                and self.lr_schedule is None and self.batch_plan is None and self.pass_limit is None)
 
 
 @dataclass(frozen=True)
@@ -203,6 +220,44 @@ def check_lr_schedule(schedule: Any) -> dict[str, Any]:
     out['restarts'] = [[int(r[0]), float(r[1]), int(r[2])] for r in out.get('restarts', ())]
     out['guard'] = _positive_float(f'{NEW_LR_SCHEDULE}["guard"]', out.get('guard', 1.0))
     return out
+
+
+@dataclass(frozen=True)
+class OomEvent:
+    """An out-of-memory error the integration recovered from during the step that just ended.
+
+    Attributes:
+        pass_size: samples in the pass that failed.
+        new_cap: the samples-a-pass cap the step was retried and finished with (now the integration's limit).
+        retries: how many times the step's passes were run again.
+        memory: device figures (GiB) read after freeing memory.
+    """
+
+    pass_size: int
+    new_cap: int
+    retries: int
+    memory: Mapping[str, Any]
+
+
+def check_pass_limit(limit: Any) -> dict[str, Any]:
+    """Validate a pass limit mapping (keys ``samples``, ``tokens``, ``rules``, each optional); returns a copy."""
+    if not isinstance(limit, Mapping) or set(limit) - {'samples', 'tokens', 'rules'}:
+        raise ValueError(f'control.{NEW_PASS_LIMIT} must be a mapping with keys samples, tokens, rules; got {limit!r}')
+    out: dict[str, Any] = {'samples': None, 'tokens': None, 'rules': []}
+    for key in ('samples', 'tokens'):
+        if limit.get(key) is not None:
+            out[key] = _positive_int(f'{NEW_PASS_LIMIT}[{key!r}]', limit[key])
+    for rule in limit.get('rules') or ():
+        if not isinstance(rule, (list, tuple)) or len(rule) != 2:
+            raise ValueError(f'control.{NEW_PASS_LIMIT}["rules"]: each rule is [longer_than, samples], got {rule!r}')
+        out['rules'].append([_positive_int(f'{NEW_PASS_LIMIT} rule length', rule[0]),
+                             _positive_int(f'{NEW_PASS_LIMIT} rule samples', rule[1])])
+    return out
+
+
+def request_pass_limit(control: Any, limit: Mapping[str, Any]) -> None:
+    """Ask for a cap on the samples of one forward/backward pass from the next optimizer step on."""
+    setattr(control, NEW_PASS_LIMIT, check_pass_limit(limit))
 
 
 def check_batch_plan(plan: Any) -> dict[str, Any]:
@@ -295,11 +350,14 @@ def pending_request(control: Any) -> BatchRequest:
     lr_schedule = getattr(control, NEW_LR_SCHEDULE, None)
     if lr_schedule is not None:
         lr_schedule = check_lr_schedule(lr_schedule)
+    pass_limit = getattr(control, NEW_PASS_LIMIT, None)
+    if pass_limit is not None:
+        pass_limit = check_pass_limit(pass_limit)
     batch_plan = getattr(control, NEW_BATCH_PLAN, None)
     if batch_plan is not None:
         batch_plan = check_batch_plan(batch_plan)
     return BatchRequest(batch_size=batch_size, num_pieces=num_pieces, lr_scale=lr_scale, lr_schedule=lr_schedule,
-                        batch_plan=batch_plan, via_dataloader=via_dataloader)
+                        pass_limit=pass_limit, batch_plan=batch_plan, via_dataloader=via_dataloader)
 
 
 def has_pending_request(control: Any) -> bool:
@@ -307,7 +365,7 @@ def has_pending_request(control: Any) -> bool:
         return True
     return bool(getattr(control, SHOULD_UPDATE_DATALOADER, False)) or any(
         getattr(control, flag, None) is not None
-        for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE, NEW_LR_SCHEDULE))
+        for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE, NEW_LR_SCHEDULE, NEW_PASS_LIMIT))
 
 
 def clear_requests(control: Any) -> None:
@@ -319,6 +377,7 @@ def clear_requests(control: Any) -> None:
     control.new_lr_scale = None
     control.new_lr_schedule = None
     control.new_batch_plan = None
+    control.new_pass_limit = None
 
 
 def drain_decisions(control: Any) -> list:

@@ -39,8 +39,10 @@ from .. import distributed, protocol
 from ..config import ConfigError, check_bool, check_choice, from_mapping, to_mapping
 from ..loader import ElasticDataLoader, EmptyMicroBatch, dataset_lengths
 from ..policies.data_plan import piece_bounds, steps_to_budget
+from ..memory import device_figures, free_memory, is_oom
 from ..policies.length import BatchPlan, padding_fraction
 from ..policies.lr import schedule_factor
+from ..policies.memory import oom_backoff, pass_cap, pieces_needed
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
 from ..state import (StateError, build_payload, read_state, restore_components, stateful_components, write_state)
 
@@ -69,16 +71,21 @@ class IntegrationConfig:
             configured ``per_device_train_batch_size`` x ``gradient_accumulation_steps`` samples per device: growing the batch then means fewer, larger steps, and training stops at the
             first step boundary where the budget of samples is used; the LR schedule, ``state.max_steps`` and the
             progress bar follow the step count the budget needs at the current batch size).
+        oom_recovery: an out-of-memory error inside a training step does not end the run: the step's passes are
+            run again at half the pass size with the same samples and gradient (see
+            :meth:`Integration.run_micro_batch`). Not under DeepSpeed (a record says so at start).
     """
 
     record_samples: bool = False
     log_values: bool = True
     max_steps_unit: str = 'steps'
+    oom_recovery: bool = True
 
     def __post_init__(self) -> None:
         check_bool('record_samples', self.record_samples)
         check_bool('log_values', self.log_values)
         check_choice('max_steps_unit', self.max_steps_unit, ('steps', 'samples'))
+        check_bool('oom_recovery', self.oom_recovery)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None) -> 'IntegrationConfig':
@@ -114,6 +121,16 @@ class Integration:
         self._scheduler: Any = None
         self.horizon: int | None = None  # the LR schedule's length in optimizer steps (before any stretch)
         self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
+        self.pass_limit: dict[str, Any] | None = None  # the cap on samples per forward/backward pass
+        self.oom_count = 0
+        self._step_batches: list[Any] = []  # this step's micro-batches (kept for an OOM retry)
+        self._step_indices: list[list[int]] = []
+        self._micro_index = 0
+        self._step_max_pass = 0
+        self._current_pass: tuple[int, int, int] | None = None
+        self._oom_retries = 0
+        self._oom_this_step: dict[str, int] | None = None
+        self._adapter_like: bool | None = None  # trainable parameters <= 10 % of the model: snapshot gradients
         self._held: list[DecisionRecord] = []  # callbacks' records, written at the next step boundary
         self._probe: GradNoiseProbe | None = None  # this step's gradient-noise measurement (measure_grad_noise)
 
@@ -147,6 +164,11 @@ class Integration:
                         'integration', 'resume', 'new_component', {'state_key': key},
                         f'{key} has no state in {checkpoint}; it starts fresh'))
         self._user_max_steps = args.max_steps
+        if self.config.oom_recovery and trainer.is_deepspeed_enabled:
+            message = ('oom_recovery is off under DeepSpeed (its engine runs forward/backward and accumulation '
+                       'itself, so a step cannot be split and re-run); an OOM ends the run as usual')
+            logger.warning(message)
+            self._record(DecisionRecord('integration', 'oom_recovery', 'deepspeed', {'enabled': False}, message))
 
     def end_train(self) -> None:
         if self._user_max_steps is not None:
@@ -331,7 +353,12 @@ class Integration:
         pairs = loader.next_step(num_batches)
         real = [batch for indices, batch in pairs if indices]
         _, num_items_in_batch = original(iter(real), len(real), device)
+        self._step_batches = [batch for _, batch in pairs]
+        self._step_indices = [indices for indices, _ in pairs]
+        self._micro_index = self._step_max_pass = self._oom_retries = 0
+        self._oom_this_step = None
         setattr(control, protocol.GRAD_NOISE_SAMPLE, None)
+        setattr(control, protocol.OOM_EVENT, None)
         self._probe = None
         if protocol.grad_noise_requested(control):
             if trainer.is_deepspeed_enabled:
@@ -354,6 +381,10 @@ class Integration:
         if request.via_dataloader:
             self._check_same_dataset(control.new_dataloader)
         protocol.clear_requests(control)
+        if self._oom_this_step is not None:  # this rank's OOM cap: every rank takes the smallest one
+            own = dict(request.pass_limit or self.pass_limit or {})
+            own['samples'] = min(v for v in (own.get('samples'), self._oom_this_step['new_cap']) if v is not None)
+            request = replace(request, pass_limit=protocol.check_pass_limit(own))
         request = distributed.agree(request, _merge_requests)
         self.drain(control)
         try:
@@ -389,6 +420,15 @@ class Integration:
                     DecisionRecord('control_flags', 'num_pieces', 'request', {
                         'old': old,
                         'new': request.num_pieces
+                    }))
+        if request.pass_limit is not None and request.pass_limit != self.pass_limit:
+            old_limit = self.pass_limit
+            self.pass_limit = None if all(not v for v in request.pass_limit.values()) else dict(request.pass_limit)
+            if 'pass_limit' not in queued_kinds:
+                self._record(
+                    DecisionRecord('control_flags', 'pass_limit', 'request', {
+                        'old': old_limit,
+                        'new': self.pass_limit
                     }))
         old_lr = self._current_lr()
         if request.lr_schedule is not None:
@@ -587,30 +627,144 @@ class Integration:
     # ---- the micro-step -----------------------------------------------------------------------------
     def run_micro_batch(self, model: Any, inputs: Any, run: Callable[[Any], torch.Tensor],
                         num_items_in_batch: Any) -> torch.Tensor:
-        """Run one HF micro-batch: skip a placeholder, or split it into ``num_pieces`` passes."""
+        """Run one HF micro-batch (HF's ``training_step``): skip a placeholder, or run it as one or more passes.
+
+        With ``oom_recovery``, an out-of-memory error in any pass (forward or backward) does not end the run: the
+        step's gradients are dropped (``grad = None``: nothing of the failed attempt leaks into the step), memory
+        is freed, the pass cap is halved, and the micro-batch is run again in smaller passes — the same samples
+        with the same loss normalisation, so the optimizer step sees the same gradient. The gradients the step had
+        before this micro-batch come back from a snapshot taken before it when the trainable parameters are a
+        small part of the model (LoRA and other adapters: at most 10 %, so the copy is cheap); otherwise the
+        step's earlier micro-batches are run again too (their losses were already counted by HF and are not
+        counted again). A single sample that does not fit stops the run with :class:`SampleTooLargeError`.
+        """
+        index = self._micro_index
+        self._micro_index += 1
+        last_of_step = index == len(self._step_batches) - 1
         if isinstance(inputs, EmptyMicroBatch):
+            if last_of_step and self._manual_sync(model):
+                _all_reduce_grads(model)
             return torch.zeros((), device=self.trainer.args.device)
-        pieces = self.loader.num_pieces if self.loader is not None else 1
+        if not self.config.oom_recovery or self.trainer.is_deepspeed_enabled:
+            return self._run_passes(model, inputs, run, num_items_in_batch, index)
+        snapshot = _grad_snapshot(model) if self._snapshot_grads(model) else None
+        retries = 0
+        while True:
+            failed: tuple[int, int] | None = None
+            try:
+                if retries and snapshot is not None:  # the step's gradients before this micro-batch, back
+                    _restore_grads(model, snapshot)
+                elif retries:  # the step so far, again: the gradients were dropped
+                    for j in range(index):
+                        if not isinstance(self._step_batches[j], EmptyMicroBatch):
+                            self._run_passes(model, self._step_batches[j], run, num_items_in_batch, j, sync=False)
+                loss = self._run_passes(model, inputs, run, num_items_in_batch, index)
+            except Exception as error:  # noqa: BLE001 - only OOMs are handled; everything else is re-raised
+                if not is_oom(error):
+                    raise
+                failed = self._current_pass
+            if failed is None:
+                if retries:
+                    self._report_oom(retries)
+                return loss
+            retries += 1
+            self._recover_from_oom(model, failed, index)
+
+    def _run_passes(self, model: Any, inputs: Any, run: Callable[[Any], torch.Tensor], num_items_in_batch: Any,
+                    index: int, *, sync: bool = True) -> torch.Tensor:
+        """One micro-batch as ``pieces`` passes (requested pieces, or more to respect the pass limit)."""
+        rows, length = _batch_shape(inputs)
+        requested = self.loader.num_pieces if self.loader is not None else 1
+        pieces = pieces_needed(rows, requested, pass_cap(length, self.pass_limit))
         probe = self._probe
-        if pieces <= 1 and probe is None:
-            return run(inputs)
-        if num_items_in_batch is None:
-            raise RuntimeError('num_pieces > 1 and measure_grad_noise need the loss normalised by '
-                               'num_items_in_batch (token-sum losses, as ms-swift uses); this model/trainer computes '
-                               'a per-batch mean, so splitting would change the gradient')
+        manual_sync = self._manual_sync(model)
+        if pieces > 1 and num_items_in_batch is None:
+            raise RuntimeError('splitting a micro-batch into passes (num_pieces > 1, a pass limit or OOM recovery) '
+                               'needs the loss normalised by num_items_in_batch (token-sum losses, as ms-swift uses); '
+                               'this model/trainer computes a per-batch mean, so splitting would change the gradient')
+        if probe is not None and num_items_in_batch is None:
+            raise RuntimeError('measure_grad_noise needs the loss normalised by num_items_in_batch (token-sum '
+                               'losses, as ms-swift uses); this model/trainer computes a per-batch mean')
+        if pieces > 1:
+            self._check_splittable()
+        bounds = piece_bounds(rows, pieces)
         parts = split_micro_batch(inputs, pieces) if pieces > 1 else [inputs]
+        last_of_step = index == len(self._step_batches) - 1
         total = None
-        for i, part in enumerate(parts):
+        for i, (part, (start, stop)) in enumerate(zip(parts, bounds)):
             last = i == len(parts) - 1
-            ctx = contextlib.nullcontext() if last else self.trainer.accelerator.no_sync(model)
+            self._current_pass = (index, start, stop)
+            self._step_max_pass = max(self._step_max_pass, stop - start)
+            synchronise = sync and last and not manual_sync
+            ctx = contextlib.nullcontext() if synchronise else self.trainer.accelerator.no_sync(model)
             with ctx:
-                loss = run(part)
+                loss = run(dict(part))
             total = loss if total is None else total + loss
             if probe is not None:
                 sample = probe.after_pass(model, part, num_items_in_batch, end_of_micro_batch=last)
                 if sample is not None:
                     setattr(self.trainer.control, protocol.GRAD_NOISE_SAMPLE, sample)
+        setattr(self.trainer.control, protocol.PASS_SIZE, self._step_max_pass)
+        if sync and last_of_step and manual_sync:
+            _all_reduce_grads(model)
         return total
+
+    def _snapshot_grads(self, model: Any) -> bool:
+        if self._adapter_like is None:
+            trainable = total = 0
+            for p in model.parameters():
+                total += p.numel()
+                trainable += p.numel() if p.requires_grad else 0
+            self._adapter_like = trainable <= 0.1 * max(total, 1)
+        return self._adapter_like
+
+    def _manual_sync(self, model: Any) -> bool:
+        """Under DDP with OOM recovery, every pass runs without DDP's in-backward all-reduce and the integration
+        all-reduces the gradients after the step's last pass: an OOM on one rank then never leaves the others
+        waiting inside a half-done backward."""
+        return self.config.oom_recovery and isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+    def _recover_from_oom(self, model: Any, failed: tuple[int, int, int] | None, index: int) -> None:
+        """After an OOM (outside the ``except`` block): drop the step's gradients, free memory, halve the pass."""
+        micro, start, stop = failed if failed is not None else (index, 0, 1)
+        size = stop - start
+        for p in model.parameters():
+            p.grad = None
+        self._probe = None  # the first-pass gradient of this step is gone
+        free_memory()
+        self.oom_count += 1
+        if size <= 1:
+            batch = self._step_batches[micro]
+            indices = self._step_indices[micro] if micro < len(self._step_indices) else []
+            row_ids = batch.get('input_ids') if isinstance(batch, Mapping) else None
+            tokens = _row_tokens(batch, start)
+            padded = int(row_ids.shape[-1]) if isinstance(row_ids, torch.Tensor) else None
+            sample = indices[start] if start < len(indices) else None
+            raise SampleTooLargeError(
+                f'out of memory on a single sample (dataset index {sample}, {tokens} tokens, padded to {padded}) '
+                f'after {self._oom_retries} retries; memory: {device_figures()}. It cannot fit: shorten it '
+                '(max_length / truncation_strategy), use a smaller model, gradient checkpointing, or more memory. '
+                'It was not skipped: skipping would silently lose data.')
+        cap = oom_backoff(size)
+        self.pass_limit = {**(self.pass_limit or {'tokens': None, 'rules': []}), 'samples': cap}
+        self._oom_retries += 1
+        self._oom_this_step = {'pass_size': size, 'new_cap': cap}
+
+    def _report_oom(self, retries: int) -> None:
+        info = self._oom_this_step or {'pass_size': 0, 'new_cap': 0}
+        figures = device_figures()
+        event = protocol.OomEvent(info['pass_size'], info['new_cap'], retries, figures)
+        setattr(self.trainer.control, protocol.OOM_EVENT, event)
+        self._record(
+            DecisionRecord(
+                'integration', 'oom', 'recovered', {
+                    'pass_size': info['pass_size'],
+                    'new_pass_cap': info['new_cap'],
+                    'retries': retries,
+                    'oom_count': self.oom_count,
+                    **{f'memory_{k}': v for k, v in figures.items()}
+                }, f'out of memory in a pass of {info["pass_size"]} samples: the step was run again with at most '
+                f'{info["new_cap"]} a pass (same samples, same gradient)'))
 
     # ---- numbers for the logs -------------------------------------------------------------------------
     def global_batch_size(self) -> int:
@@ -631,6 +785,8 @@ class Integration:
                 'dynamic/samples_seen': sum(distributed.gather_objects(loader.samples_seen)),
                 'dynamic/epoch_coverage': round(loader.position / max(loader.epoch_size, 1), 6),
                 'dynamic/lr_scale': self.lr_scale,
+                'dynamic/pass_size': self._step_max_pass,
+                'dynamic/oom_count': self.oom_count,
             })
         if loader is not None and self.config.log_values and loader.plan is not None:
             values.update(self.token_values())
@@ -642,10 +798,14 @@ class Integration:
         return {
             'pending_request': None if request.empty else asdict(request),
             'held_decisions': [r.to_json() for r in self._held],
+            'pass_limit': self.pass_limit,
+            'oom_count': self.oom_count,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._held = [DecisionRecord(**r) for r in state.get('held_decisions', [])]
+        self.pass_limit = state.get('pass_limit')
+        self.oom_count = int(state.get('oom_count', 0))
         pending = state.get('pending_request')
         if not pending:
             return
@@ -660,6 +820,8 @@ class Integration:
             protocol.request_lr_schedule(control, pending['lr_schedule'])
         if pending.get('batch_plan') is not None:
             protocol.request_batch_plan(control, pending['batch_plan'])
+        if pending.get('pass_limit') is not None:
+            protocol.request_pass_limit(control, pending['pass_limit'])
 
     def speed_values(self, runtime: float) -> dict[str, float]:
         """HF's ``train_samples_per_second`` assumes a constant batch; this counts the samples really used."""
@@ -689,7 +851,7 @@ def _changes_lr(record: DecisionRecord) -> bool:
 
 def _is_request_record(record: DecisionRecord) -> bool:
     """A record that goes with a batch-size / pieces / LR request (applied at the next step boundary)."""
-    return record.kind in ('batch_size', 'num_pieces', 'lr_scale') + LR_RECORD_KINDS or any(
+    return record.kind in ('batch_size', 'num_pieces', 'lr_scale', 'pass_limit') + LR_RECORD_KINDS or any(
         k in record.values for k in ('num_pieces', 'lr_scale'))
 
 
@@ -772,6 +934,53 @@ class GradNoiseProbe:
             samples=self.samples * self.world)
 
 
+class SampleTooLargeError(RuntimeError):
+    """A single sample does not fit in memory even alone: the run stops rather than skip it."""
+
+
+def _batch_shape(inputs: Mapping[str, Any]) -> tuple[int, int]:
+    """(rows, padded length) of a collated micro-batch."""
+    reference = inputs.get('input_ids', inputs.get('labels'))
+    if not isinstance(reference, torch.Tensor) or reference.dim() == 0:
+        return 1, 0
+    return int(reference.shape[0]), int(reference.shape[-1]) if reference.dim() > 1 else 0
+
+
+def _row_tokens(batch: Any, row: int) -> int | None:
+    mask = batch.get('attention_mask') if isinstance(batch, Mapping) else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and row < mask.shape[0]:
+        return int(mask[row].sum())
+    ids = batch.get('input_ids') if isinstance(batch, Mapping) else None
+    return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else None
+
+
+def _grad_snapshot(model: Any) -> list[torch.Tensor | None]:
+    """A copy of the trainable parameters' gradients (``None`` where there is none yet)."""
+    return [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters() if p.requires_grad]
+
+
+def _restore_grads(model: Any, snapshot: list[torch.Tensor | None]) -> None:
+    for p, saved in zip([p for p in model.parameters() if p.requires_grad], snapshot):
+        p.grad = saved.clone() if saved is not None else None
+
+
+def _all_reduce_grads(model: Any) -> None:
+    """Average the gradients over ranks (what DDP's backward hooks do), in one flat buffer."""
+    import torch.distributed as dist
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+
 def _loss_tokens(inputs: Mapping[str, Any]) -> int:
     labels = inputs.get('labels')
     if not isinstance(labels, torch.Tensor):
@@ -794,13 +1003,24 @@ def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.Batch
     pieces = [r.num_pieces for r in requests if r.num_pieces is not None]
     scales = [r.lr_scale for r in requests if r.lr_scale is not None]
     schedules = [r.lr_schedule for r in requests if r.lr_schedule is not None]
+    limits = [r.pass_limit for r in requests if r.pass_limit is not None]
     return protocol.BatchRequest(
         batch_size=min(sizes) if sizes else None,
         num_pieces=max(pieces) if pieces else None,
         lr_scale=min(scales) if scales else None,
         lr_schedule=schedules[0] if schedules else None,
+        pass_limit=_merge_limits(limits) if limits else None,
         batch_plan=next((r.batch_plan for r in requests if r.batch_plan is not None), None),
         via_dataloader=any(r.via_dataloader for r in requests))
+
+
+def _merge_limits(limits: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The tightest of several pass limits: the smallest samples and tokens caps, the lowest rank's rules."""
+    merged: dict[str, Any] = {'rules': list(limits[0].get('rules') or [])}
+    for key in ('samples', 'tokens'):
+        values = [lim[key] for lim in limits if lim.get(key) is not None]
+        merged[key] = min(values) if values else None
+    return merged
 
 
 def split_micro_batch(inputs: Mapping[str, Any], num_pieces: int) -> list[dict[str, Any]]:
