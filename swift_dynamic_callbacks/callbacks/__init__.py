@@ -8,10 +8,12 @@ from .checkpoint_rotation import CheckpointRotationCallback, CheckpointRotationC
 from .early_stopping import EarlyStoppingCallback, EarlyStoppingConfig
 from .length_batching import LengthBatchingCallback, LengthBatchingConfig
 from .lr_schedule import LRScheduleCallback, LRScheduleConfig
+from .memory_backoff import MemoryBackoffCallback, MemoryBackoffConfig
 
 __all__ = [
     'BatchGrowthCallback', 'BatchGrowthConfig', 'DynamicCallback', 'BatchScheduleCallback', 'BatchScheduleConfig',
     'CheckpointRotationCallback', 'CheckpointRotationConfig', 'EarlyStoppingCallback', 'EarlyStoppingConfig',
     'LengthBatchingCallback', 'LengthBatchingConfig', 'LRScheduleCallback', 'LRScheduleConfig',
+    'MemoryBackoffCallback', 'MemoryBackoffConfig',
     'TrainingLogCallback', 'TrainingLogConfig'
 ]

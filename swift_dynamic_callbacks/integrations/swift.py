@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from ..callbacks import (BatchGrowthCallback, BatchScheduleCallback, CheckpointRotationCallback, DynamicCallback,
-                         EarlyStoppingCallback, LengthBatchingCallback, LRScheduleCallback, TrainingLogCallback)
+                         EarlyStoppingCallback, LengthBatchingCallback, LRScheduleCallback, MemoryBackoffCallback,
+                         TrainingLogCallback)
 from ..config import ConfigError
 from .trainer import IntegrationConfig, install
 
@@ -30,8 +31,8 @@ PLUGIN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'swift_pl
 #: Every pack callback by its ms-swift name.
 CALLBACKS: dict[str, type[DynamicCallback]] = {
     cls.name: cls
-    for cls in (BatchGrowthCallback, BatchScheduleCallback, LRScheduleCallback, EarlyStoppingCallback,
-                CheckpointRotationCallback, TrainingLogCallback, LengthBatchingCallback)
+    for cls in (BatchGrowthCallback, BatchScheduleCallback, LRScheduleCallback, MemoryBackoffCallback,
+                EarlyStoppingCallback, CheckpointRotationCallback, TrainingLogCallback, LengthBatchingCallback)
 }
 
 
