@@ -8,6 +8,7 @@ is allowed. :func:`from_mapping` builds one from a YAML/JSON mapping and rejects
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable, Mapping, TypeVar
 
 T = TypeVar('T')
@@ -24,6 +25,17 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
         raise ConfigError(f'{name}: must be >= {minimum}, got {value}')
     if maximum is not None and value > maximum:
         raise ConfigError(f'{name}: must be <= {maximum}, got {value}')
+
+
+def check_number(name: str, value: Any, low: float, high: float, *, low_open: bool = False,
+                 high_open: bool = False) -> None:
+    """A finite int/float in the interval from ``low`` to ``high`` (``*_open``: that end excluded)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo, hi = '(' if low_open else '[', ')' if high_open else ']'
+        raise ConfigError(f'{name}: must be a number in {lo}{low}, {high}{hi}, got {value!r}')
 
 
 def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:

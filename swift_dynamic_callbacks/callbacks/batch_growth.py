@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .. import protocol
-from ..config import ConfigError, check_choice, check_int
+from ..config import ConfigError, check_choice, check_int, check_number
 from ..policies.growth import (critical_batch, ema, interval_size, loss_variability_size, lr_scale, noise_scale_size,
                                noise_scale_terms, pieces_for_cap)
 from ..policies.schedule import scheduled_value
@@ -100,8 +101,7 @@ class BatchGrowthConfig:
     def __post_init__(self) -> None:
         check_choice('policy', self.policy, POLICIES)
         check_int('initial', self.initial, minimum=1)
-        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) or not 1 < self.factor <= 8:
-            raise ConfigError(f'factor: must be a number in (1, 8], got {self.factor!r}')
+        check_number('factor', self.factor, 1, 8, low_open=True)
         check_int('interval', self.interval, minimum=1)
         check_int('maximum', self.maximum, minimum=1)
         if self.maximum < self.initial:
@@ -117,11 +117,8 @@ class BatchGrowthConfig:
             check_int('reference_batch', self.reference_batch, minimum=1)
         check_choice('apply_at', self.apply_at, ('step', 'epoch'))
         check_int('window', self.window, minimum=2)
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or self.threshold <= 0:
-            raise ConfigError(f'threshold: must be a number > 0, got {self.threshold!r}')
-        if isinstance(self.noise_decay, bool) or not isinstance(self.noise_decay,
-                                                                  (int, float)) or not 0 <= self.noise_decay < 1:
-            raise ConfigError(f'noise_decay: must be a number in [0, 1), got {self.noise_decay!r}')
+        check_number('threshold', self.threshold, 0, math.inf, low_open=True, high_open=True)
+        check_number('noise_decay', self.noise_decay, 0, 1, high_open=True)
         if self.policy == 'callable':
             if self.function is None:
                 raise ConfigError('function: the callable policy needs function: "package.module:function"')

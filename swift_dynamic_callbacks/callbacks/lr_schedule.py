@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from .. import distributed, protocol
-from ..config import ConfigError, check_bool, check_choice, check_int
+from ..config import ConfigError, check_bool, check_choice, check_int, check_number
 from ..policies.lr import GuardState, PlateauState, guard_step, plateau_step, resolve_steps, smoothed
 from ..records import DecisionRecord
 from .base import DynamicCallback
@@ -21,16 +21,6 @@ def _check_steps_or_fraction(name: str, value: Any) -> None:
                                                                                       and value >= 1):
         raise ConfigError(f'{name}: expected optimizer steps (an int >= 0) or a fraction of training (a float in '
                           f'[0, 1)), got {value!r}')
-
-
-def _check_number(name: str, value: Any, low: float, high: float, *, low_open: bool = False,
-                  high_open: bool = False) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        lo, hi = '(' if low_open else '[', ')' if high_open else ']'
-        raise ConfigError(f'{name}: must be a number in {lo}{low}, {high}{hi}, got {value!r}')
 
 
 @dataclass(frozen=True)
@@ -85,26 +75,26 @@ class LRScheduleConfig:
     def __post_init__(self) -> None:
         _check_steps_or_fraction('warmup', self.warmup)
         _check_steps_or_fraction('hold', self.hold)
-        _check_number('min_ratio', self.min_ratio, 0, 1)
+        check_number('min_ratio', self.min_ratio, 0, 1)
         if not isinstance(self.monitor, str) or not self.monitor:
             raise ConfigError(f'monitor: expected a metric name such as "loss" or "eval_loss", got {self.monitor!r}')
         check_choice('mode', self.mode, ('min', 'max'))
-        _check_number('min_delta', self.min_delta, 0, math.inf, high_open=True)
+        check_number('min_delta', self.min_delta, 0, math.inf, high_open=True)
         check_int('patience', self.patience, minimum=1)
         check_int('cooldown', self.cooldown, minimum=0)
         check_int('smooth', self.smooth, minimum=1)
         check_int('max_restarts', self.max_restarts, minimum=0)
-        _check_number('restart_factor', self.restart_factor, 0, 1, low_open=True)
+        check_number('restart_factor', self.restart_factor, 0, 1, low_open=True)
         check_int('rewarmup', self.rewarmup, minimum=0)
         check_bool('guard', self.guard)
-        _check_number('guard_high', self.guard_high, 0, math.inf, low_open=True, high_open=True)
-        _check_number('guard_low', self.guard_low, 0, math.inf, high_open=True)
+        check_number('guard_high', self.guard_high, 0, math.inf, low_open=True, high_open=True)
+        check_number('guard_low', self.guard_low, 0, math.inf, high_open=True)
         if self.guard_low >= self.guard_high:
             raise ConfigError(f'guard_low: must be below guard_high ({self.guard_high}), got {self.guard_low}')
         check_int('guard_patience', self.guard_patience, minimum=1)
-        _check_number('guard_down', self.guard_down, 0, 1, low_open=True, high_open=True)
-        _check_number('guard_up', self.guard_up, 1, 10, low_open=True)
-        _check_number('guard_min_scale', self.guard_min_scale, 0, 1, low_open=True)
+        check_number('guard_down', self.guard_down, 0, 1, low_open=True, high_open=True)
+        check_number('guard_up', self.guard_up, 1, 10, low_open=True)
+        check_number('guard_min_scale', self.guard_min_scale, 0, 1, low_open=True)
 
     @property
     def watches_eval(self) -> bool:

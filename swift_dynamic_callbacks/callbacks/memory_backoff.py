@@ -7,17 +7,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from .. import distributed, protocol
-from ..config import ConfigError, check_choice, check_int
+from ..config import ConfigError, check_choice, check_int, check_number
 from ..memory import GIB, CpuProbe, MemoryProbe, auto_probe
 from ..policies.memory import PressureState, pressure_step
 from ..records import DecisionRecord
 from .base import DynamicCallback
 from .batch_schedule import _int_table
-
-
-def _check_fraction(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise ConfigError(f'{name}: must be a number in (0, 1), got {value!r}')
 
 
 @dataclass(frozen=True)
@@ -56,22 +51,20 @@ class MemoryBackoffConfig:
     cpu_budget_gib: float | None = None
 
     def __post_init__(self) -> None:
-        _check_fraction('threshold', self.threshold)
-        _check_fraction('low', self.low)
+        check_number('threshold', self.threshold, 0, 1, low_open=True, high_open=True)
+        check_number('low', self.low, 0, 1, low_open=True, high_open=True)
         if self.low >= self.threshold:
             raise ConfigError(f'low: must be below threshold ({self.threshold}), got {self.low}')
         check_int('clean_steps', self.clean_steps, minimum=1)
-        _check_fraction('shrink', self.shrink)
-        if isinstance(self.grow, bool) or not isinstance(self.grow, (int, float)) or not 1 < self.grow <= 8:
-            raise ConfigError(f'grow: must be a number in (1, 8], got {self.grow!r}')
+        check_number('shrink', self.shrink, 0, 1, low_open=True, high_open=True)
+        check_number('grow', self.grow, 1, 8, low_open=True)
         check_int('min_pass', self.min_pass, minimum=1)
         object.__setattr__(self, 'length_rules', _int_table('length_rules', self.length_rules, 1))
         if self.max_pass_tokens is not None:
             check_int('max_pass_tokens', self.max_pass_tokens, minimum=1)
         check_choice('probe', self.probe, ('auto', 'cuda', 'cpu'))
-        if self.cpu_budget_gib is not None and (isinstance(self.cpu_budget_gib, bool) or not isinstance(
-                self.cpu_budget_gib, (int, float)) or not 0 < self.cpu_budget_gib < math.inf):
-            raise ConfigError(f'cpu_budget_gib: must be a number > 0, got {self.cpu_budget_gib!r}')
+        if self.cpu_budget_gib is not None:
+            check_number('cpu_budget_gib', self.cpu_budget_gib, 0, math.inf, low_open=True, high_open=True)
 
     def static_limit(self) -> dict[str, Any]:
         return {
