@@ -203,7 +203,7 @@ def test_epoch_budget_growth_runs_the_whole_lr_schedule(tmp_path, tiny_qwen, gsm
         lrs = [row['learning_rate'] for row in logs]
         # the LR each step used: before any growth the plan is 16 steps at batch 1 (lambda(1) = 15/16)
         assert lrs[:2] == pytest.approx([1e-3, 1e-3 * 15 / 16])
-        assert all(a > b for a, b in zip(lrs, lrs[1:])) and 0 < lrs[-1] < 1e-3 / 5  # the decay ends with the data
+        assert all(a > b for a, b in zip(lrs, lrs[1:])) and 0 < lrs[-1] <= 1e-3 / 4  # the decay ends with the data
         # per_device_train_batch_size is 2, so the first plan is 8 steps; the growth's start at 1 makes it 16, then
         # the growths 9 and 7: each time the rest of the schedule is stretched to end with the data
         stretched = [d['values']['new'] for d in decisions(out) if d['kind'] == 'max_steps' and d['reason'] != 'epoch_budget']
@@ -233,7 +233,7 @@ def test_sample_budget_max_steps_counts_samples(tmp_path, tiny_qwen, gsm8k_16):
         assert len(logs) == 6 and logs[-1]['global_step/max_steps'] == '6/6'  # the progress total is honest
         lrs = [row['learning_rate'] for row in logs]
         assert lrs[0] == pytest.approx(1e-3)  # the LR step 1 used: 12 steps planned at batch 2, lambda(0) = 1
-        assert all(a > b for a, b in zip(lrs, lrs[1:])) and 0 < lrs[-1] < 1e-3 / 5  # the decay ends with the data
+        assert all(a > b for a, b in zip(lrs, lrs[1:])) and 0 < lrs[-1] <= 1e-3 / 4  # the decay ends with the data
         budget = [d for d in decisions(out) if d['kind'] == 'max_steps' and d['reason'] == 'sample_budget']
         assert budget and budget[0]['values']['budget_samples'] == 24
         stops = [d for d in decisions(out) if d['kind'] == 'stop']

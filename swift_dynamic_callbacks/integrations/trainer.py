@@ -345,6 +345,9 @@ class Integration:
             raise RuntimeError('swift-dynamic-callbacks: get_batch_samples before get_train_dataloader')
         control = trainer.control
         control._sdc_integration = True
+        if control.should_training_stop:  # e.g. a resumed run that had stopped: no step, HF leaves the loop
+            self._step_batches, self._step_indices = [], []
+            return [], None
         self.apply_requests(control)
         optimizer = getattr(trainer, 'optimizer', None)
         self.step_lr = float(optimizer.param_groups[0]['lr']) if optimizer is not None else None
