@@ -139,6 +139,12 @@ class ElasticDataLoader:
         self.loader_kwargs = dict(loader_kwargs or {})
         self.num_workers = int(self.loader_kwargs.get('num_workers', 0))
         self._order: list[int] = list(epoch_order(0))
+        # Under data parallelism the ranks' shards differ by a sample (``rank::world``). Steps are counted on the
+        # largest shard (``span``, agreed once here), so every rank ends each epoch at the same optimizer step: a
+        # rank whose shard is a sample short runs its last step with fewer samples, or as placeholders only
+        # (``padding`` counts the samples it lacked). Without a batch plan; a plan agrees its own step counts.
+        self._span = max(distributed.gather_objects(len(self._order)))
+        self._padding = 0
         self._lengths_fn = lengths
         self._lengths: list[int] | None = None
         self.plan: length_policy.BatchPlan | None = None
@@ -191,7 +197,8 @@ class ElasticDataLoader:
     # ---- position ----------------------------------------------------------------------------------
     @property
     def epoch_size(self) -> int:
-        return len(self._order)
+        """Samples of the epoch as steps count them: the largest rank's shard (this rank's own without peers)."""
+        return self._span if self.plan is None else len(self._order)
 
     @property
     def remaining(self) -> int:
@@ -199,16 +206,20 @@ class ElasticDataLoader:
 
     @property
     def epoch_complete(self) -> bool:
-        return self.position >= len(self._order)
+        if self.plan is not None:
+            return self.position >= len(self._order)
+        return self.position >= len(self._order) and self.position + self._padding >= self._span
 
     @property
     def epoch_progress(self) -> float:
-        """Data epochs done, fractional (``epoch + position / epoch_size``)."""
+        """Data epochs done, fractional (``epoch + position / epoch_size``; the same on every rank)."""
+        if self.plan is None:
+            return self.epoch + ((self.position + self._padding) / self._span if self._span else 1.0)
         return self.epoch + (self.position / len(self._order) if self._order else 1.0)
 
     def start_next_epoch(self) -> None:
         self.epoch += 1
-        self.position = 0
+        self.position = self._padding = 0
         self._order_plan = self.plan if self.plan is not None and self.plan.bucketing else None
         self._order, self._chunks = self._layout(self.epoch, self._order_plan)
         self._needs_epoch_seed = True
@@ -312,8 +323,8 @@ class ElasticDataLoader:
         """
         entries = self.entries_per_step
         if self.plan is None:
-            return steps_to_budget(self.epoch, self.position, self.epoch_size, budget_epochs, self.batch_size,
-                                   entries)
+            return steps_to_budget(self.epoch, self.position + self._padding, self.epoch_size, budget_epochs,
+                                   self.batch_size, entries)
         epoch_size = max(self.epoch_size, 1)
         epoch, position, sizes, steps = self.epoch, self.position, list(self._sizes), 0
         while epoch + position / epoch_size < budget_epochs - 1e-9:
@@ -368,6 +379,8 @@ class ElasticDataLoader:
             sizes = (0, ) * (entries - len(planned)) + tuple(planned)  # a short last step: empty ones first
         else:
             sizes = step_sizes(self.remaining, self.batch_size, entries)
+            # the samples the largest shard takes in this step; a shorter shard lacks at most one of them
+            self._padding += min(self._span - self.position - self._padding, self.batch_size * entries) - sum(sizes)
         for size in sizes:
             if size == 0:
                 out.append(([], EmptyMicroBatch()))
@@ -401,6 +414,8 @@ class ElasticDataLoader:
             'samples_seen': self.samples_seen,
             'epoch_size': len(self._order),
         }
+        if self._padding:
+            state['padding'] = self._padding
         if self.plan is not None:
             state['plan'] = self.plan.to_json()
             state['order_plan'] = self._order_plan.to_json() if self._order_plan is not None else None
@@ -428,6 +443,7 @@ class ElasticDataLoader:
         self.batch_size = int(state['batch_size'])
         self.num_pieces = int(state.get('num_pieces', 1))
         self.samples_seen = int(state.get('samples_seen', 0))
+        self._padding = int(state.get('padding', 0))
         self._restart()
 
 

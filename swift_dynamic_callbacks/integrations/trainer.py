@@ -176,6 +176,8 @@ class Integration:
         if self.loader is not None:
             self.loader.close()
         self.drain(self.trainer.control)
+        if self._oom_this_step is not None and self._oom_this_step.get('record') is not None:
+            self._held.append(self._oom_this_step['record'])  # an OOM in the last step: no boundary exchanged it
         if protocol.has_pending_request(self.trainer.control):  # decided after the last step: never applied here
             self._held = [
                 replace(r, values={**r.values, 'pending': True},
@@ -355,7 +357,9 @@ class Integration:
             loader.start_next_epoch()
         pairs = loader.next_step(num_batches)
         real = [batch for indices, batch in pairs if indices]
-        _, num_items_in_batch = original(iter(real), len(real), device)
+        # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
+        counted = real or ([{'labels': torch.full((1, 1), -100)}] if distributed.world_size() > 1 else [])
+        _, num_items_in_batch = original(iter(counted), len(counted), device)
         self._step_batches = [batch for _, batch in pairs]
         self._step_indices = [indices for indices, _ in pairs]
         self._micro_index = self._step_max_pass = self._oom_retries = 0
@@ -388,8 +392,10 @@ class Integration:
             own = dict(request.pass_limit or self.pass_limit or {})
             own['samples'] = min(v for v in (own.get('samples'), self._oom_this_step['new_cap']) if v is not None)
             request = replace(request, pass_limit=protocol.check_pass_limit(own))
-        request = distributed.agree(request, _merge_requests)
+        own_oom = (self._oom_this_step or {}).get('record')
+        request, ooms = distributed.agree((request, own_oom), _merge_step)
         self.drain(control)
+        self._held.extend(ooms)  # every rank's OOM of the last step, on every rank (rank 0 writes them)
         try:
             if not request.empty:
                 self._apply(request)
@@ -400,6 +406,8 @@ class Integration:
         loader = self.loader
         queued_kinds = {r.kind for r in self._held}
         queued_kinds.update(k for r in self._held for k in ('num_pieces', 'lr_scale') if k in r.values)
+        if 'oom' in queued_kinds:  # the OOM records (every rank's) name the new pass cap
+            queued_kinds.add('pass_limit')
         if request.batch_size is not None and request.batch_size != loader.batch_size:
             old = loader.batch_size
             loader.set_batch_size(request.batch_size)
@@ -722,10 +730,11 @@ class Integration:
         return self._adapter_like
 
     def _manual_sync(self, model: Any) -> bool:
-        """Under DDP with OOM recovery, every pass runs without DDP's in-backward all-reduce and the integration
-        all-reduces the gradients after the step's last pass: an OOM on one rank then never leaves the others
-        waiting inside a half-done backward."""
-        return self.config.oom_recovery and isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        """Under DDP every pass runs without DDP's in-backward all-reduce and the integration all-reduces the
+        gradients after the step's last pass: an OOM on one rank then never leaves the others waiting inside a
+        half-done backward, and a rank whose last step of an epoch is placeholders only (its shard is a sample
+        short) still joins the all-reduce (with or without ``oom_recovery``)."""
+        return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
     def _recover_from_oom(self, model: Any, failed: tuple[int, int, int] | None, index: int) -> None:
         """After an OOM (outside the ``except`` block): drop the step's gradients, free memory, halve the pass."""
@@ -758,16 +767,17 @@ class Integration:
         figures = device_figures()
         event = protocol.OomEvent(info['pass_size'], info['new_cap'], retries, figures)
         setattr(self.trainer.control, protocol.OOM_EVENT, event)
-        self._record(
-            DecisionRecord(
-                'integration', 'oom', 'recovered', {
-                    'pass_size': info['pass_size'],
-                    'new_pass_cap': info['new_cap'],
-                    'retries': retries,
-                    'oom_count': self.oom_count,
-                    **{f'memory_{k}': v for k, v in figures.items()}
-                }, f'out of memory in a pass of {info["pass_size"]} samples: the step was run again with at most '
-                f'{info["new_cap"]} a pass (same samples, same gradient)'))
+        # held until the next step boundary, where every rank's OOM records are exchanged (``apply_requests``)
+        info['record'] = DecisionRecord(
+            'integration', 'oom', 'recovered', {
+                'rank': distributed.rank(),
+                'pass_size': info['pass_size'],
+                'new_pass_cap': info['new_cap'],
+                'retries': retries,
+                'oom_count': self.oom_count,
+                **{f'memory_{k}': v for k, v in figures.items()}
+            }, f'out of memory in a pass of {info["pass_size"]} samples: the step was run again with at most '
+            f'{info["new_cap"]} a pass (same samples, same gradient)', step=self.trainer.state.global_step)
 
     # ---- numbers for the logs -------------------------------------------------------------------------
     def global_batch_size(self) -> int:
@@ -996,6 +1006,13 @@ def _grad_sqnorm(model: Any) -> float:
     if not grads:
         return 0.0
     return float(sum(torch.linalg.vector_norm(g.float())**2 for g in grads))
+
+
+def _merge_step(votes: Iterable[tuple[protocol.BatchRequest, DecisionRecord | None]]
+                ) -> tuple[protocol.BatchRequest, list[DecisionRecord]]:
+    """The merged request (:func:`_merge_requests`) and the OOM records of all ranks, in rank order."""
+    votes = list(votes)
+    return _merge_requests(v[0] for v in votes), [v[1] for v in votes if v[1] is not None]
 
 
 def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchRequest:
