@@ -172,6 +172,27 @@ def test_loss_variability_callback_grows_on_noise_and_clears_its_window():
     assert restored.losses == cb.losses and restored.batch_size == 4
 
 
+def test_loss_variability_takes_rank_0s_size(monkeypatch):
+    """The loss window is this rank's: the size it asks for is rank 0's (broadcast), the same on every rank."""
+    from transformers import TrainerControl
+    from swift_dynamic_callbacks import distributed
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    sent = []
+
+    def broadcast(value):  # rank 0 saw stable losses and holds at 2
+        sent.append(value)
+        return 2
+
+    monkeypatch.setattr(distributed, 'broadcast_from_main', broadcast)
+    cb = BatchGrowthCallback(
+        BatchGrowthConfig(policy='loss_variability', initial=2, interval=4, window=4, threshold=0.05, maximum=8))
+    control = TrainerControl()
+    cb.batch_size = 2
+    for step, loss in zip(range(1, 5), [2.0, 2.6, 1.5, 2.2]):  # this rank's losses are noisy: it would grow
+        _fake_step(cb, control, step, loss)
+    assert sent[-1] == 4 and getattr(control, 'new_batch_size', None) is None and cb.batch_size == 2
+
+
 def test_apply_at_epoch_holds_a_change_until_the_epoch_ends():
     from transformers import TrainerControl, TrainerState, TrainingArguments
     from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback

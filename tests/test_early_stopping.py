@@ -240,15 +240,18 @@ def test_ranks_agree_through_the_distributed_helper(monkeypatch):
     from swift_dynamic_callbacks import distributed
     calls = []
 
-    def agree(value, merge):  # another rank wants to stop for divergence
+    def agree(value, merge):  # rank 1 wants to stop for divergence
         calls.append(value)
-        return merge([value, (True, 'divergence')])
+        return merge([value, (True, 'divergence', 50.0, 1)])
 
     monkeypatch.setattr(distributed, 'agree', agree)
     cb = EarlyStoppingCallback(EarlyStoppingConfig(patience=5))
     control = TrainerControl()
     assert evaluate(cb, control, 2, 1.0)
-    assert calls == [(False, None)] and cb.reason is StopReason.DIVERGENCE
+    assert calls == [(False, None, 1.0, 0)] and cb.reason is StopReason.DIVERGENCE
+    cb.on_train_end(None, TrainerState(global_step=2), control)
+    record = control.dynamic_decisions[-1]
+    assert (record.values['value'], record.values['rank']) == (50.0, 1)  # the stopping rank's value, not ours
 
 
 # ---- real swift sft runs ----------------------------------------------------------------------------------

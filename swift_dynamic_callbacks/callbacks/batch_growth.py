@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .. import protocol
+from .. import distributed, protocol
 from ..config import ConfigError, check_choice, check_int, check_number
 from ..policies.growth import (critical_batch, ema, interval_size, loss_variability_size, lr_scale, noise_scale_size,
                                noise_scale_terms, pieces_for_cap)
@@ -17,6 +17,8 @@ from .base import DynamicCallback
 from .batch_schedule import _int_table
 
 POLICIES = ('interval', 'table', 'callable', 'loss_variability', 'noise_scale')
+#: Policies that decide from values of this rank (losses, gradients, a user function): rank 0 decides for all.
+RANK_LOCAL_POLICIES = ('callable', 'loss_variability', 'noise_scale')
 
 
 def import_callable(path: str) -> Callable[[int, int], int]:
@@ -229,6 +231,8 @@ class BatchGrowthCallback(DynamicCallback):
             if critical is not None:
                 protocol.publish_metrics(control, {'dynamic/grad_noise_scale': round(critical, 3)})
         size = self.target(state.global_step, self.batch_size or self.config.initial)
+        if self.config.policy in RANK_LOCAL_POLICIES:  # judged on this rank's losses / gradients: rank 0's size
+            size = distributed.broadcast_from_main(size)
         if size == self.batch_size:
             self.pending = None
         elif self.config.apply_at == 'epoch':

@@ -73,12 +73,12 @@ class EarlyStoppingConfig:
         return self.monitor.startswith('eval_')
 
 
-def _merge_votes(votes: list[tuple[bool, str | None]]) -> tuple[bool, str | None]:
-    """All ranks stop when one does; the reason is the first stopping rank's."""
-    for stop, reason in votes:
-        if stop:
-            return True, reason
-    return False, None
+def _merge_votes(votes: list[tuple[bool, str | None, float, int]]) -> tuple[bool, str | None, float, int]:
+    """All ranks stop when one does; reason, value and rank are the first stopping rank's (else rank 0's)."""
+    for vote in votes:
+        if vote[0]:
+            return vote
+    return votes[0]
 
 
 class EarlyStoppingCallback(DynamicCallback):
@@ -189,8 +189,9 @@ class EarlyStoppingCallback(DynamicCallback):
                               f'{state.global_step} (got {value!r})')
         decision = stop_decision(float(value), self.best, self.wait, mode=c.mode, patience=c.patience,
                                  min_delta=c.min_delta, threshold=c.threshold, divergence=c.divergence)
-        stop, reason = distributed.agree((decision.stop, decision.reason.value if decision.reason else None),
-                                         _merge_votes)
+        stop, reason, value, stop_rank = distributed.agree(  # the stopping rank's reason and value go in the record
+            (decision.stop, decision.reason.value if decision.reason else None, float(value), distributed.rank()),
+            _merge_votes)
         self.best, self.wait = decision.best, decision.wait
         self.checks += 1
         protocol.publish_metrics(control, self._metrics())
@@ -203,6 +204,7 @@ class EarlyStoppingCallback(DynamicCallback):
             self.name, 'stop', self.reason.value, {
                 'monitor': c.monitor,
                 'value': float(value),
+                'rank': stop_rank,
                 'best': self.best,
                 'wait': self.wait,
                 'patience': c.patience,

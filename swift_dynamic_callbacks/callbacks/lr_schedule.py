@@ -191,7 +191,8 @@ class LRScheduleCallback(DynamicCallback):
             return
         self.plateau, plateau = plateau_step(self.plateau, smoothed(self.values, c.smooth), mode=c.mode,
                                              min_delta=c.min_delta, patience=c.patience, cooldown=c.cooldown)
-        restart = distributed.broadcast_from_main(plateau and len(self.restarts) < c.max_restarts)
+        # the plateau is judged on this rank's values: rank 0's verdict (plateau, restart) holds on every rank
+        plateau, restart = distributed.broadcast_from_main((plateau, plateau and len(self.restarts) < c.max_restarts))
         if plateau and not restart and len(self.restarts) >= c.max_restarts:
             protocol.record_decision(
                 control, DecisionRecord(self.name, 'lr_plateau', 'max_restarts', {'best': self.plateau.best},
