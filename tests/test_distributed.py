@@ -33,7 +33,7 @@ TIMEOUT_S = 240
 N_SAMPLES = 15  # odd: rank 0 gets 8 samples an epoch, rank 1 gets 7
 ALL = ['batch_schedule', 'lr_schedule', 'memory_backoff', 'early_stopping', 'checkpoint_rotation', 'training_log']
 # values measured on one rank (losses, memory) that may differ between ranks in an agreed decision's record
-RANK_LOCAL = ('best', 'value', 'wait', 'grad_norm', 'rank')
+RANK_LOCAL = ('best', 'value', 'wait', 'grad_norm', 'rank', 'position')
 
 
 @pytest.fixture(scope='module')
@@ -103,7 +103,9 @@ def decision_keys(trace: dict[str, Any], *, skip_kinds: tuple[str, ...] = ()) ->
 
 def assert_same_steps(t0: dict[str, Any], t1: dict[str, Any]) -> None:
     """Same optimizer steps, and at each the same batch size, pieces, pass limit, LR and data epoch."""
-    assert t0['global_step'] == t1['global_step'] == len(t0['steps']) == len(t1['steps'])
+    assert t0['global_step'] == t1['global_step'] and len(t0['steps']) == len(t1['steps'])
+    assert [s['step'] for s in t0['steps']] == list(range(t0['global_step'] - len(t0['steps']) + 1,
+                                                           t0['global_step'] + 1))
     applied = [[{k: v for k, v in s.items() if k != 'samples'} for s in t['steps']] for t in (t0, t1)]
     assert applied[0] == applied[1]
 
@@ -196,3 +198,37 @@ def test_early_stop_seen_by_rank_1_stops_both(tmp_path, tiny_qwen, dataset_15):
     assert stops[0]['values']['value'] == 1.0e6 and stops[0]['values']['rank'] == 1
     assert sorted(n for n in os.listdir(out) if n.startswith('checkpoint-')) == ['checkpoint-4']
     assert os.path.exists(os.path.join(out, 'checkpoint-4', 'dynamic_callbacks_state.json'))
+
+
+def test_resume_restores_the_state_on_both_ranks(tmp_path, tiny_qwen, dataset_15):
+    """The callbacks not in the tests above (batch_growth, length_batching with a token budget and buckets) on 2
+    ranks, saved at step 4 and resumed to step 9: the state written by rank 0 is restored on both ranks (both
+    continue at their next unseen sample with the same plan and batch size), both ranks agree at every resumed step,
+    and over both runs every epoch's samples are the dataset exactly once."""
+    callbacks = ['batch_growth', 'length_batching', 'training_log']
+    pack = {'integration': {'record_samples': True},
+            'batch_growth': {'policy': 'interval', 'initial': 2, 'factor': 2, 'interval': 3, 'maximum': 4},
+            'length_batching': {'mode': 'token_budget', 'max_tokens': 900, 'bucketing': True}, 'training_log': {}}
+    common = dict(callbacks=callbacks, pack=pack, lr_scheduler_type='cosine', warmup_ratio=0.0, save_steps=4)
+    out = run_two_ranks(tmp_path, tiny_qwen, dataset_15, max_steps=4, **common)
+    first = traces(out)
+    assert_same_steps(*first)
+    assert sorted(n for n in os.listdir(out) if n.startswith('checkpoint-')) == ['checkpoint-4']
+    out = run_two_ranks(tmp_path, tiny_qwen, dataset_15, max_steps=9,
+                        resume_from_checkpoint=os.path.join(out, 'checkpoint-4'), **common)
+    t0, t1 = traces(out)
+    assert_same_steps(t0, t1)
+    assert t0['global_step'] == 9 and [s['step'] for s in t0['steps']] == list(range(5, 10))
+    assert decision_keys(t0) == decision_keys(t1)
+    resumed = [d for d in t0['decisions'] if d['kind'] == 'resume']
+    assert resumed and resumed[0]['reason'] == 'checkpoint'
+    # the step after the save continues what the saved run was doing (batch size), on both ranks
+    assert t0['steps'][0]['batch_size'] == first[0]['steps'][-1]['batch_size'] or any(
+        d['kind'] == 'batch_size' and d['step'] == 4 for d in t0['decisions'])
+    by_rank = [indices_by_epoch(sample_trace(out, rank)) for rank in (0, 1)]
+    for epoch in sorted(set(by_rank[0]) & set(by_rank[1])):
+        a, b = by_rank[0][epoch], by_rank[1][epoch]
+        assert len(a) == len(set(a)) and len(b) == len(set(b)) and not set(a) & set(b), epoch
+        last = epoch == max(by_rank[0])
+        assert sorted(a + b) == list(range(N_SAMPLES)) or last, f'epoch {epoch}: not the dataset exactly once'
+    assert len(by_rank[0]) >= 2  # the run went past an epoch end

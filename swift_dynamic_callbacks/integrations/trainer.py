@@ -251,7 +251,7 @@ class Integration:
             return
         payload = self._resume_payload
         if payload is not None and loader.state_key in payload['components']:
-            loader.load_state_dict(payload['components'][loader.state_key])
+            loader.load_state_dict(_rank_state(payload['components'], loader.state_key))
             self._record(
                 DecisionRecord(
                     'integration', 'resume', 'checkpoint', {
@@ -849,10 +849,27 @@ class Integration:
         boundary adds the applied LR to them), so a resume writes them exactly once.
         """
         self.drain(self.trainer.control)
+        # each rank's data position (its own shard and plan), gathered on every rank before rank 0 writes
+        loader_ranks = distributed.gather_objects(self.loader.state_dict()) if self.loader is not None else []
         if not (self.trainer.args.should_save and distributed.is_main_process()):
             return
         components = [self] + ([self.loader] if self.loader is not None else []) + self.callback_components()
-        write_state(checkpoint_dir, build_payload(components, self.snapshot_config()))
+        payload = build_payload(components, self.snapshot_config())
+        if len(loader_ranks) > 1:
+            payload['components'][f'{self.loader.state_key}.ranks'] = loader_ranks
+        write_state(checkpoint_dir, payload)
+
+
+def _rank_state(components: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """This rank's entry of a per-rank state (``<key>.ranks``, written by several processes), else ``key``'s."""
+    ranks = components.get(f'{key}.ranks')
+    if not ranks:
+        return components[key]
+    if len(ranks) != distributed.world_size():
+        raise StateError(f'the checkpoint was written by {len(ranks)} processes and is resumed by '
+                         f'{distributed.world_size()}: each process\'s data shard and position would change; resume '
+                         'with the same number of processes')
+    return ranks[distributed.rank()]
 
 
 LR_RECORD_KINDS = ('lr_schedule', 'lr_restart', 'lr_guard')
