@@ -30,6 +30,11 @@ flag                        set by               read by                      cl
                             (after each step)    ``on_step_end``
 ``oom_event``               the integration      callbacks, in                by the integration at the next step
                             (after recovering)   ``on_step_end``              boundary
+``dynamic_fail_fast``       the integration, at  the hook wrapper of every    never (the integration setting
+                            train begin          pack callback                ``fail_fast`` holds for the run)
+``dynamic_disabled``        the pack-off         every pack callback's hook   never (the pack is off for the run)
+                            callback, at train   wrapper: every hook does
+                            begin                nothing
 ==========================  ===================  ===========================  ====================================
 
 Semantics:
@@ -73,6 +78,14 @@ Semantics:
   forward/backward passes, the squared gradient norm after the first pass and after the last one, and to hand
   them over as ``grad_noise_sample`` (a :class:`GradNoiseSample`) for the step's ``on_step_end``. It costs one
   sum of squares over the trainable parameters' gradients twice a step; no extra forward/backward pass.
+- ``dynamic_fail_fast = True`` (integration setting ``fail_fast``) makes an unexpected exception inside a pack
+  callback's hook end the run. Without it the hook wrapper of :class:`~swift_dynamic_callbacks.callbacks.base.
+  DynamicCallback` queues one ``fault`` decision record (callback, hook, traceback), disables that callback for the
+  rest of the run and training goes on. ``ConfigError``, ``StateError`` and ``SampleTooLargeError`` (configuration
+  and integrity failures) always end the run.
+- ``dynamic_disabled = True`` is set when the whole pack is switched off (integration setting ``enabled: false`` or
+  the environment variable ``SWIFT_DYNAMIC_CALLBACKS_DISABLE=1``) on a hand-built trainer: pack callbacks then do
+  nothing at all, so the run is the plain trainer's.
 - Two requests for the same flag before a boundary: the last one wins. Different sizes through both forms
   (``new_batch_size`` and ``new_dataloader``) at the same boundary are a conflict and raise.
 
@@ -104,13 +117,15 @@ DYNAMIC_DECISIONS = 'dynamic_decisions'
 DYNAMIC_METRICS = 'dynamic_metrics'
 MEASURE_GRAD_NOISE = 'measure_grad_noise'
 GRAD_NOISE_SAMPLE = 'grad_noise_sample'
+FAIL_FAST = 'dynamic_fail_fast'
+DISABLED = 'dynamic_disabled'
 
 #: Flags that request a change and are cleared once the integration applied them.
 REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE,
                  NEW_LR_SCHEDULE, NEW_PASS_LIMIT, NEW_BATCH_PLAN)
 #: Every attribute this protocol defines on ``TrainerControl``.
 ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE, PASS_SIZE,
-                             OOM_EVENT)
+                             OOM_EVENT, FAIL_FAST, DISABLED)
 
 
 @dataclass(frozen=True)

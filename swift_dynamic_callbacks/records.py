@@ -70,21 +70,32 @@ class DecisionLog:
     """Append-only JSON Lines sink for :class:`DecisionRecord` (writes only where ``enabled``, i.e. rank 0).
 
     Records are also kept in memory (``records``) on every rank so tests and reports can read them.
+    A file that cannot be written (full disk, no permission: ``OSError``) does not stop training: one warning names
+    the error (``write_error``), writing to the file stops for the rest of the run, the records stay in memory and
+    in the console log.
     """
 
     def __init__(self, path: str | os.PathLike | None, *, enabled: bool = True) -> None:
         self.path = None if path is None else os.fspath(path)
         self.enabled = enabled and path is not None
         self.records: list[DecisionRecord] = []
+        self.write_error: str | None = None
 
     def write(self, record: DecisionRecord) -> None:
         self.records.append(record)
         logger.info('[dynamic] %s', record.summary())
         if not self.enabled:
             return
-        os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)
-        with open(self.path, 'a', encoding='utf-8') as f:
-            f.write(json.dumps(record.to_json(), ensure_ascii=False, default=str) + '\n')
+        line = json.dumps(record.to_json(), ensure_ascii=False, default=str) + '\n'
+        try:
+            os.makedirs(os.path.dirname(self.path) or '.', exist_ok=True)
+            with open(self.path, 'a', encoding='utf-8') as f:
+                f.write(line)
+        except OSError as e:
+            self.enabled = False
+            self.write_error = f'{type(e).__name__}: {e}'
+            logger.warning('[dynamic] cannot write the decision log %s (%s); it is not written for the rest of the '
+                           'run (training goes on; decisions stay in the console log)', self.path, self.write_error)
 
 
 def read_decisions(path: str | os.PathLike) -> list[dict[str, Any]]:

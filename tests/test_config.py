@@ -39,7 +39,8 @@ def test_parse_good_section():
     assert list(config.schedule) == [0, 10]
     assert config.pieces == {5: 2}
     assert config.via == 'dataloader'
-    assert pack.to_json()['integration'] == {'record_samples': True, 'log_values': True, 'max_steps_unit': 'steps', 'oom_recovery': True}
+    assert pack.to_json()['integration'] == {'record_samples': True, 'log_values': True, 'max_steps_unit': 'steps',
+                                             'oom_recovery': True, 'enabled': True, 'fail_fast': False, 'replay': None}
     assert pack.to_json()['batch_schedule']['via'] == 'dataloader'
 
 
@@ -134,7 +135,7 @@ def test_integration_unknown_setting():
     message = config_error({'integration': {'record_sample': True}})
     assert 'dynamic_callbacks.integration' in message
     assert 'record_sample' in message
-    assert 'allowed: log_values, max_steps_unit, oom_recovery, record_samples' in message
+    assert 'allowed: enabled, fail_fast, log_values, max_steps_unit, oom_recovery, record_samples, replay' in message
 
 
 @pytest.mark.parametrize('section', [
@@ -167,7 +168,8 @@ def test_check_good_yaml(tmp_path, capsys):
     out, err = capsys.readouterr()
     printed = json.loads(out)
     assert printed['batch_schedule'] == {'schedule': {'0': 2, '10': 4}}
-    assert printed['integration'] == {'record_samples': False, 'log_values': True, 'max_steps_unit': 'steps', 'oom_recovery': True}
+    assert printed['integration'] == {'record_samples': False, 'log_values': True, 'max_steps_unit': 'steps',
+                                      'oom_recovery': True, 'enabled': True, 'fail_fast': False, 'replay': None}
     assert err == ''
 
 

@@ -22,7 +22,9 @@ from ..callbacks import (BatchGrowthCallback, BatchScheduleCallback, CheckpointR
                          EarlyStoppingCallback, LengthBatchingCallback, LRScheduleCallback, MemoryBackoffCallback,
                          TrainingLogCallback)
 from ..config import ConfigError
-from .trainer import IntegrationConfig, install
+from transformers import TrainerCallback
+
+from .trainer import IntegrationConfig, PackOffCallback, install, pack_disabled
 
 ENV_CONFIG = 'SWIFT_DYNAMIC_CALLBACKS_CONFIG'
 SECTION = 'dynamic_callbacks'
@@ -115,8 +117,15 @@ def _factory(name: str):
         pack = current_config()
         listed = list(getattr(args, 'callbacks', None) or [name])
         parse_section({'integration': {}, **pack.callbacks}, listed)  # settings for unlisted callbacks -> error
+        config = pack.callback_config(name)  # validated even when the pack is off
+        why = pack_disabled(pack.integration)
+        if why is not None:  # baseline run: no integration, no pack callback; one stand-in writes the "off" record
+            if getattr(trainer, '_sdc_pack_off', False):
+                return TrainerCallback()
+            trainer._sdc_pack_off = True
+            return PackOffCallback(why, [n for n in listed if n in CALLBACKS])
         install(trainer, pack.integration, pack.to_json())
-        return cls(pack.callback_config(name))
+        return cls(config)
 
     make.__name__ = f'make_{name}'
     return make

@@ -74,18 +74,34 @@ class IntegrationConfig:
         oom_recovery: an out-of-memory error inside a training step does not end the run: the step's passes are
             run again at half the pass size with the same samples and gradient (see
             :meth:`Integration.run_micro_batch`). Not under DeepSpeed (a record says so at start).
+        enabled: ``false`` turns the whole pack off for a baseline run (as does the environment variable
+            ``SWIFT_DYNAMIC_CALLBACKS_DISABLE=1``): no integration, no callback does anything, the run is the plain
+            trainer's; one log line and one ``pack``/``disabled`` record say so.
+        fail_fast: an unexpected exception inside a pack callback's hook ends the run (debugging) instead of
+            disabling that callback with a ``fault`` record.
+        replay: path of a previous run's ``dynamic_decisions.jsonl`` (or its output directory): the integration
+            applies the batch and LR requests recorded there (``applied_request`` records) at the same step
+            boundaries and ignores the callbacks' own requests, so the run repeats the recorded one.
     """
 
     record_samples: bool = False
     log_values: bool = True
     max_steps_unit: str = 'steps'
     oom_recovery: bool = True
+    enabled: bool = True
+    fail_fast: bool = False
+    replay: str | None = None
 
     def __post_init__(self) -> None:
         check_bool('record_samples', self.record_samples)
         check_bool('log_values', self.log_values)
         check_choice('max_steps_unit', self.max_steps_unit, ('steps', 'samples'))
         check_bool('oom_recovery', self.oom_recovery)
+        check_bool('enabled', self.enabled)
+        check_bool('fail_fast', self.fail_fast)
+        if self.replay is not None and (not isinstance(self.replay, str) or not self.replay):
+            raise ConfigError(f'replay: expected the path of a dynamic_decisions.jsonl (or its output directory), '
+                              f'got {self.replay!r}')
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None) -> 'IntegrationConfig':
@@ -133,6 +149,7 @@ class Integration:
         self._adapter_like: bool | None = None  # trainable parameters <= 10 % of the model: snapshot gradients
         self._held: list[DecisionRecord] = []  # callbacks' records, written at the next step boundary
         self._probe: GradNoiseProbe | None = None  # this step's gradient-noise measurement (measure_grad_noise)
+        self.replay: dict[int, protocol.BatchRequest] | None = None  # step -> recorded request (replay setting)
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def begin_train(self, resume_from_checkpoint: Any) -> None:
@@ -148,6 +165,15 @@ class Integration:
                 json.dump(self.snapshot_config(), f, indent=1, sort_keys=True, default=str)
         _add_integration_callback(trainer, self)
         trainer.control._sdc_integration = True
+        setattr(trainer.control, protocol.FAIL_FAST, self.config.fail_fast)
+        if self.config.replay is not None:
+            self.replay = load_replay(self.config.replay)
+            message = (f'replaying {len(self.replay)} applied requests from {self.config.replay}: the callbacks\' '
+                       'batch and LR requests are ignored (their deciding is off) and their request records are not '
+                       'written; the recorded requests are applied at the same step boundaries')
+            logger.warning(message)
+            self._record(DecisionRecord('integration', 'replay', 'start', {
+                'file': self.config.replay, 'requests': len(self.replay), 'steps': sorted(self.replay)[:64]}, message))
         checkpoint = resume_from_checkpoint
         if isinstance(checkpoint, bool):
             checkpoint = None
@@ -388,6 +414,8 @@ class Integration:
         if request.via_dataloader:
             self._check_same_dataset(control.new_dataloader)
         protocol.clear_requests(control)
+        if self.replay is not None:  # the recorded request of this boundary instead of the callbacks'
+            request = self.replay.get(self.trainer.state.global_step, protocol.BatchRequest())
         if self._oom_this_step is not None:  # this rank's OOM cap: every rank takes the smallest one
             own = dict(request.pass_limit or self.pass_limit or {})
             own['samples'] = min(v for v in (own.get('samples'), self._oom_this_step['new_cap']) if v is not None)
@@ -396,9 +424,15 @@ class Integration:
         request, ooms = distributed.agree((request, own_oom), _merge_step)
         self.drain(control)
         self._held.extend(ooms)  # every rank's OOM of the last step, on every rank (rank 0 writes them)
+        if self.replay is not None:
+            self._held = [r for r in self._held
+                          if r.source == 'integration' or not (_is_request_record(r) or r.kind == 'batch_plan')]
         try:
             if not request.empty:
                 self._apply(request)
+                self._held.append(
+                    DecisionRecord('integration', 'applied_request', 'replay' if self.replay is not None else 'agreed',
+                                   request_to_json(request)))
         finally:
             self.flush()
 
@@ -885,6 +919,55 @@ def _is_request_record(record: DecisionRecord) -> bool:
         k in record.values for k in ('num_pieces', 'lr_scale'))
 
 
+def request_to_json(request: protocol.BatchRequest) -> dict[str, Any]:
+    """The ``values`` of an ``applied_request`` record: the request's set fields (JSON-able)."""
+    return {k: v for k, v in asdict(request).items() if v is not None and not (k == 'via_dataloader' and not v)}
+
+
+def request_from_json(values: Mapping[str, Any]) -> protocol.BatchRequest:
+    """A request from an ``applied_request`` record's ``values``, validated like a callback's request."""
+    from types import SimpleNamespace
+    box = SimpleNamespace()
+    protocol.clear_requests(box)
+    setters = {'batch_size': protocol.request_batch_size, 'num_pieces': protocol.request_num_pieces,
+               'lr_scale': protocol.request_lr_scale, 'lr_schedule': protocol.request_lr_schedule,
+               'batch_plan': protocol.request_batch_plan, 'pass_limit': protocol.request_pass_limit}
+    unknown = sorted(set(values) - set(setters) - {'via_dataloader'})
+    if unknown:
+        raise ValueError(f'unknown request field(s) {", ".join(unknown)}')
+    for key, setter in setters.items():
+        if values.get(key) is not None:
+            setter(box, values[key])
+    return replace(protocol.pending_request(box), via_dataloader=bool(values.get('via_dataloader', False)))
+
+
+def load_replay(path: str) -> dict[int, protocol.BatchRequest]:
+    """``step -> request`` from the ``applied_request`` records of a decision log (a later record for the same step,
+    e.g. from a resumed run appending to the same log, replaces an earlier one).
+
+    Raises:
+        ConfigError: the file does not exist.
+        StateError: a record cannot be read back as a request.
+    """
+    from ..records import read_decisions
+    file = os.path.join(path, DECISIONS_FILE) if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ConfigError(f'dynamic_callbacks.integration.replay: {path!r} is not a decision log (no such file)')
+    out: dict[int, protocol.BatchRequest] = {}
+    try:
+        rows = read_decisions(file)
+    except (OSError, ValueError) as e:
+        raise StateError(f'replay: cannot read {file}: {e}') from e
+    for row in rows:
+        if row.get('kind') != 'applied_request':
+            continue
+        try:
+            out[int(row['step'])] = request_from_json(row.get('values') or {})
+        except (KeyError, TypeError, ValueError) as e:
+            raise StateError(f'replay: {file}: bad applied_request record at step {row.get("step")}: {e}') from e
+    return out
+
+
 class ScaledLambda:
     """An ``LambdaLR`` lambda times ``scale``, on a time axis that can be stretched.
 
@@ -1151,6 +1234,7 @@ class IntegrationCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         control._sdc_integration = True
+        setattr(control, protocol.FAIL_FAST, self.integration.config.fail_fast)
         self.integration.update_max_steps(state, 'start')
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -1252,13 +1336,56 @@ def _skip_first_batches_patch() -> None:
     hf_trainer.skip_first_batches = skip_first_batches
 
 
+DISABLE_ENV = 'SWIFT_DYNAMIC_CALLBACKS_DISABLE'
+
+
+def pack_disabled(config: IntegrationConfig | None) -> str | None:
+    """Why the whole pack is off (``None`` when it is on): the environment variable or ``enabled: false``."""
+    if os.environ.get(DISABLE_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on'):
+        return f'{DISABLE_ENV}={os.environ[DISABLE_ENV]}'
+    if config is not None and not config.enabled:
+        return 'dynamic_callbacks.integration.enabled: false'
+    return None
+
+
+class PackOffCallback(TrainerCallback):
+    """Stands in for the pack when it is switched off (:func:`pack_disabled`): at train begin it sets
+    ``control.dynamic_disabled`` (pack callbacks' hooks then do nothing), logs one line and writes one
+    ``pack``/``disabled`` record to the decision log (rank 0). Nothing else: the run is the plain trainer's."""
+
+    def __init__(self, why: str, callbacks: Iterable[str] = ()) -> None:
+        self.why = why
+        self.callbacks = list(callbacks)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        setattr(control, protocol.DISABLED, True)
+        control._sdc_integration = True  # no "request not honoured" warning: nothing is requested on purpose
+        listed = f' ({", ".join(self.callbacks)} listed but inactive)' if self.callbacks else ''
+        message = (f'swift-dynamic-callbacks is OFF ({self.why}): no dynamic behaviour{listed}; this is a plain '
+                   'baseline run')
+        logger.warning(message)
+        log = DecisionLog(os.path.join(args.output_dir, DECISIONS_FILE),
+                          enabled=bool(getattr(state, 'is_world_process_zero', True)))
+        log.write(DecisionRecord('integration', 'pack', 'disabled', {'switch': self.why, 'callbacks': self.callbacks},
+                                 message).stamped(step=state.global_step, epoch=float(state.epoch or 0.0),
+                                                  samples_seen=0))
+
+
 def install(trainer: Any, config: IntegrationConfig | None = None,
-            pack_config: Mapping[str, Any] | None = None) -> Integration:
+            pack_config: Mapping[str, Any] | None = None) -> Integration | None:
     """Install the integration on ``trainer`` (idempotent) and return it.
 
     Works on an ms-swift trainer under construction (the pack's callback factories call this) and on a fully
     built ``transformers.Trainer``: ``install(trainer); trainer.add_callback(cb); trainer.train()``.
+    When the pack is switched off (:func:`pack_disabled`), the trainer is left as it is except for a
+    :class:`PackOffCallback` (pack callbacks added to it do nothing), and ``None`` is returned.
     """
+    why = pack_disabled(config)
+    if why is not None:
+        callbacks = getattr(getattr(trainer, 'callback_handler', None), 'callbacks', None)
+        if callbacks is not None and not any(isinstance(cb, PackOffCallback) for cb in callbacks):
+            callbacks.insert(0, PackOffCallback(why))
+        return None
     existing = getattr(trainer, 'dynamic_integration', None)
     if isinstance(existing, Integration):
         if config is not None and config != existing.config:
