@@ -151,6 +151,7 @@ class ElasticDataLoader:
         self._order_plan: length_policy.BatchPlan | None = None  # the plan that laid out this epoch's order
         self._chunks: list[int] | None = None  # chunk sizes of this epoch's bucketed order
         self._sizes: list[int] = []  # planned micro-batch sizes left in the epoch (with a plan)
+        self._plan_steps = 0  # optimizer steps left in the epoch, agreed by all ranks (with a plan)
         self.token_stats = [0, 0, 0]  # real tokens, padded tokens, micro-batches drawn since the last read
         self._sampler = _PlannedBatchSampler(self)
         # Every DataLoader iterator draws its base seed from a generator. A plain loader draws it from the global
@@ -207,7 +208,7 @@ class ElasticDataLoader:
     @property
     def epoch_complete(self) -> bool:
         if self.plan is not None:
-            return self.position >= len(self._order)
+            return self.position >= len(self._order) and self._plan_steps <= 0
         return self.position >= len(self._order) and self.position + self._padding >= self._span
 
     @property
@@ -215,7 +216,9 @@ class ElasticDataLoader:
         """Data epochs done, fractional (``epoch + position / epoch_size``; the same on every rank)."""
         if self.plan is None:
             return self.epoch + ((self.position + self._padding) / self._span if self._span else 1.0)
-        return self.epoch + (self.position / len(self._order) if self._order else 1.0)
+        if self.epoch_complete or not self._order:
+            return self.epoch + 1.0
+        return self.epoch + min(self.position / len(self._order), 1.0 - 1e-6)  # not done while steps are left
 
     def start_next_epoch(self) -> None:
         self.epoch += 1
@@ -290,9 +293,14 @@ class ElasticDataLoader:
         if self.plan is None:
             return
         sizes = self._plan_rest()
+        entries = self.entries_per_step
         counts = distributed.gather_objects((len(sizes), self.remaining))
-        steps = length_policy.agreed_steps(counts, self.entries_per_step)
-        self._sizes = length_policy.equalize_steps(sizes, self.entries_per_step, steps)
+        steps = max((length_policy.steps_for(m, entries) for m, _ in counts), default=0)
+        # a rank with too few samples to fill as many steps (a shard a sample short, every sample alone) runs each
+        # of its samples alone and then placeholder steps, so every rank still ends the epoch at the same step
+        own = min(steps, length_policy.steps_for(self.remaining, entries))
+        self._sizes = length_policy.equalize_steps(sizes, entries, own)
+        self._plan_steps = steps
 
     def over_budget(self) -> list[int]:
         """Dataset indices of this rank's epoch longer than the plan's ``max_tokens`` (each runs alone)."""
@@ -319,7 +327,8 @@ class ElasticDataLoader:
         """Optimizer steps still needed to use ``budget_epochs`` epochs of data (at the current batch size/plan).
 
         With a plan, the rest of this epoch is counted from the planned sizes and later epochs are laid out and
-        planned as they will be (without the cross-rank split, which may add a step under data parallelism).
+        planned as they will be (without the cross-rank split, which may add a step under data parallelism); the
+        most any rank needs (collective: every rank calls it at the same boundary).
         """
         entries = self.entries_per_step
         if self.plan is None:
@@ -347,7 +356,7 @@ class ElasticDataLoader:
             if target < epoch_size:
                 break
             position = epoch_size
-        return steps
+        return max(distributed.gather_objects(steps))  # the ranks' plans differ: the most any rank needs
 
     def _restart(self) -> None:
         """Drop the running iterator (and whatever its workers prefetched); the next draw starts at ``position``."""
@@ -400,6 +409,7 @@ class ElasticDataLoader:
             out.append((list(indices), batch))
         if self.plan is not None:
             del self._sizes[:len(planned)]
+            self._plan_steps -= 1
         if self.epoch_complete:
             self._iterator = None
         return out
@@ -420,6 +430,7 @@ class ElasticDataLoader:
             state['plan'] = self.plan.to_json()
             state['order_plan'] = self._order_plan.to_json() if self._order_plan is not None else None
             state['plan_sizes'] = length_policy.run_length(self._sizes)
+            state['plan_steps'] = self._plan_steps
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -439,6 +450,7 @@ class ElasticDataLoader:
                              f'{len(order) - position} are left in the epoch')
         self.epoch, self._order, self.position = epoch, order, position
         self.plan, self._order_plan, self._chunks, self._sizes = plan, order_plan, chunks, sizes
+        self._plan_steps = int(state.get('plan_steps', length_policy.steps_for(len(sizes), self.entries_per_step)))
         self._needs_epoch_seed = True
         self.batch_size = int(state['batch_size'])
         self.num_pieces = int(state.get('num_pieces', 1))

@@ -207,7 +207,7 @@ def test_resume_restores_the_state_on_both_ranks(tmp_path, tiny_qwen, dataset_15
     and over both runs every epoch's samples are the dataset exactly once."""
     callbacks = ['batch_growth', 'length_batching', 'training_log']
     pack = {'integration': {'record_samples': True},
-            'batch_growth': {'policy': 'interval', 'initial': 2, 'factor': 2, 'interval': 3, 'maximum': 4},
+            'batch_growth': {'policy': 'interval', 'initial': 1, 'factor': 2, 'interval': 3, 'maximum': 4},
             'length_batching': {'mode': 'token_budget', 'max_tokens': 900, 'bucketing': True}, 'training_log': {}}
     common = dict(callbacks=callbacks, pack=pack, lr_scheduler_type='cosine', warmup_ratio=0.0, save_steps=4)
     out = run_two_ranks(tmp_path, tiny_qwen, dataset_15, max_steps=4, **common)
