@@ -1,4 +1,7 @@
-"""Every shipped YAML in configs/ is valid: the pack section parses and every other key is an ms-swift setting."""
+"""Every shipped YAML in configs/ is valid: the pack section parses (``parse_section``), the rest parses with
+ms-swift's own YAML-to-flags conversion and argument parser (no model is loaded, no hub is asked), the model
+type, template and datasets are known to ms-swift, and the header gives the exact command. The two
+every-callback configs also train for a few steps with the tiny models swapped in."""
 
 from __future__ import annotations
 
@@ -7,25 +10,115 @@ import glob
 import os
 
 import pytest
+import yaml
 
 from swift_dynamic_callbacks.cli import prepare
+from swift_dynamic_callbacks.integrations.swift import CALLBACKS, PLUGIN_FILE, SECTION, parse_section
+from swift_dynamic_callbacks.tiny import MODEL_FLAGS
 
-CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), '..', 'configs', '*.yaml')))
+ROOT = os.path.join(os.path.dirname(__file__), '..')
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.yaml')))
+NAMES = [os.path.basename(p) for p in CONFIGS]
+MODELS = {'qwen2_5_7b': 'Qwen/Qwen2.5-7B-Instruct', 'llama3_1_8b': 'meta-llama/Llama-3.1-8B-Instruct'}
+# one config per pack callback and one with all of them, for each real model
+PER_CALLBACK = ('batch_growth', 'batch_schedule', 'lr_schedule', 'memory_backoff', 'early_stopping', 'length_batching',
+                'training_log', 'all')
 
 
-def test_there_are_shipped_configs():
-    assert CONFIGS
+def test_there_is_a_config_per_callback_and_model():
+    expected = {f'{model}_lora_{what}.yaml' for model in MODELS for what in PER_CALLBACK}
+    assert expected <= set(NAMES), sorted(expected - set(NAMES))
+    assert 'main_job.yaml' in NAMES
+    for model in MODELS:  # every pack callback is shipped for every model
+        listed = set()
+        for what in PER_CALLBACK:
+            with open(os.path.join(ROOT, 'configs', f'{model}_lora_{what}.yaml'), encoding='utf-8') as f:
+                listed.update(yaml.safe_load(f)['callbacks'])
+        assert listed == set(CALLBACKS)
 
 
-@pytest.mark.parametrize('path', CONFIGS, ids=os.path.basename)
-def test_shipped_config_is_valid(path):
+@pytest.mark.parametrize('path', CONFIGS, ids=NAMES)
+def test_shipped_config_is_valid(path, tmp_path, monkeypatch):
     from swift.arguments import SftArguments
-    config, pack = prepare(path, [])
+    from swift.cli.main import parse_yaml_args
+    from swift.utils.utils import _patch_get_type_hints
+    from transformers import HfArgumentParser
+
+    config, pack = prepare(path, [])  # the pack section through parse_section, as `swift-dynamic sft` does
+    with open(path, encoding='utf-8') as f:
+        raw = yaml.safe_load(f)
+    assert parse_section(raw.get(SECTION), raw.get('callbacks')).to_json() == pack.to_json()
     allowed = {f.name for f in dataclasses.fields(SftArguments)}
     unknown = sorted(set(config) - allowed)
     assert not unknown, f'{path}: not ms-swift settings: {unknown}'
     for name in config.get('callbacks', []):
+        assert name in CALLBACKS, f'{path}: {name} is not a pack callback'
         pack.callback_config(name)  # raises ConfigError on bad settings
+
+    # the rest of the file exactly as `swift sft` reads it: YAML -> --flags (ms-swift's own code) -> its parser
+    sanitized = tmp_path / os.path.basename(path)
+    sanitized.write_text(yaml.safe_dump(config, sort_keys=False), encoding='utf-8')
+    monkeypatch.setenv('SWIFT_CONFIG_FILE', '')  # parse_yaml_args sets it; leave the environment as it was
+    argv = [str(sanitized)]
+    parse_yaml_args(argv)
+    with _patch_get_type_hints():
+        parser = HfArgumentParser([SftArguments])
+    namespace, remaining = parser.parse_known_args(argv)  # types and choices; the dataclass is not built
+    assert remaining == [], f'{path}: ms-swift rejects {remaining}'
+    assert config['external_plugins'][-1] == PLUGIN_FILE
+
+    from swift.dataset import DATASET_MAPPING
+    from swift.model import MODEL_MAPPING
+    from swift.template import TEMPLATE_MAPPING
+    assert namespace.model_type in MODEL_MAPPING and namespace.template in TEMPLATE_MAPPING
+    assert namespace.tuner_type == 'lora'
+    known_datasets = {name for key in DATASET_MAPPING for name in key if name}
+    for dataset in namespace.dataset:
+        name = dataset.split('#')[0]
+        assert name in known_datasets or name.startswith('.cache/demo/'), f'{path}: unknown dataset {name}'
+    base = os.path.basename(path)
+    for prefix, model in MODELS.items():
+        if base.startswith(prefix):
+            assert namespace.model == model and namespace.torch_dtype == 'bfloat16'
+            assert namespace.output_dir == f'output/{base[:-5]}'
+    if 'checkpoint_rotation' in config.get('callbacks', []):
+        assert config.get('save_total_limit') is None, 'checkpoint_rotation deletes checkpoints itself'
+
     with open(path, encoding='utf-8') as f:
-        header = f.read().split('\n', 8)
-    assert any('swift-dynamic sft configs/' in line for line in header), 'header comment must give the command'
+        header = [line for line in f.read().split('\n')[:12] if line.startswith('#')]
+    assert any(f'swift-dynamic sft configs/{base}' in line for line in header), 'header comment must give the command'
+
+
+def tiny_overrides(model: str, arch: str, dataset: str, output_dir: str) -> dict:
+    """Swap the real model and data of a shipped config for the tiny ones and make it a few CPU steps."""
+    return dict(model=model, **MODEL_FLAGS[arch], use_hf=False, dataset=[dataset], torch_dtype='float32',
+                max_steps=6, split_dataset_ratio=0.25, eval_steps=3, save_steps=3, logging_steps=1,
+                per_device_eval_batch_size=2, gradient_checkpointing=False, dataloader_num_workers=0,
+                report_to=['none'], check_model=False, add_version=False, dataset_num_proc=1, max_length=1024,
+                output_dir=output_dir, external_plugins=[], dataloader_pin_memory=False)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize('name, arch', [('qwen2_5_7b_lora_all.yaml', 'qwen2'), ('llama3_1_8b_lora_all.yaml', 'llama')])
+def test_every_callback_config_trains_with_a_tiny_model(name, arch, tmp_path, request, gsm8k_16):
+    import swift_dynamic_callbacks as sdc
+    from swift import SftArguments, sft_main
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_runs import decisions, train_logs
+    model = request.getfixturevalue('tiny_qwen' if arch == 'qwen2' else 'tiny_llama')
+    config, pack = prepare(os.path.join(ROOT, 'configs', name), [])
+    settings = {k: dict(v) for k, v in pack.callbacks.items()}
+    settings['batch_growth'].update(interval=2)  # a growth within the few steps
+    settings['memory_backoff'].update(probe='cpu', cpu_budget_gib=64.0)  # the config's probe is the GPU's
+    out = str(tmp_path / 'out')
+    try:
+        sdc.register(settings)
+        sft_main(SftArguments(**{**config, **tiny_overrides(model, arch, gsm8k_16, out)}))
+    finally:
+        plugin._configured = None
+    logs = train_logs(out)
+    assert len(logs) == 6 and logs[-1]['dynamic/batch_size'] > logs[0]['dynamic/batch_size']
+    sources = {d['source'] for d in decisions(out)}
+    assert {'batch_growth', 'lr_schedule', 'length_batching'} <= sources
+    assert not [d for d in decisions(out) if d['kind'] == 'fault']
+    assert os.path.getsize(os.path.join(out, 'dynamic_training_log.jsonl')) > 0
