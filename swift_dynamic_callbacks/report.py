@@ -149,6 +149,8 @@ def load_run(output_dir: str | os.PathLike) -> RunData:
                           '(with add_version true, pass the versioned subdirectory, e.g. output/v0-...)')
     rows, summary, skipped = read_logging(log_path)
     decisions = read_decisions(output_dir) if os.path.isfile(os.path.join(output_dir, DECISIONS_FILE)) else []
+    # applied_request records are the machine-readable trail for replay: the change they carry has its own record
+    decisions = [d for d in decisions if d.get('kind') != 'applied_request']
     return RunData(output_dir, rows, summary, decisions, skipped)
 
 
