@@ -79,9 +79,9 @@ Semantics:
   them over as ``grad_noise_sample`` (a :class:`GradNoiseSample`) for the step's ``on_step_end``. It costs one
   sum of squares over the trainable parameters' gradients twice a step; no extra forward/backward pass.
 - ``dynamic_fail_fast = True`` (integration setting ``fail_fast``) makes an unexpected exception inside a pack
-  callback's hook end the run. Without it the hook wrapper of :class:`~swift_dynamic_callbacks.callbacks.base.
-  DynamicCallback` queues one ``fault`` decision record (callback, hook, traceback), disables that callback for the
-  rest of the run and training goes on. ``ConfigError``, ``StateError`` and ``SampleTooLargeError`` (configuration
+  callback's hook end the run. Without it the hook wrapper of ``callbacks.base.DynamicCallback`` queues one
+  ``fault`` decision record (callback, hook, traceback), disables that callback for the rest of the run and
+  training goes on. ``ConfigError``, ``StateError`` and ``SampleTooLargeError`` (configuration
   and integrity failures) always end the run.
 - ``dynamic_disabled = True`` is set when the whole pack is switched off (integration setting ``enabled: false`` or
   the environment variable ``SWIFT_DYNAMIC_CALLBACKS_DISABLE=1``) on a hand-built trainer: pack callbacks then do
