@@ -52,6 +52,17 @@ def test_raising_hook_is_recorded_once_and_disables_the_callback():
     assert cb.calls == 1 and protocol.drain_decisions(control) == []
 
 
+def test_several_processes_reraise(monkeypatch):
+    """Under data parallelism a fault on one rank would disable the callback there only and leave the other ranks
+    in its collectives: it stops the run instead."""
+    from swift_dynamic_callbacks import distributed
+    monkeypatch.setattr(distributed, 'world_size', lambda: 2)
+    cb = Flaky(RuntimeError('probe exploded'))
+    with pytest.raises(RuntimeError, match='probe exploded'):
+        cb.on_step_end(_args(), TrainerState(global_step=1), TrainerControl())
+    assert cb.fault is None
+
+
 @pytest.mark.parametrize('error', [ConfigError('bad setting'), StateError('corrupt state')])
 def test_configuration_and_integrity_errors_still_stop_the_run(error):
     cb = Flaky(error)

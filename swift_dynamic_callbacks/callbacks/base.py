@@ -9,7 +9,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 from transformers import TrainerCallback
 
-from .. import protocol
+from .. import distributed, protocol
 from ..config import ConfigError, from_mapping
 from ..records import DecisionRecord
 from ..state import StateError
@@ -38,8 +38,8 @@ def _isolated(hook: Callable[..., Any], name: str) -> Callable[..., Any]:
         try:
             return hook(self, args, state, control, *rest, **kwargs)
         except Exception as error:  # noqa: BLE001 - fault isolation: see DynamicCallback
-            if is_fatal(error) or getattr(control, protocol.FAIL_FAST, False):
-                raise
+            if is_fatal(error) or getattr(control, protocol.FAIL_FAST, False) or distributed.world_size() > 1:
+                raise  # several processes: disabling on one rank would leave the others in its collectives
             self._record_fault(name, error, state, control)
             return None
 
@@ -63,6 +63,8 @@ class DynamicCallback(TrainerCallback):
       run (``fault`` holds the record); training goes on. :data:`FATAL_ERRORS` (``ConfigError``, ``StateError``)
       and ``SampleTooLargeError`` are re-raised, and so is everything when ``control.dynamic_fail_fast`` is set
       (integration setting ``fail_fast``). When the pack is off (``control.dynamic_disabled``) hooks do nothing.
+      Under several processes every exception is re-raised: a callback disabled on one rank only would leave the
+      other ranks waiting in its cross-rank agreement (or mismatch their collectives), a hang instead of an error.
     """
 
     name: ClassVar[str] = ''
