@@ -31,7 +31,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
