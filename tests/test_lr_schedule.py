@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from swift_dynamic_callbacks import protocol
 from swift_dynamic_callbacks.callbacks.lr_schedule import LRScheduleCallback, LRScheduleConfig
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.integrations.trainer import ScaledLambda
+from swift_dynamic_callbacks.integrations.scheduler import ScaledLambda
 from swift_dynamic_callbacks.policies.lr import (GuardState, PlateauState, guard_step, plateau_step, schedule_factor,
                                                  warmup_hold_cosine)
 from swift_runs import decisions, run_sft, train_logs
@@ -202,10 +202,12 @@ class OptimizerLR:
 
 
 @pytest.mark.e2e
-def test_lr_schedule_run_restart_logged_lr_and_resume(tmp_path, tiny_qwen, gsm8k_16, monkeypatch):
+@pytest.mark.parametrize('arch', ['qwen2', 'llama'])
+def test_lr_schedule_run_restart_logged_lr_and_resume(arch, tmp_path, request, gsm8k_16, monkeypatch):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift.trainers import Seq2SeqTrainer
+    model = request.getfixturevalue('tiny_qwen' if arch == 'qwen2' else 'tiny_llama')
     probe = OptimizerLR()
     original_init = Seq2SeqTrainer.__init__
 
@@ -216,7 +218,7 @@ def test_lr_schedule_run_restart_logged_lr_and_resume(tmp_path, tiny_qwen, gsm8k
     monkeypatch.setattr(Seq2SeqTrainer, '__init__', init)
     try:
         sdc.register(lr_schedule=LR_SETTINGS)
-        full = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'full'), callbacks=['lr_schedule'], save_steps=6,
+        full = run_sft(model, arch, gsm8k_16, str(tmp_path / 'full'), callbacks=['lr_schedule'], save_steps=6,
                        **LR_RUN)
         logs = train_logs(full)
         restarts = [d for d in decisions(full) if d['kind'] == 'lr_restart']
@@ -231,7 +233,7 @@ def test_lr_schedule_run_restart_logged_lr_and_resume(tmp_path, tiny_qwen, gsm8k
         start = [d for d in decisions(full) if d['kind'] == 'lr_schedule']
         assert start[0]['values']['replaced']['lr_scheduler_type'] == 'cosine'
         # resume after the restart: the same LR at every step (schedule from scheduler.pt, state from the pack)
-        resumed = run_sft(tiny_qwen, 'qwen2', gsm8k_16, full, callbacks=['lr_schedule'], save_steps=6, fresh=False,
+        resumed = run_sft(model, arch, gsm8k_16, full, callbacks=['lr_schedule'], save_steps=6, fresh=False,
                           resume_from_checkpoint=os.path.join(full, 'checkpoint-6'), **LR_RUN)
         tail = train_logs(resumed)[-6:]
         assert [row['learning_rate'] for row in tail] == pytest.approx(lrs[6:])

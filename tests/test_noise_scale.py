@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from swift_dynamic_callbacks import protocol
 from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback, BatchGrowthConfig
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.integrations.trainer import GradNoiseProbe
+from swift_dynamic_callbacks.integrations.passes import GradNoiseProbe
 from swift_dynamic_callbacks.policies.growth import critical_batch, ema, noise_scale_size, noise_scale_terms
 from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
 

@@ -20,7 +20,9 @@
   training log line and logs the LR the optimizer used in the step (ms-swift reads it after the scheduler
   stepped, i.e. the next step's), and decision records are written to ``dynamic_decisions.jsonl`` on rank 0.
 
-``_inner_training_loop`` is not overridden.
+``_inner_training_loop`` is not overridden. Helpers without trainer state live beside this module:
+:mod:`.passes` (a micro-batch as passes, gradient snapshots, the noise probe), :mod:`.requests` (merging the ranks'
+requests, ``applied_request`` records and replay) and :mod:`.scheduler` (the ``LambdaLR`` wrapper).
 """
 
 from __future__ import annotations
@@ -41,10 +43,14 @@ from ..loader import ElasticDataLoader, EmptyMicroBatch, dataset_lengths
 from ..policies.data_plan import piece_bounds, steps_to_budget
 from ..memory import device_figures, free_memory, is_oom
 from ..policies.length import BatchPlan, padding_fraction
-from ..policies.lr import schedule_factor
 from ..policies.memory import oom_backoff, pass_cap, pieces_needed
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
 from ..state import (StateError, build_payload, read_state, restore_components, stateful_components, write_state)
+
+from .passes import (GradNoiseProbe, SampleTooLargeError, all_reduce_grads, batch_shape, grad_snapshot,
+                     restore_grads, row_tokens, split_micro_batch)
+from .requests import LR_RECORD_KINDS, changes_lr, is_request_record, load_replay, merge_step, request_to_json
+from .scheduler import ScaledLambda
 
 logger = logging.getLogger('swift_dynamic_callbacks')
 if not logger.handlers:
@@ -208,7 +214,7 @@ class Integration:
             self._held = [
                 replace(r, values={**r.values, 'pending': True},
                         message=f'{r.message}; pending at the end of training (a resumed run applies it)'.lstrip('; '))
-                if _is_request_record(r) else r for r in self._held
+                if is_request_record(r) else r for r in self._held
             ]
         self.flush()
 
@@ -421,12 +427,12 @@ class Integration:
             own['samples'] = min(v for v in (own.get('samples'), self._oom_this_step['new_cap']) if v is not None)
             request = replace(request, pass_limit=protocol.check_pass_limit(own))
         own_oom = (self._oom_this_step or {}).get('record')
-        request, ooms = distributed.agree((request, own_oom), _merge_step)
+        request, ooms = distributed.agree((request, own_oom), merge_step)
         self.drain(control)
         self._held.extend(ooms)  # every rank's OOM of the last step, on every rank (rank 0 writes them)
         if self.replay is not None:
             self._held = [r for r in self._held
-                          if r.source == 'integration' or not (_is_request_record(r) or r.kind == 'batch_plan')]
+                          if r.source == 'integration' or not (is_request_record(r) or r.kind == 'batch_plan')]
         try:
             if not request.empty:
                 self._apply(request)
@@ -489,7 +495,7 @@ class Integration:
             self._held = [
                 replace(r, values={**r.values, 'old_lr': old_lr, 'new_lr': new_lr},
                         message=f'{r.message}; lr {old_lr:.4g} -> {new_lr:.4g}'.lstrip('; '))
-                if _changes_lr(r) else r for r in self._held
+                if changes_lr(r) else r for r in self._held
             ]
         if scaled:
             if 'lr_scale' not in queued_kinds:
@@ -688,17 +694,17 @@ class Integration:
         last_of_step = index == len(self._step_batches) - 1
         if isinstance(inputs, EmptyMicroBatch):
             if last_of_step and self._manual_sync(model):
-                _all_reduce_grads(model)
+                all_reduce_grads(model)
             return torch.zeros((), device=self.trainer.args.device)
         if not self.config.oom_recovery or self.trainer.is_deepspeed_enabled:
             return self._run_passes(model, inputs, run, num_items_in_batch, index)
-        snapshot = _grad_snapshot(model) if self._snapshot_grads(model) else None
+        snapshot = grad_snapshot(model) if self._snapshot_grads(model) else None
         retries = 0
         while True:
             failed: tuple[int, int] | None = None
             try:
                 if retries and snapshot is not None:  # the step's gradients before this micro-batch, back
-                    _restore_grads(model, snapshot)
+                    restore_grads(model, snapshot)
                 elif retries:  # the step so far, again: the gradients were dropped
                     for j in range(index):
                         if not isinstance(self._step_batches[j], EmptyMicroBatch):
@@ -718,7 +724,7 @@ class Integration:
     def _run_passes(self, model: Any, inputs: Any, run: Callable[[Any], torch.Tensor], num_items_in_batch: Any,
                     index: int, *, sync: bool = True) -> torch.Tensor:
         """One micro-batch as ``pieces`` passes (requested pieces, or more to respect the pass limit)."""
-        rows, length = _batch_shape(inputs)
+        rows, length = batch_shape(inputs)
         requested = self.loader.num_pieces if self.loader is not None else 1
         pieces = pieces_needed(rows, requested, pass_cap(length, self.pass_limit))
         probe = self._probe
@@ -751,7 +757,7 @@ class Integration:
                     setattr(self.trainer.control, protocol.GRAD_NOISE_SAMPLE, sample)
         setattr(self.trainer.control, protocol.PASS_SIZE, self._step_max_pass)
         if sync and last_of_step and manual_sync:
-            _all_reduce_grads(model)
+            all_reduce_grads(model)
         return total
 
     def _snapshot_grads(self, model: Any) -> bool:
@@ -783,7 +789,7 @@ class Integration:
             batch = self._step_batches[micro]
             indices = self._step_indices[micro] if micro < len(self._step_indices) else []
             row_ids = batch.get('input_ids') if isinstance(batch, Mapping) else None
-            tokens = _row_tokens(batch, start)
+            tokens = row_tokens(batch, start)
             padded = int(row_ids.shape[-1]) if isinstance(row_ids, torch.Tensor) else None
             sample = indices[start] if start < len(indices) else None
             raise SampleTooLargeError(
@@ -904,276 +910,6 @@ def _rank_state(components: Mapping[str, Any], key: str) -> Mapping[str, Any]:
                          f'{distributed.world_size()}: each process\'s data shard and position would change; resume '
                          'with the same number of processes')
     return ranks[distributed.rank()]
-
-
-LR_RECORD_KINDS = ('lr_schedule', 'lr_restart', 'lr_guard')
-
-
-def _changes_lr(record: DecisionRecord) -> bool:
-    return 'lr_scale' in record.values or record.kind in LR_RECORD_KINDS
-
-
-def _is_request_record(record: DecisionRecord) -> bool:
-    """A record that goes with a batch-size / pieces / LR request (applied at the next step boundary)."""
-    return record.kind in ('batch_size', 'num_pieces', 'lr_scale', 'pass_limit') + LR_RECORD_KINDS or any(
-        k in record.values for k in ('num_pieces', 'lr_scale'))
-
-
-def request_to_json(request: protocol.BatchRequest) -> dict[str, Any]:
-    """The ``values`` of an ``applied_request`` record: the request's set fields (JSON-able)."""
-    return {k: v for k, v in asdict(request).items() if v is not None and not (k == 'via_dataloader' and not v)}
-
-
-def request_from_json(values: Mapping[str, Any]) -> protocol.BatchRequest:
-    """A request from an ``applied_request`` record's ``values``, validated like a callback's request."""
-    from types import SimpleNamespace
-    box = SimpleNamespace()
-    protocol.clear_requests(box)
-    setters = {'batch_size': protocol.request_batch_size, 'num_pieces': protocol.request_num_pieces,
-               'lr_scale': protocol.request_lr_scale, 'lr_schedule': protocol.request_lr_schedule,
-               'batch_plan': protocol.request_batch_plan, 'pass_limit': protocol.request_pass_limit}
-    unknown = sorted(set(values) - set(setters) - {'via_dataloader'})
-    if unknown:
-        raise ValueError(f'unknown request field(s) {", ".join(unknown)}')
-    for key, setter in setters.items():
-        if values.get(key) is not None:
-            setter(box, values[key])
-    return replace(protocol.pending_request(box), via_dataloader=bool(values.get('via_dataloader', False)))
-
-
-def load_replay(path: str) -> dict[int, protocol.BatchRequest]:
-    """``step -> request`` from the ``applied_request`` records of a decision log (a later record for the same step,
-    e.g. from a resumed run appending to the same log, replaces an earlier one).
-
-    Raises:
-        ConfigError: the file does not exist.
-        StateError: a record cannot be read back as a request.
-    """
-    from ..records import read_decisions
-    file = os.path.join(path, DECISIONS_FILE) if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise ConfigError(f'dynamic_callbacks.integration.replay: {path!r} is not a decision log (no such file)')
-    out: dict[int, protocol.BatchRequest] = {}
-    try:
-        rows = read_decisions(file)
-    except (OSError, ValueError) as e:
-        raise StateError(f'replay: cannot read {file}: {e}') from e
-    for row in rows:
-        if row.get('kind') != 'applied_request':
-            continue
-        try:
-            out[int(row['step'])] = request_from_json(row.get('values') or {})
-        except (KeyError, TypeError, ValueError) as e:
-            raise StateError(f'replay: {file}: bad applied_request record at step {row.get("step")}: {e}') from e
-    return out
-
-
-class ScaledLambda:
-    """An ``LambdaLR`` lambda times ``scale``, on a time axis that can be stretched.
-
-    ``lr(step) = scale * fn(v(step))`` with ``v(step) = v0 + (step - t0) * rate`` from step ``t0`` on (identity
-    before the first stretch). :meth:`stretch` makes the rest of the schedule end at a new total number of steps
-    without a jump, so an epoch-budget run whose step count changes with the batch size still runs its whole
-    warmup/decay. With a ``schedule`` mapping (``new_lr_schedule``), ``fn`` is replaced by
-    :func:`~swift_dynamic_callbacks.policies.lr.schedule_factor` of it on the same time axis.
-
-    ``LambdaLR.state_dict`` saves a callable object's ``__dict__`` into ``scheduler.pt`` (loaded back with
-    ``weights_only=True``), so the wrapped function lives in a slot and ``__dict__`` holds only floats: scale and
-    time axis are checkpointed with the scheduler and restored with it on resume.
-    """
-
-    __slots__ = ('_fn', '__dict__')
-
-    def __init__(self, fn: Callable[[int], float], scale: float = 1.0) -> None:
-        self._fn = fn
-        self.scale = scale
-        self.t0, self.v0, self.rate = 0.0, 0.0, 1.0
-        self.schedule: dict[str, Any] | None = None
-
-    def virtual_step(self, step: float) -> float:
-        return self.v0 + (step - self.t0) * self.rate if step >= self.t0 else float(step)
-
-    def stretch(self, step: int, total: int, horizon: int) -> None:
-        """From ``step`` on, reach the schedule's ``horizon`` exactly at real step ``total``."""
-        v0 = self.virtual_step(step)
-        if total > step:
-            self.t0, self.v0, self.rate = float(step), v0, max(horizon - v0, 0.0) / (total - step)
-
-    def __call__(self, step: int) -> float:
-        v = self.virtual_step(step)
-        if self.schedule is not None:
-            return schedule_factor(self.schedule, v) * self.scale
-        return self._fn(int(v) if float(v).is_integer() else v) * self.scale
-
-
-class GradNoiseProbe:
-    """Measures one optimizer step's mean-gradient norms for ``measure_grad_noise`` (no extra passes).
-
-    After the step's first forward/backward pass the accumulated gradient is that pass's alone; after the last
-    pass of the last micro-batch it is the whole step's (synchronised across ranks). Under ms-swift's token-sum
-    loss a pass's gradient is ``k * sum of its tokens' gradients`` with ``k = 1 / num_items_in_batch`` (times the
-    world size when ``average_tokens_across_devices``), so the first pass's *mean* gradient is its gradient over
-    ``k * tokens``; the accumulated gradient already is a mean. Cost: one sum of squares over the trainable
-    parameters' gradients after the first and after the last pass.
-    """
-
-    def __init__(self, micro_batches: int, samples: int, *, world: int, tokens_averaged: bool) -> None:
-        self.remaining = micro_batches
-        self.samples = samples
-        self.world = world
-        self.tokens_averaged = tokens_averaged
-        self.passes = 0
-        self.small: tuple[float, int] | None = None
-
-    def after_pass(self, model: Any, part: Mapping[str, Any], num_items_in_batch: Any, *,
-                   end_of_micro_batch: bool) -> protocol.GradNoiseSample | None:
-        self.passes += 1
-        if self.passes == 1:
-            tokens = _loss_tokens(part)
-            normaliser = float(num_items_in_batch)
-            scale = normaliser / (tokens * (self.world if self.tokens_averaged else 1)) if tokens else 0.0
-            self.small = (_grad_sqnorm(model) * scale * scale, tokens)
-        if not end_of_micro_batch:
-            return None
-        self.remaining -= 1
-        if self.remaining > 0 or self.passes < 2 or self.small is None:
-            return None
-        total_tokens = int(num_items_in_batch) * (1 if self.tokens_averaged or self.world == 1 else self.world)
-        return protocol.GradNoiseSample(
-            small_sqnorm=self.small[0],
-            small_tokens=self.small[1],
-            big_sqnorm=_grad_sqnorm(model),
-            big_tokens=total_tokens,
-            samples=self.samples * self.world)
-
-
-class SampleTooLargeError(RuntimeError):
-    """A single sample does not fit in memory even alone: the run stops rather than skip it."""
-
-
-def _batch_shape(inputs: Mapping[str, Any]) -> tuple[int, int]:
-    """(rows, padded length) of a collated micro-batch."""
-    reference = inputs.get('input_ids', inputs.get('labels'))
-    if not isinstance(reference, torch.Tensor) or reference.dim() == 0:
-        return 1, 0
-    return int(reference.shape[0]), int(reference.shape[-1]) if reference.dim() > 1 else 0
-
-
-def _row_tokens(batch: Any, row: int) -> int | None:
-    mask = batch.get('attention_mask') if isinstance(batch, Mapping) else None
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and row < mask.shape[0]:
-        return int(mask[row].sum())
-    ids = batch.get('input_ids') if isinstance(batch, Mapping) else None
-    return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else None
-
-
-def _grad_snapshot(model: Any) -> list[torch.Tensor | None]:
-    """A copy of the trainable parameters' gradients (``None`` where there is none yet)."""
-    return [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters() if p.requires_grad]
-
-
-def _restore_grads(model: Any, snapshot: list[torch.Tensor | None]) -> None:
-    for p, saved in zip([p for p in model.parameters() if p.requires_grad], snapshot):
-        p.grad = saved.clone() if saved is not None else None
-
-
-def _all_reduce_grads(model: Any) -> None:
-    """Average the gradients over ranks (what DDP's backward hooks do), in one flat buffer."""
-    import torch.distributed as dist
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-        offset += n
-
-
-def _loss_tokens(inputs: Mapping[str, Any]) -> int:
-    labels = inputs.get('labels')
-    if not isinstance(labels, torch.Tensor):
-        raise RuntimeError('measure_grad_noise needs a labels tensor in every micro-batch to count loss tokens')
-    return int(labels.ne(-100).sum())
-
-
-def _grad_sqnorm(model: Any) -> float:
-    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    return float(sum(torch.linalg.vector_norm(g.float())**2 for g in grads))
-
-
-def _merge_step(votes: Iterable[tuple[protocol.BatchRequest, DecisionRecord | None]]
-                ) -> tuple[protocol.BatchRequest, list[DecisionRecord]]:
-    """The merged request (:func:`_merge_requests`) and the OOM records of all ranks, in rank order."""
-    votes = list(votes)
-    return _merge_requests(v[0] for v in votes), [v[1] for v in votes if v[1] is not None]
-
-
-def _merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchRequest:
-    """The one request all ranks apply: identical requests pass; otherwise the smallest batch and LR scale, most
-    pieces, and the lowest rank's LR schedule."""
-    requests = list(requests)
-    sizes = [r.batch_size for r in requests if r.batch_size is not None]
-    pieces = [r.num_pieces for r in requests if r.num_pieces is not None]
-    scales = [r.lr_scale for r in requests if r.lr_scale is not None]
-    schedules = [r.lr_schedule for r in requests if r.lr_schedule is not None]
-    limits = [r.pass_limit for r in requests if r.pass_limit is not None]
-    return protocol.BatchRequest(
-        batch_size=min(sizes) if sizes else None,
-        num_pieces=max(pieces) if pieces else None,
-        lr_scale=min(scales) if scales else None,
-        lr_schedule=schedules[0] if schedules else None,
-        pass_limit=_merge_limits(limits) if limits else None,
-        batch_plan=next((r.batch_plan for r in requests if r.batch_plan is not None), None),
-        via_dataloader=any(r.via_dataloader for r in requests))
-
-
-def _merge_limits(limits: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """The tightest of several pass limits: the smallest samples and tokens caps, the lowest rank's rules."""
-    merged: dict[str, Any] = {'rules': list(limits[0].get('rules') or [])}
-    for key in ('samples', 'tokens'):
-        values = [lim[key] for lim in limits if lim.get(key) is not None]
-        merged[key] = min(values) if values else None
-    return merged
-
-
-def split_micro_batch(inputs: Mapping[str, Any], num_pieces: int) -> list[dict[str, Any]]:
-    """Split a collated micro-batch along dim 0 into at most ``num_pieces`` contiguous pieces.
-
-    Tensors and lists whose first dimension is the batch size are sliced; scalars and other values are shared.
-
-    Raises:
-        ValueError: no ``input_ids``/``labels`` tensor gives the batch size, or a tensor's first dimension is
-            neither the batch size nor 1 (not splittable).
-    """
-    reference = inputs.get('input_ids', inputs.get('labels'))
-    if not isinstance(reference, torch.Tensor) or reference.dim() == 0:
-        raise ValueError('cannot split a micro-batch without an input_ids or labels tensor')
-    rows = reference.shape[0]
-    bounds = piece_bounds(rows, num_pieces)
-    if len(bounds) <= 1:
-        return [dict(inputs)]
-    parts: list[dict[str, Any]] = [{} for _ in bounds]
-    for key, value in inputs.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
-            for part, (a, b) in zip(parts, bounds):
-                part[key] = value[a:b]
-        elif isinstance(value, (list, tuple)) and len(value) == rows:
-            for part, (a, b) in zip(parts, bounds):
-                part[key] = value[a:b]
-        elif isinstance(value, torch.Tensor) and value.dim() > 0:
-            raise ValueError(f'cannot split micro-batch key {key!r} of shape {tuple(value.shape)} into pieces '
-                             f'along a batch of {rows}')
-        else:
-            for part in parts:
-                part[key] = value
-    return parts
 
 
 def _set_host_epoch(host_loader: Any, epoch: int) -> None:

@@ -1,0 +1,145 @@
+"""One micro-batch as forward/backward passes: splitting, gradient snapshots and norms, the gradient-noise probe,
+and the manual gradient all-reduce used with OOM recovery under DDP."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from .. import protocol
+from ..policies.data_plan import piece_bounds
+
+class GradNoiseProbe:
+    """Measures one optimizer step's mean-gradient norms for ``measure_grad_noise`` (no extra passes).
+
+    After the step's first forward/backward pass the accumulated gradient is that pass's alone; after the last
+    pass of the last micro-batch it is the whole step's (synchronised across ranks). Under ms-swift's token-sum
+    loss a pass's gradient is ``k * sum of its tokens' gradients`` with ``k = 1 / num_items_in_batch`` (times the
+    world size when ``average_tokens_across_devices``), so the first pass's *mean* gradient is its gradient over
+    ``k * tokens``; the accumulated gradient already is a mean. Cost: one sum of squares over the trainable
+    parameters' gradients after the first and after the last pass.
+    """
+
+    def __init__(self, micro_batches: int, samples: int, *, world: int, tokens_averaged: bool) -> None:
+        self.remaining = micro_batches
+        self.samples = samples
+        self.world = world
+        self.tokens_averaged = tokens_averaged
+        self.passes = 0
+        self.small: tuple[float, int] | None = None
+
+    def after_pass(self, model: Any, part: Mapping[str, Any], num_items_in_batch: Any, *,
+                   end_of_micro_batch: bool) -> protocol.GradNoiseSample | None:
+        self.passes += 1
+        if self.passes == 1:
+            tokens = loss_tokens(part)
+            normaliser = float(num_items_in_batch)
+            scale = normaliser / (tokens * (self.world if self.tokens_averaged else 1)) if tokens else 0.0
+            self.small = (grad_sqnorm(model) * scale * scale, tokens)
+        if not end_of_micro_batch:
+            return None
+        self.remaining -= 1
+        if self.remaining > 0 or self.passes < 2 or self.small is None:
+            return None
+        total_tokens = int(num_items_in_batch) * (1 if self.tokens_averaged or self.world == 1 else self.world)
+        return protocol.GradNoiseSample(
+            small_sqnorm=self.small[0],
+            small_tokens=self.small[1],
+            big_sqnorm=grad_sqnorm(model),
+            big_tokens=total_tokens,
+            samples=self.samples * self.world)
+
+
+class SampleTooLargeError(RuntimeError):
+    """A single sample does not fit in memory even alone: the run stops rather than skip it."""
+
+
+def batch_shape(inputs: Mapping[str, Any]) -> tuple[int, int]:
+    """(rows, padded length) of a collated micro-batch."""
+    reference = inputs.get('input_ids', inputs.get('labels'))
+    if not isinstance(reference, torch.Tensor) or reference.dim() == 0:
+        return 1, 0
+    return int(reference.shape[0]), int(reference.shape[-1]) if reference.dim() > 1 else 0
+
+
+def row_tokens(batch: Any, row: int) -> int | None:
+    mask = batch.get('attention_mask') if isinstance(batch, Mapping) else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and row < mask.shape[0]:
+        return int(mask[row].sum())
+    ids = batch.get('input_ids') if isinstance(batch, Mapping) else None
+    return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else None
+
+
+def grad_snapshot(model: Any) -> list[torch.Tensor | None]:
+    """A copy of the trainable parameters' gradients (``None`` where there is none yet)."""
+    return [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters() if p.requires_grad]
+
+
+def restore_grads(model: Any, snapshot: list[torch.Tensor | None]) -> None:
+    for p, saved in zip([p for p in model.parameters() if p.requires_grad], snapshot):
+        p.grad = saved.clone() if saved is not None else None
+
+
+def all_reduce_grads(model: Any) -> None:
+    """Average the gradients over ranks (what DDP's backward hooks do), in one flat buffer."""
+    import torch.distributed as dist
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+
+def loss_tokens(inputs: Mapping[str, Any]) -> int:
+    labels = inputs.get('labels')
+    if not isinstance(labels, torch.Tensor):
+        raise RuntimeError('measure_grad_noise needs a labels tensor in every micro-batch to count loss tokens')
+    return int(labels.ne(-100).sum())
+
+
+def grad_sqnorm(model: Any) -> float:
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(sum(torch.linalg.vector_norm(g.float())**2 for g in grads))
+
+
+def split_micro_batch(inputs: Mapping[str, Any], num_pieces: int) -> list[dict[str, Any]]:
+    """Split a collated micro-batch along dim 0 into at most ``num_pieces`` contiguous pieces.
+
+    Tensors and lists whose first dimension is the batch size are sliced; scalars and other values are shared.
+
+    Raises:
+        ValueError: no ``input_ids``/``labels`` tensor gives the batch size, or a tensor's first dimension is
+            neither the batch size nor 1 (not splittable).
+    """
+    reference = inputs.get('input_ids', inputs.get('labels'))
+    if not isinstance(reference, torch.Tensor) or reference.dim() == 0:
+        raise ValueError('cannot split a micro-batch without an input_ids or labels tensor')
+    rows = reference.shape[0]
+    bounds = piece_bounds(rows, num_pieces)
+    if len(bounds) <= 1:
+        return [dict(inputs)]
+    parts: list[dict[str, Any]] = [{} for _ in bounds]
+    for key, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            for part, (a, b) in zip(parts, bounds):
+                part[key] = value[a:b]
+        elif isinstance(value, (list, tuple)) and len(value) == rows:
+            for part, (a, b) in zip(parts, bounds):
+                part[key] = value[a:b]
+        elif isinstance(value, torch.Tensor) and value.dim() > 0:
+            raise ValueError(f'cannot split micro-batch key {key!r} of shape {tuple(value.shape)} into pieces '
+                             f'along a batch of {rows}')
+        else:
+            for part in parts:
+                part[key] = value
+    return parts
