@@ -7,8 +7,10 @@ steps, constant LR, ``lora_dropout`` 0):
 
 - ``baseline``: no OOM;
 - ``oom``: :class:`swift_dynamic_callbacks.faults.OomInjector` raises ``torch.OutOfMemoryError`` in the middle
-  of the backward of the *last* micro-batch of step ``--oom-step`` (the worst case for the integration's
-  recovery: every micro-batch of that step is run again, at half the pass size).
+  of the backward of the *last* micro-batch of step ``--oom-step``. LoRA's gradients are restored from the
+  snapshot taken before that micro-batch, which runs again at half the pass size; with ``--no-snapshot`` the
+  integration takes its full-fine-tune path instead and runs every micro-batch of the step again (the worst
+  case: the OOM in the last one).
 
 Per-step wall times come from a timing callback (``on_step_begin`` -> ``on_step_end``). Printed: the median step
 time before the OOM, the OOM step's time and its extra cost in step-times (goal <= 1 extra step, plus the
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--oom-step', type=int, default=6, help='1-based step whose last micro-batch fails')
     parser.add_argument('--rows', type=int, default=128)
     parser.add_argument('--threads', type=int, default=1, help='torch threads (0: torch default)')
+    parser.add_argument('--no-snapshot', action='store_true',
+                        help='recover by running the step\'s earlier micro-batches again (the full fine-tune path)')
     opts = parser.parse_args(argv)
     if not 2 <= opts.oom_step < opts.steps:
         parser.error(f'--oom-step: must be in [2, --steps), got {opts.oom_step}')
@@ -123,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(opts.work_dir, exist_ok=True)
     model = str(build_tiny_model(Path(opts.work_dir) / 'tiny-qwen2', 'qwen2'))
     dataset = str(write_gsm8k_dataset(Path(opts.work_dir) / 'gsm8k.jsonl', opts.rows))
+    if opts.no_snapshot:
+        from swift_dynamic_callbacks.integrations.trainer import Integration
+        Integration._snapshot_grads = lambda self, model: False
     base = run('baseline', opts, model, dataset)
     failing_pass = (opts.oom_step - 1) * opts.ga + opts.ga - 1  # the last micro-batch of that step
     oom = run('oom', opts, model, dataset, fail_passes=(failing_pass, ))
@@ -139,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         f'OOM mid-backward in the last micro-batch of step {opts.oom_step} (injected: {oom["injected"]})', '',
         '| | seconds | step-times |', '|---|---:|---:|',
         f'| median step before the OOM | {before:.3f} | 1.00 |',
-        f'| the OOM step (failed pass + the step again at half the pass size) | {oom_step:.3f} | '
+        f'| the OOM step (failed pass + {"the step" if opts.no_snapshot else "the micro-batch"} again in half-size '
+        f'passes) | {oom_step:.3f} | '
         f'{oom_step / before:.2f} |',
         f'| extra cost of the recovery | {oom_step - before:.3f} | **{extra:.2f}** |',
         f'| median step after (half-size passes) | {after:.3f} | {after / before:.2f} |',
