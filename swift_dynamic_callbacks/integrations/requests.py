@@ -30,20 +30,37 @@ def request_to_json(request: protocol.BatchRequest) -> dict[str, Any]:
     return {k: v for k, v in asdict(request).items() if v is not None and not (k == 'via_dataloader' and not v)}
 
 
+_SETTERS = {
+    'batch_size': protocol.request_batch_size,
+    'num_pieces': protocol.request_num_pieces,
+    'lr_scale': protocol.request_lr_scale,
+    'lr_schedule': protocol.request_lr_schedule,
+    'batch_plan': protocol.request_batch_plan,
+    'pass_limit': protocol.request_pass_limit,
+}
+
+
+def set_request(control: Any, values: Mapping[str, Any]) -> None:
+    """Set the request flags on ``control`` from a request's fields (``None`` fields are left alone), validated like
+    a callback's request.
+
+    Raises:
+        ValueError: an unknown field or a value the protocol rejects.
+    """
+    unknown = sorted(set(values) - set(_SETTERS) - {'via_dataloader'})
+    if unknown:
+        raise ValueError(f'unknown request field(s) {", ".join(unknown)}')
+    for key, setter in _SETTERS.items():
+        if values.get(key) is not None:
+            setter(control, values[key])
+
+
 def request_from_json(values: Mapping[str, Any]) -> protocol.BatchRequest:
     """A request from an ``applied_request`` record's ``values``, validated like a callback's request."""
     from types import SimpleNamespace
     box = SimpleNamespace()
     protocol.clear_requests(box)
-    setters = {'batch_size': protocol.request_batch_size, 'num_pieces': protocol.request_num_pieces,
-               'lr_scale': protocol.request_lr_scale, 'lr_schedule': protocol.request_lr_schedule,
-               'batch_plan': protocol.request_batch_plan, 'pass_limit': protocol.request_pass_limit}
-    unknown = sorted(set(values) - set(setters) - {'via_dataloader'})
-    if unknown:
-        raise ValueError(f'unknown request field(s) {", ".join(unknown)}')
-    for key, setter in setters.items():
-        if values.get(key) is not None:
-            setter(box, values[key])
+    set_request(box, values)
     return replace(protocol.pending_request(box), via_dataloader=bool(values.get('via_dataloader', False)))
 
 

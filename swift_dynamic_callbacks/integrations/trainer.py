@@ -49,7 +49,8 @@ from ..state import (StateError, build_payload, read_state, restore_components, 
 
 from .passes import (GradNoiseProbe, SampleTooLargeError, all_reduce_grads, batch_shape, grad_snapshot,
                      restore_grads, row_tokens, split_micro_batch)
-from .requests import LR_RECORD_KINDS, changes_lr, is_request_record, load_replay, merge_step, request_to_json
+from .requests import (LR_RECORD_KINDS, changes_lr, is_request_record, load_replay, merge_step, request_to_json,
+                       set_request)
 from .scheduler import ScaledLambda
 
 logger = logging.getLogger('swift_dynamic_callbacks')
@@ -862,19 +863,7 @@ class Integration:
         pending = state.get('pending_request')
         if not pending:
             return
-        control = self.trainer.control
-        if pending.get('batch_size') is not None:
-            protocol.request_batch_size(control, pending['batch_size'])
-        if pending.get('num_pieces') is not None:
-            protocol.request_num_pieces(control, pending['num_pieces'])
-        if pending.get('lr_scale') is not None:
-            protocol.request_lr_scale(control, pending['lr_scale'])
-        if pending.get('lr_schedule') is not None:
-            protocol.request_lr_schedule(control, pending['lr_schedule'])
-        if pending.get('batch_plan') is not None:
-            protocol.request_batch_plan(control, pending['batch_plan'])
-        if pending.get('pass_limit') is not None:
-            protocol.request_pass_limit(control, pending['pass_limit'])
+        set_request(self.trainer.control, pending)
 
     def speed_values(self, runtime: float) -> dict[str, float]:
         """HF's ``train_samples_per_second`` assumes a constant batch; this counts the samples really used."""
