@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .. import protocol
-from ..config import ConfigError, check_bool, check_choice, check_int
+from ..config import ConfigError, check_bool, check_choice, check_int, check_number
 from ..policies.length import DEFAULT_RULES, MODES, BatchPlan, check_rules
 from ..records import DecisionRecord
 from .base import DynamicCallback
@@ -55,12 +55,8 @@ class LengthBatchingConfig:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, 'rules', dict(rules))
         check_bool('bucketing', self.bucketing)
-        width = self.bucket_width
-        if isinstance(width, bool) or not isinstance(width, (int, float)) or not 0 <= width <= 10:
-            raise ConfigError(f'bucket_width: must be a number in [0, 10], got {width!r}')
-        fill = self.bucket_fill
-        if isinstance(fill, bool) or not isinstance(fill, (int, float)) or not 0 <= fill <= 1:
-            raise ConfigError(f'bucket_fill: must be a number in [0, 1], got {fill!r}')
+        check_number('bucket_width', self.bucket_width, 0, 10)
+        check_number('bucket_fill', self.bucket_fill, 0, 1)
         if self.seed is not None:
             check_int('seed', self.seed)
 

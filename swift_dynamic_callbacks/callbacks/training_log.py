@@ -27,10 +27,10 @@ from typing import Any, Mapping
 
 from .. import protocol
 from ..config import ConfigError, check_bool, check_int
+from ..memory import GIB
 from .base import DynamicCallback
 
 LOG_FILE = 'dynamic_training_log.jsonl'
-GIB = float(1 << 30)
 _STEP_KEYS = ('loss', 'grad_norm', 'learning_rate')
 
 
