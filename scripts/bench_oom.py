@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_tiny_model(Path(opts.work_dir) / 'tiny-qwen2', 'qwen2'))
     dataset = str(write_gsm8k_dataset(Path(opts.work_dir) / 'gsm8k.jsonl', opts.rows))
     if opts.no_snapshot:
-        from swift_dynamic_callbacks.integrations.trainer import Integration
-        Integration._snapshot_grads = lambda self, model: False
+        from swift_dynamic_callbacks.integrations.steps import StepRunner
+        StepRunner._snapshot_grads = lambda self, model: False
     base = run('baseline', opts, model, dataset)
     failing_pass = (opts.oom_step - 1) * opts.ga + opts.ga - 1  # the last micro-batch of that step
     oom = run('oom', opts, model, dataset, fail_passes=(failing_pass, ))

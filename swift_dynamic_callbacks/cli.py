@@ -1,12 +1,17 @@
 """``swift-dynamic``: run ms-swift with the pack's settings in the same YAML file.
 
 Commands:
-    swift-dynamic sft CONFIG.yaml [more swift flags]   validate the ``dynamic_callbacks:`` section, then run
-                                                       ``swift sft`` on the rest of the file with the pack loaded
-    swift-dynamic check CONFIG.yaml                    validate only (exit 2 with the error on bad settings)
+    swift-dynamic sft CONFIG.yaml [more swift flags]   validate the ``dynamic_callbacks:`` section and the rest of
+                                                       the file, then run ``swift sft`` on the rest of the file
+                                                       with the pack loaded
+    swift-dynamic rlhf CONFIG.yaml [more swift flags]  the same for ``swift rlhf``
+    swift-dynamic check CONFIG.yaml [more swift flags] validate only (exit 2 with the error on bad settings)
     swift-dynamic plugin-path                          print the plugin file for ``external_plugins``
     swift-dynamic prepare-demo DIR                     build the tiny Qwen2 model + dataset the demo config uses
     swift-dynamic report OUTPUT_DIR [--out DIR]        write dynamic_report.png and dynamic_report.md for a run
+
+Validation imports no torch, transformers, peft or swift (``config.pack``): a bad setting is reported in a
+fraction of a second, and ms-swift starts only in the child process that runs the training.
 """
 
 from __future__ import annotations
@@ -20,59 +25,100 @@ import tempfile
 from typing import Any, Sequence
 
 from .config import ConfigError
-from .integrations.swift import ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig, parse_section
+from .config.pack import (ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig, check_run, listed_callbacks, merged_settings,
+                          parse_section)
+
+#: ms-swift commands the launcher runs (``swift <command> FILE.yaml ...``).
+LAUNCH_COMMANDS = ('sft', 'rlhf')
 
 
-def _listed_callbacks(config: dict[str, Any], extra: Sequence[str]) -> list[str]:
-    listed = config.get('callbacks') or []
-    if isinstance(listed, str):
-        listed = [listed]
-    if '--callbacks' in extra:  # flags after the file override it, as in swift
-        i = list(extra).index('--callbacks') + 1
-        listed = []
-        while i < len(extra) and not extra[i].startswith('--'):
-            listed.append(extra[i])
-            i += 1
-    return [str(x) for x in listed]
+def load_yaml(path: str) -> dict[str, Any]:
+    """The YAML file as a mapping (``ConfigError`` naming the file when it is missing, unreadable or not a mapping)."""
+    import yaml
+    try:
+        with open(path, encoding='utf-8') as f:
+            config = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f'{path}: no such file') from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f'{path}: cannot read it: {e}') from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f'{path}: not valid YAML: {e}') from None
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise ConfigError(f'{path}: expected a YAML mapping of ms-swift settings, got a {type(config).__name__}')
+    return config
 
 
 def prepare(path: str, extra: Sequence[str]) -> tuple[dict[str, Any], PackConfig]:
-    import yaml
-    with open(path, encoding='utf-8') as f:
-        config = yaml.safe_load(f) or {}
-    if not isinstance(config, dict):
-        raise ConfigError(f'{path}: expected a YAML mapping of ms-swift settings')
+    """Read and validate ``path`` with the flags ``extra`` after it, as ``swift-dynamic sft`` does before launching.
+
+    Returns the ms-swift settings to launch with (the ``dynamic_callbacks:`` section taken out, the pack's plugin
+    added to ``external_plugins``) and the validated pack settings; ``pack.notes`` holds warnings.
+
+    Raises:
+        ConfigError: naming the key, the value and what is allowed.
+    """
+    config = load_yaml(path)
     section = config.pop(SECTION, None)
-    pack = parse_section(section, _listed_callbacks(config, extra))
+    settings = merged_settings(config, extra)  # flags after the file override it, as in swift
+    listed = listed_callbacks(settings)
+    pack = parse_section(section, listed)
+    notes = check_run(pack, settings, listed)
     plugins = config.get('external_plugins') or []
     if isinstance(plugins, str):
         plugins = [plugins]
     if PLUGIN_FILE not in plugins:
         plugins = list(plugins) + [PLUGIN_FILE]
     config['external_plugins'] = plugins
-    return config, pack
+    return config, PackConfig(pack.integration, pack.callbacks, tuple(notes))
 
 
-def run_sft(path: str, extra: Sequence[str]) -> int:
+def build_command(command: str, config_file: str, extra: Sequence[str]) -> list[str]:
+    """The child process: ms-swift's own command line (what the ``swift`` script runs) on ``config_file``."""
+    if command not in LAUNCH_COMMANDS:
+        raise ValueError(f'command: one of {", ".join(LAUNCH_COMMANDS)}, got {command!r}')
+    return [sys.executable, '-c', 'from swift.cli.main import cli_main; cli_main()', command, config_file, *extra]
+
+
+def write_launch_file(path: str, config: dict[str, Any]) -> str:
+    """Write the ms-swift settings (without the pack section) into a new temporary directory; returns the file."""
     import yaml
-    config, pack = prepare(path, extra)
     workdir = tempfile.mkdtemp(prefix='swift-dynamic-')
     sanitized = os.path.join(workdir, os.path.basename(path))
     with open(sanitized, 'w', encoding='utf-8') as f:
         f.write(f'# generated by swift-dynamic from {path}: the {SECTION} section is passed in ${ENV_CONFIG}\n')
         yaml.safe_dump(config, f, sort_keys=False)
+    return sanitized
+
+
+def launch(command: str, path: str, extra: Sequence[str]) -> int:
+    """Validate ``path``, then run ``swift <command>`` on the rest of it with the pack settings in the environment."""
+    config, pack = prepare(path, extra)
+    _print_notes(pack)
+    sanitized = write_launch_file(path, config)
     env = dict(os.environ)
     env[ENV_CONFIG] = json.dumps(pack.to_json())
-    cmd = [sys.executable, '-c', 'from swift.cli.main import cli_main; cli_main()', 'sft', sanitized, *extra]
-    return subprocess.run(cmd, env=env).returncode
+    return subprocess.run(build_command(command, sanitized, extra), env=env).returncode
+
+
+def run_sft(path: str, extra: Sequence[str]) -> int:
+    return launch('sft', path, extra)
+
+
+def _print_notes(pack: PackConfig) -> None:
+    for note in pack.notes:
+        print(f'swift-dynamic: note: {note}', file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog='swift-dynamic', description=__doc__.split('\n')[0])
     sub = parser.add_subparsers(dest='command', required=True)
-    p_sft = sub.add_parser('sft', help='run swift sft with the pack')
-    p_sft.add_argument('config')
-    p_check = sub.add_parser('check', help='validate a YAML file')
+    for command in LAUNCH_COMMANDS:
+        p_run = sub.add_parser(command, help=f'run swift {command} with the pack (flags after the file go to swift)')
+        p_run.add_argument('config')
+    p_check = sub.add_parser('check', help='validate a YAML file (and the swift flags after it)')
     p_check.add_argument('config')
     sub.add_parser('plugin-path', help='print the ms-swift plugin file of the pack')
     p_demo = sub.add_parser('prepare-demo', help='build the tiny model and dataset of the demo config')
@@ -82,13 +128,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_report.add_argument('output_dir', help='the ms-swift output_dir of the run')
     p_report.add_argument('--out', default=None, help='where to write the report (default: OUTPUT_DIR)')
     args, extra = parser.parse_known_args(argv)
-    if args.command != 'sft' and extra:
+    if args.command not in LAUNCH_COMMANDS + ('check', ) and extra:
         parser.error(f'unrecognized arguments: {" ".join(extra)}')
     try:
-        if args.command == 'sft':
-            return run_sft(args.config, extra)
+        if args.command in LAUNCH_COMMANDS:
+            return launch(args.command, args.config, extra)
         if args.command == 'check':
-            _, pack = prepare(args.config, [])
+            _, pack = prepare(args.config, extra)
+            _print_notes(pack)
             print(json.dumps(pack.to_json(), indent=1))
             return 0
     except ConfigError as e:

@@ -40,6 +40,21 @@ def gather_objects(value: T) -> list[T]:
     return out
 
 
+def sum_ints(values: Sequence[int]) -> list[int]:
+    """Element-wise sums of ``values`` over ranks, in one small tensor all-reduce (cheaper than gathering objects,
+    which pickles and runs two collectives). ``values`` itself without a process group."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return [int(v) for v in values]
+    import torch
+    device = torch.device('cpu')
+    if dist.get_backend() == 'nccl':
+        device = torch.device('cuda', torch.cuda.current_device())
+    tensor = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor)
+    return [int(v) for v in tensor.tolist()]
+
+
 def broadcast_from_main(value: T) -> T:
     """Rank 0's ``value`` on every rank."""
     dist = _dist()

@@ -4,7 +4,8 @@
 :meth:`OomInjector.remove`). A forward pass whose batch holds more than ``token_budget`` tokens raises
 ``torch.OutOfMemoryError`` before computing anything (a forward OOM). With ``backward_rate``, a pass of more than
 one sample is picked at random (seeded) to fail in the middle of its backward (or the passes numbered in
-``fail_passes``, counting every training forward from 0): after the upper layers'
+``fail_passes``, counting every training forward from 0; ``forward_passes`` fail in forward the same way, a
+one-off: the retry is a new pass): after the upper layers'
 gradients were already accumulated and before the first layer's — the case where a careless retry would leak
 partial gradients into the step. ``forward_rate`` picks random multi-sample passes to fail in forward.
 Single-sample passes only fail by the budget, so a run can always finish unless one sample is over it.
@@ -39,9 +40,10 @@ class OomInjector:
     """Raise OOMs like a device would. ``counts`` holds what was injected (forward / backward)."""
 
     def __init__(self, token_budget: int | None = None, *, backward_rate: float = 0.0, forward_rate: float = 0.0,
-                 seed: int = 0, fail_passes: tuple[int, ...] = ()) -> None:
+                 seed: int = 0, fail_passes: tuple[int, ...] = (), forward_passes: tuple[int, ...] = ()) -> None:
         self.token_budget = token_budget
         self.fail_passes = set(fail_passes)
+        self.forward_passes = set(forward_passes)
         self.backward_rate = backward_rate
         self.forward_rate = forward_rate
         self.random = random.Random(seed)
@@ -78,7 +80,8 @@ class OomInjector:
             tokens = rows * int(hidden_states.shape[1])
             injector.passes.append((rows, tokens))
             over = injector.token_budget is not None and tokens > injector.token_budget
-            if over or (rows > 1 and injector.random.random() < injector.forward_rate):
+            chosen = len(injector.passes) - 1 in injector.forward_passes
+            if over or chosen or (rows > 1 and injector.random.random() < injector.forward_rate):
                 injector.counts['forward'] += 1
                 raise torch.OutOfMemoryError(f'CUDA out of memory (injected: a pass of {rows} x '
                                              f'{hidden_states.shape[1]} tokens)')

@@ -506,3 +506,21 @@ def dataset_lengths(dataset: Any) -> list[int]:
     except (AttributeError, TypeError):
         pass
     return lengths
+
+
+def dataset_fingerprint(dataset: Any, samples: int = 8) -> dict[str, Any]:
+    """``{'size', 'sha256'}`` of a training dataset: its length and a hash of the token ids of up to ``samples``
+    evenly spaced rows (cheap: with lazy tokenisation only those rows are encoded). A resume compares it with the
+    checkpoint's, so a saved data position never points into another dataset. ``sha256`` is ``None`` when the rows
+    have no ``input_ids``."""
+    import hashlib
+    size = len(dataset)
+    digest = hashlib.sha256(str(size).encode())
+    picked = sorted({round(i * (size - 1) / max(samples - 1, 1)) for i in range(min(samples, size))}) if size else []
+    for index in picked:
+        item = dataset[index]
+        ids = item.get('input_ids') if isinstance(item, Mapping) else None
+        if ids is None:
+            return {'size': size, 'sha256': None}
+        digest.update(repr([int(x) for x in ids]).encode())
+    return {'size': size, 'sha256': digest.hexdigest()}

@@ -35,6 +35,10 @@ flag                        set by               read by                      cl
 ``dynamic_disabled``        the pack-off         every pack callback's hook   never (the pack is off for the run)
                             callback, at train   wrapper: every hook does
                             begin                nothing
+``dynamic_loss_nonfinite``  the integration, in  callbacks, in ``on_log``:    overwritten at every training log
+                            ``log``, before the  when > 0 the line's          line (the count since the previous
+                            callbacks' on_log    ``loss`` is not the true     one)
+                            (all ranks summed)   one
 ==========================  ===================  ===========================  ====================================
 
 Semantics:
@@ -86,7 +90,17 @@ Semantics:
 - ``dynamic_disabled = True`` is set when the whole pack is switched off (integration setting ``enabled: false`` or
   the environment variable ``SWIFT_DYNAMIC_CALLBACKS_DISABLE=1``) on a hand-built trainer: pack callbacks then do
   nothing at all, so the run is the plain trainer's.
-- Two requests for the same flag before a boundary: the last one wins. Different sizes through both forms
+- ``dynamic_loss_nonfinite = n``: ``n`` optimizer steps since the previous training log line had a non-finite
+  loss (NaN / inf, any micro-batch, any rank), as ``training_step`` returned it. HF's default
+  ``logging_nan_inf_filter: true`` logs such a step's loss as a finite substitute (the mean of the steps logged so
+  far in the line; 0.0 with ``logging_steps: 1``), so a callback deciding from ``logs['loss']`` must treat that
+  value as not finite when ``n > 0`` (:func:`true_training_value` does). The same count is in the log line as
+  ``dynamic/nonfinite_steps`` (always when ``n > 0``; also ``0`` with the integration setting ``log_values``), which
+  is how ``checkpoint_rotation`` recognises such a line in a checkpoint's ``trainer_state.json``.
+- Two requests for the same flag before a boundary: the last one wins. So two callbacks must not request the same
+  *control* (:data:`CONTROLS`): each pack callback declares the controls it requests (``DynamicCallback.controls``),
+  and two listed callbacks sharing one are refused at configuration time (``config.pack.check_controls``) and, for
+  hand-built trainers, at train begin (:func:`claim_controls`). Different sizes through both forms
   (``new_batch_size`` and ``new_dataloader``) at the same boundary are a conflict and raise.
 
 Use the helpers below rather than raw ``setattr``: they validate values at the call site and keep the
@@ -119,13 +133,28 @@ MEASURE_GRAD_NOISE = 'measure_grad_noise'
 GRAD_NOISE_SAMPLE = 'grad_noise_sample'
 FAIL_FAST = 'dynamic_fail_fast'
 DISABLED = 'dynamic_disabled'
+LOSS_NONFINITE = 'dynamic_loss_nonfinite'
+#: The key of :data:`LOSS_NONFINITE`'s count in the training log lines.
+NONFINITE_LOG_KEY = 'dynamic/nonfinite_steps'
 
 #: Flags that request a change and are cleared once the integration applied them.
 REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE,
                  NEW_LR_SCHEDULE, NEW_PASS_LIMIT, NEW_BATCH_PLAN)
 #: Every attribute this protocol defines on ``TrainerControl``.
 ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE, PASS_SIZE,
-                             OOM_EVENT, FAIL_FAST, DISABLED)
+                             OOM_EVENT, FAIL_FAST, DISABLED, LOSS_NONFINITE)
+
+#: Controls: what a callback drives through request flags that hold one value per step boundary (the last request
+#: wins). ``control -> (what it is, the flags)``. A callback declares the controls it requests (``controls``); two
+#: callbacks of one run declaring the same control are refused.
+CONTROLS: dict[str, tuple[str, tuple[str, ...]]] = {
+    'batch_size': ('the per-device batch size', (NEW_BATCH_SIZE, SHOULD_UPDATE_DATALOADER, NEW_DATALOADER)),
+    'num_pieces': ('the pieces per micro-batch', (NEW_NUM_PIECES, )),
+    'lr_scale': ('the LR scale', (NEW_LR_SCALE, )),
+    'lr_schedule': ('the LR schedule', (NEW_LR_SCHEDULE, )),
+    'pass_limit': ('the pass limit', (NEW_PASS_LIMIT, )),
+    'batch_plan': ('the batch plan', (NEW_BATCH_PLAN, )),
+}
 
 
 @dataclass(frozen=True)
@@ -243,13 +272,14 @@ class OomEvent:
 
     Attributes:
         pass_size: samples in the pass that failed.
-        new_cap: the samples-a-pass cap the step was retried and finished with (now the integration's limit).
+        new_cap: the samples-a-pass cap the step was retried and finished with (now the integration's limit);
+            ``None`` when a one-sample pass was run again as it was (the cap did not change).
         retries: how many times the step's passes were run again.
         memory: device figures (GiB) read after freeing memory.
     """
 
     pass_size: int
-    new_cap: int
+    new_cap: int | None
     retries: int
     memory: Mapping[str, Any]
 
@@ -427,3 +457,41 @@ def warn_if_unhonoured(control: Any, where: str) -> bool:
         logger.warning(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     return True
+
+
+def loss_nonfinite(control: Any) -> int:
+    """Steps with a non-finite loss since the previous training log line (:data:`LOSS_NONFINITE`; 0 without an
+    integration)."""
+    value = getattr(control, LOSS_NONFINITE, 0)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def true_training_value(control: Any, logs: Mapping[str, Any], key: str) -> Any:
+    """``logs[key]`` as a decision should see it: ``loss`` of a line whose steps had a non-finite loss is NaN (HF's
+    ``logging_nan_inf_filter`` logged a finite substitute). Other keys, and eval metrics, are returned as logged
+    (``None`` when missing)."""
+    value = logs.get(key)
+    if key == 'loss' and value is not None:
+        count = max(loss_nonfinite(control), int(logs.get(NONFINITE_LOG_KEY, 0) or 0))
+        if count > 0:
+            return math.nan
+    return value
+
+
+def claim_controls(owner: Any, name: str, controls: Any, claims_on: Any) -> None:
+    """Record that callback ``name`` (object ``owner``) requests ``controls`` during this training run; a second
+    callback claiming one of them raises ``ConfigError`` naming both. The claims live on ``claims_on`` (HF's
+    ``TrainerState``, which is new for every ``train()``), so a later run starts with none."""
+    claims = getattr(claims_on, '_sdc_controls', None)
+    if claims is None:
+        claims = {}
+        setattr(claims_on, '_sdc_controls', claims)
+    for control in controls:
+        holder = claims.get(control)
+        if holder is not None and holder[0] is not owner:
+            from .config import ConfigError
+            what, flags = CONTROLS.get(control, (control, ()))
+            raise ConfigError(f'callbacks: {holder[1]} and {name} both request {what} '
+                              f'({", ".join(f"control.{f}" for f in flags)}); a request holds one value per step, so '
+                              'the last one would silently win. Add only one of them to the trainer')
+        claims[control] = (owner, name)

@@ -6,16 +6,28 @@ configuration, into ``<checkpoint>/dynamic_callbacks_state.json`` before HF writ
 and restores them on ``--resume_from_checkpoint`` before ``on_train_begin``. HF's own ``ExportableState``
 restore is not used: it rebuilds callbacks as ``cls(**args)``, which ms-swift's ``(args, trainer)``
 callbacks cannot survive.
+
+A state belongs to its checkpoint (:func:`check_binding`): the file records the run it was written by (``run_id``),
+the optimizer step and the samples seen, and the checkpoint's ``trainer_state.json`` (which HF writes after it)
+records the run, the step and the file's SHA-256 under ``stateful_callbacks[BINDING_KEY]``. A state file copied from
+another step or another run into a checkpoint no longer matches and is refused: used, it would skip or repeat samples.
+The settings it was written with are compared too (:func:`settings_changes`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import uuid
 from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
 STATE_FILE = 'dynamic_callbacks_state.json'
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: format 1 files (written before states were bound to their checkpoint) are still read
+READABLE_FORMATS = (1, 2)
+#: the key of the pack's entry in ``trainer_state.json``'s ``stateful_callbacks``
+BINDING_KEY = 'SwiftDynamicCallbacks'
 
 
 class StateError(RuntimeError):
@@ -45,12 +57,96 @@ def stateful_components(objects: Iterable[Any]) -> list[Stateful]:
     return list(found.values())
 
 
-def build_payload(components: Iterable[Stateful], config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    return {
+def build_payload(components: Iterable[Stateful], config: Mapping[str, Any] | None = None, *,
+                  binding: Mapping[str, Any] | None = None, settings: Mapping[str, Any] | None = None
+                  ) -> dict[str, Any]:
+    """The state file's content: every component's state, the configuration snapshot (as written in YAML), the
+    ``binding`` (``run_id``, ``global_step``, ``samples_seen``, ``dataset``) and the normalised ``settings`` that a
+    resume compares with its own."""
+    payload = {
         'format': FORMAT_VERSION,
         'components': {c.state_key: c.state_dict() for c in components},
         'config': dict(config or {}),
     }
+    if binding is not None:
+        payload['binding'] = dict(binding)
+    if settings is not None:
+        payload['settings'] = dict(settings)
+    return payload
+
+
+def new_run_id() -> str:
+    """A fresh identity for a training run (kept across its resumes)."""
+    return uuid.uuid4().hex[:16]
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    with open(path, 'rb') as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def binding_entry(payload: Mapping[str, Any], digest: str) -> dict[str, Any]:
+    """What goes in ``trainer_state.json`` (``stateful_callbacks[BINDING_KEY]``) for a state file with ``payload``
+    whose SHA-256 is ``digest``. Shaped like HF's exported callback states (``args`` / ``attributes``)."""
+    binding = payload.get('binding') or {}
+    return {'args': {}, 'attributes': {'run_id': binding.get('run_id'), 'global_step': binding.get('global_step'),
+                                       'state_sha256': digest}}
+
+
+def check_binding(checkpoint_dir: str | os.PathLike, payload: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Refuse a state file that was not written with this checkpoint; return its binding (``None``: format 1).
+
+    Raises:
+        StateError: the checkpoint's ``trainer_state.json`` has no pack entry, or its run, step or file digest differ
+            from the state file's (a file copied from another step or run), naming both.
+    """
+    path = os.path.join(checkpoint_dir, STATE_FILE)
+    binding = payload.get('binding')
+    if payload.get('format') == 1 or binding is None:
+        return None
+    trainer_state = os.path.join(checkpoint_dir, 'trainer_state.json')
+    try:
+        with open(trainer_state, encoding='utf-8') as f:
+            hf_state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise StateError(f'{path}: cannot check that it belongs to its checkpoint: {trainer_state}: {e}') from e
+    entry = ((hf_state.get('stateful_callbacks') or {}).get(BINDING_KEY) or {}).get('attributes')
+    step = hf_state.get('global_step')
+    if entry is None:
+        raise StateError(f'{path} was not written with this checkpoint: {trainer_state} (step {step}) has no '
+                         f'{BINDING_KEY} entry. Resuming with a state copied from another checkpoint would skip or '
+                         'repeat samples; resume from the checkpoint it was written in')
+    found = {'run_id': binding.get('run_id'), 'global_step': binding.get('global_step'),
+             'state_sha256': file_digest(path)}
+    expected = {'run_id': entry.get('run_id'), 'global_step': step, 'state_sha256': entry.get('state_sha256')}
+    differs = [k for k in found if found[k] != expected[k]]
+    if differs:
+        details = ', '.join(f'{k}: state file {found[k]!r}, checkpoint {expected[k]!r}' for k in differs)
+        raise StateError(f'{path} does not belong to its checkpoint ({details}): it was written at another step or '
+                         'by another run (or edited). Used, it would skip or repeat samples; resume from the '
+                         'checkpoint it was written in')
+    return dict(binding)
+
+
+def settings_changes(old: Mapping[str, Any], new: Mapping[str, Any], *, ignore: Iterable[str] = ()
+                     ) -> dict[str, list[Any]]:
+    """``{dotted.key: [old, new]}`` for every setting that differs between two normalised settings snapshots
+    (``{section: {setting: value}}``); a section present in one only is one change. ``ignore``: dotted keys or
+    whole sections that do not change training (logging)."""
+    skip = set(ignore)
+    changes: dict[str, list[Any]] = {}
+    for section in sorted(set(old) | set(new)):
+        if section in skip:
+            continue
+        a, b = old.get(section), new.get(section)
+        if a is None or b is None:
+            changes[section] = [a, b]
+            continue
+        for key in sorted(set(a) | set(b)):
+            dotted = f'{section}.{key}'
+            if dotted not in skip and a.get(key) != b.get(key):
+                changes[dotted] = [a.get(key), b.get(key)]
+    return changes
 
 
 def write_state(checkpoint_dir: str | os.PathLike, payload: Mapping[str, Any]) -> str:
@@ -80,19 +176,35 @@ def read_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
             payload = json.load(f)
     except (OSError, ValueError) as e:
         raise StateError(f'cannot read pack state {path}: {e}') from e
-    if not isinstance(payload, dict) or payload.get('format') != FORMAT_VERSION or not isinstance(
+    if not isinstance(payload, dict) or payload.get('format') not in READABLE_FORMATS or not isinstance(
             payload.get('components'), dict):
         raise StateError(f'{path} is not a swift-dynamic-callbacks state file of format {FORMAT_VERSION}')
     return payload
 
 
-def restore_components(components: Iterable[Stateful], payload: Mapping[str, Any]) -> list[str]:
-    """Load each component's entry; return the ``state_key`` of components that had none (new since the save)."""
+def restore_components(components: Iterable[Stateful], payload: Mapping[str, Any], *, source: str = STATE_FILE
+                       ) -> list[str]:
+    """Load each component's entry; return the ``state_key`` of components that had none (new since the save).
+
+    Raises:
+        StateError: an entry that does not load (a missing field, a value of the wrong type or range), naming
+            ``source``, the component and the error.
+    """
     states = payload['components']
     missing = []
     for component in components:
-        if component.state_key in states:
-            component.load_state_dict(states[component.state_key])
-        else:
+        if component.state_key not in states:
             missing.append(component.state_key)
+            continue
+        state = states[component.state_key]
+        try:
+            if not isinstance(state, Mapping):
+                raise TypeError(f'expected a mapping, got {type(state).__name__}')
+            component.load_state_dict(state)
+        except StateError as e:
+            raise StateError(f'{source}: {component.state_key}: {e}') from e
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError, IndexError) as e:
+            what = f'missing field {e}' if isinstance(e, KeyError) else f'{type(e).__name__}: {e}'
+            raise StateError(f'{source}: {component.state_key}: {what} (a corrupt or edited state file; resume '
+                             'from an intact checkpoint)') from e
     return missing

@@ -1,19 +1,32 @@
-"""torchrun driver for ``tests/test_distributed.py``: one ms-swift LoRA run with the pack on every rank.
+"""torchrun driver for the multi-process tests: one ms-swift LoRA run with the pack on every rank, under a named engine.
 
-Usage: ``python -m torch.distributed.run --nproc_per_node 2 tests/distributed_driver.py spec.json``.
+Usage: ``python -m torch.distributed.run --nproc_per_node 2 tests/distributed_driver.py spec.json`` (or plain
+``python tests/distributed_driver.py spec.json`` for the one-process reference run).
 
-``spec.json`` holds ``sft`` (``SftArguments`` keyword arguments, ``ddp_backend: gloo``), ``pack`` (the settings
-given to ``swift_dynamic_callbacks.register``) and ``faults`` (per rank, keys ``"0"``/``"1"``):
+``spec.json`` holds:
 
-- ``oom_token_budget``: an :class:`~swift_dynamic_callbacks.faults.OomInjector` on this rank only: a training
-  pass of more padded tokens than this raises an out-of-memory error in forward;
-- ``memory``: ``{step: fraction}`` read by a fake memory probe at the end of that step on this rank only (every other
-  reading is 0.1);
-- ``monitor_value``: ``{step: value}`` fed to early stopping as the monitored training value on this rank only.
+- ``sft``: ``SftArguments`` keyword arguments;
+- ``engine``: ``single``, ``ddp``, ``fsdp2`` or ``deepspeed`` (the engine the run must train with: the trace records
+  accelerate's distributed type and the wrapper class, and the tests assert them). ``fsdp2`` on CPU: accelerate 1.15
+  starts FSDP only on accelerators, so this driver lifts accelerate's ``MULTI_CPU`` state to ``FSDP`` when an FSDP
+  plugin is configured; ``fully_shard`` then runs over gloo. That is a test-only device, not a supported setup;
+- ``pack``: the settings given to ``swift_dynamic_callbacks.register``;
+- ``faults`` (per rank, keys ``"0"``/``"1"``): ``oom_token_budget`` (a pass of more padded tokens raises an OOM in
+  forward), ``oom_forward_passes`` / ``oom_backward_passes`` (training passes, counted from 0 on this rank, that fail
+  once in forward / mid-backward: :class:`~swift_dynamic_callbacks.faults.OomInjector`), ``memory`` (``{step:
+  fraction}`` read by a fake memory probe), ``monitor_value`` (``{step: value}`` fed to early stopping);
+- ``replay_samples``: the ``dynamic_samples.rank<R>.jsonl`` files of a multi-process run: this (one-process) run
+  trains, at every step, on the union of the micro-batches the ranks trained on in that step (the reference with
+  the same global batch and the same samples per step);
+- ``stop_at``: every rank stops (and saves) after this optimizer step, as a run killed right after a checkpoint;
+- ``initial_weights``: a ``rank0.initial.pt`` of a multi-process run: this run's trainable parameters start from
+  those values (the engines initialise LoRA under another random stream than one process does).
 
-Every rank writes ``<output_dir>/rank<R>.trace.json``: its decision records (the in-memory copy every rank keeps;
-only rank 0 writes ``dynamic_decisions.jsonl``), what the integration applied at every step boundary (batch size,
-pieces, pass limit, LR) and its optimizer step count.
+Every rank writes ``<output_dir>/rank<R>.initial.pt`` (the trainable parameters the engine starts the first step
+with, gathered to full tensors),
+``<output_dir>/rank<R>.trace.json`` (engine, distributed type, wrapper class, its decision records,
+what the integration applied at every step boundary) and ``rank<R>.weights.pt`` (the trainable parameters after
+training, gathered to full tensors).
 """
 
 from __future__ import annotations
@@ -44,24 +57,106 @@ class FakeProbe:
         return MemorySample('fake', value, value, value, 100)
 
 
+def _lift_cpu_to_fsdp() -> None:
+    """Make accelerate run FSDP2 on CPU processes (test-only: it keeps ``MULTI_CPU`` when no accelerator exists)."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+    init = AcceleratorState.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        plugin = kwargs.get('fsdp_plugin')
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = plugin
+            from accelerate.state import PartialState
+            PartialState._shared_state['distributed_type'] = self.distributed_type
+
+    AcceleratorState.__init__ = patched
+
+
+def _full_trainable(trainer) -> dict:
+    """The trainable parameters as full tensors (collective under FSDP2 / ZeRO-3: every rank calls it)."""
+    import torch
+    model = trainer.model
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out = {}
+    if any(hasattr(p, 'ds_id') for _, p in named):  # ZeRO-3 partitioned parameters
+        import deepspeed
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):
+            for n, p in named:
+                out[n] = p.detach().clone().float()
+        return out
+    for n, p in named:
+        value = p.full_tensor() if hasattr(p, 'full_tensor') else p
+        out[n] = value.detach().clone().float()
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    return out
+
+
+def _replay_patch(paths: list[str]) -> None:
+    """One process trains on the union of the ranks' micro-batches of every step (see the module docstring)."""
+    from swift_dynamic_callbacks.loader import ElasticDataLoader, EmptyMicroBatch
+    rows = []
+    for path in paths:
+        with open(path, encoding='utf-8') as f:
+            rows.append([json.loads(line) for line in f if line.strip()])
+    by_step: dict[int, list[list[int]]] = {}
+    for rank_rows in rows:
+        for row in rank_rows:
+            by_step.setdefault(int(row['step']), []).extend(row['batches'])
+    state = {'step': 0}
+
+    def next_step(self, entries):
+        state['step'] += 1
+        batches = by_step.get(state['step'])
+        if batches is None:
+            raise RuntimeError(f'replay: no recorded micro-batches for step {state["step"]}')
+        if len(batches) != entries:
+            raise RuntimeError(f'replay: step {state["step"]} recorded {len(batches)} micro-batches, the reference '
+                               f'runs {entries} (set gradient_accumulation_steps to world x GA)')
+        out = []
+        for indices in batches:
+            if not indices:
+                out.append(([], EmptyMicroBatch()))
+                continue
+            out.append((list(indices), self.collate_fn([self.dataset[i] for i in indices])))
+            self.samples_seen += len(indices)
+        return out
+
+    ElasticDataLoader.next_step = next_step
+
+
 def main(spec_path: str) -> None:
     with open(spec_path, encoding='utf-8') as f:
         spec = json.load(f)
     rank = int(os.environ.get('RANK', '0'))
     faults = spec.get('faults', {}).get(str(rank), {})
     output_dir = spec['sft']['output_dir']
+    engine = spec.get('engine', 'ddp')
+    if engine == 'fsdp2':
+        _lift_cpu_to_fsdp()
 
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks import distributed
     from swift_dynamic_callbacks.callbacks import early_stopping, memory_backoff
     from swift_dynamic_callbacks.integrations.trainer import Integration
 
+    if spec.get('replay_samples'):
+        _replay_patch(spec['replay_samples'])
+
     steps: list[dict] = []
     next_step = Integration.next_step
 
     def traced_next_step(self, num_batches, device, original):
+        if not steps and not os.path.exists(os.path.join(output_dir, f'rank{rank}.initial.pt')):
+            import torch  # the weights the engine starts from (after wrapping: FSDP2 shards each rank's own init)
+            torch.save(_full_trainable(self.trainer), os.path.join(output_dir, f'rank{rank}.initial.pt'))
+        noise = getattr(self.trainer.control, 'grad_noise_sample', None)
+        if noise is not None and steps:  # the previous step's gradient-noise measurement (cleared by next_step)
+            steps[-1]['noise'] = {'small_sqnorm': noise.small_sqnorm, 'big_sqnorm': noise.big_sqnorm}
         result = next_step(self, num_batches, device, original)
-        if self._step_batches:  # a real step (not the no-op of a run that has already stopped)
+        if self.runner.batches:  # a real step (not the no-op of a run that has already stopped)
             steps.append({
                 'step': self.trainer.state.global_step + 1,
                 'batch_size': self.loader.batch_size,
@@ -69,28 +164,58 @@ def main(spec_path: str) -> None:
                 'pass_limit': self.pass_limit,
                 'lr': self.step_lr,
                 'epoch': self.loader.epoch,
-                'samples': sum(len(i) for i in self._step_indices),
+                'samples': sum(len(i) for i in self.runner.indices),
             })
         return result
 
     end_train = Integration.end_train
 
     def traced_end_train(self):
+        trainer = self.trainer
         try:
             end_train(self)
         finally:
+            import torch
+            weights = _full_trainable(trainer)
+            torch.save(weights, os.path.join(output_dir, f'rank{rank}.weights.pt'))
+            engine_name = getattr(getattr(self, 'engine', None), 'name', None)
             trace = {
                 'rank': rank,
                 'world_size': distributed.world_size(),
-                'global_step': self.trainer.state.global_step,
+                'distributed_type': str(trainer.accelerator.distributed_type).split('.')[-1],
+                'wrapper': type(trainer.model_wrapped).__name__,
+                'model_class': type(trainer.model).__name__,
+                'engine': engine_name,
+                'global_step': trainer.state.global_step,
                 'decisions': [r.to_json() for r in self.decisions.records],
                 'steps': steps,
             }
             with open(os.path.join(output_dir, f'rank{rank}.trace.json'), 'w', encoding='utf-8') as f:
                 json.dump(trace, f, default=str)
 
+    begin = Integration.begin_train
+
+    def traced_begin_train(self, resume_from_checkpoint):
+        import torch
+        if spec.get('initial_weights'):
+            start = torch.load(spec['initial_weights'])
+            with torch.no_grad():
+                for n, p in self.trainer.model.named_parameters():
+                    if p.requires_grad:
+                        p.copy_(start[n])
+        return begin(self, resume_from_checkpoint)
+
+    after_step = Integration.after_step
+
+    def after_step_with_stop(self, state, control):
+        after_step(self, state, control)
+        if spec.get('stop_at') and state.global_step >= int(spec['stop_at']):
+            control.should_training_stop = control.should_save = True
+
+    Integration.after_step = after_step_with_stop
     Integration.next_step = traced_next_step
     Integration.end_train = traced_end_train
+    Integration.begin_train = traced_begin_train
 
     memory = faults.get('memory', {})
     memory_backoff.auto_probe = lambda budget: FakeProbe(memory)
@@ -107,23 +232,51 @@ def main(spec_path: str) -> None:
         early_stopping.EarlyStoppingCallback.on_log = fed_on_log
 
     injector = None
-    if faults.get('oom_token_budget'):
+    if faults.get('oom_token_budget') or faults.get('oom_forward_passes') or faults.get('oom_backward_passes'):
         from swift_dynamic_callbacks.faults import OomInjector
-        injector = OomInjector(token_budget=int(faults['oom_token_budget']))
+        injector = OomInjector(token_budget=int(faults.get('oom_token_budget') or 0) or None,
+                               forward_passes=tuple(faults.get('oom_forward_passes', ())),
+                               fail_passes=tuple(faults.get('oom_backward_passes', ())))
         begin_train = Integration.begin_train
 
         def begin_train_with_injector(self, resume_from_checkpoint):
-            injector.install()  # after ms-swift loaded (and patched) the model, so the injector wraps the final forward
+            injector.install()  # after ms-swift loaded (and patched) the model: the injector wraps the final forward
             return begin_train(self, resume_from_checkpoint)
 
         Integration.begin_train = begin_train_with_injector
 
-    sdc.register(spec.get('pack', {}))
+    if spec.get('step_times'):  # benchmark: wall time at every optimizer step's end (any engine, pack or not)
+        import time
+        from swift.callbacks import callbacks_map
+        from transformers import TrainerCallback
+
+        class StepTimer(TrainerCallback):
+            times: list[float] = []
+
+            def on_step_end(self, args, state, control, **kwargs):
+                self.times.append(time.perf_counter())
+
+            def on_train_end(self, args, state, control, **kwargs):
+                with open(os.path.join(output_dir, f'rank{rank}.times.json'), 'w', encoding='utf-8') as f:
+                    json.dump(self.times, f)
+
+        callbacks_map['step_timer'] = lambda args, trainer: StepTimer()
+    if spec.get('pack') is not None:
+        sdc.register(spec.get('pack', {}))
     from swift import SftArguments, sft_main
-    sft_main(SftArguments(**spec['sft']))
+    if spec.get('profile') and rank == 0:
+        import cProfile
+        cProfile.runctx('sft_main(SftArguments(**spec["sft"]))', globals(), {**locals(), 'sft_main': sft_main,
+                        'SftArguments': SftArguments, 'spec': spec}, os.path.join(output_dir, 'rank0.prof'))
+    else:
+        sft_main(SftArguments(**spec['sft']))
     if injector is not None:
         with open(os.path.join(output_dir, f'rank{rank}.injected.json'), 'w', encoding='utf-8') as f:
             json.dump({**injector.counts, 'passes': injector.passes}, f)
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():  # a clean shutdown: gloo threads left running can abort exit
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == '__main__':

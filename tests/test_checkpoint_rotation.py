@@ -203,6 +203,29 @@ def test_metric_lookup_in_log_history():
     assert checkpoint_metric({'log_history': [{'eval_loss': float('nan'), 'step': 4}]}, 4, 'eval_loss') is None
 
 
+def test_a_non_finite_step_is_never_the_best_checkpoint():
+    """Measured: metric loss, min: the NaN step's checkpoint (loss logged as 0.0 by HF's nan filter) was kept as the
+    best and older good ones were deleted. The integration marks such a line with dynamic/nonfinite_steps."""
+    marked = {'log_history': [{'loss': 0.0, 'dynamic/nonfinite_steps': 1, 'step': 4}]}
+    assert checkpoint_metric(marked, 4, 'loss') is None
+    assert checkpoint_metric({'log_history': [{'loss': 0.5, 'dynamic/nonfinite_steps': 0, 'step': 4}]}, 4,
+                             'loss') == 0.5
+    assert checkpoint_metric({'log_history': [{'loss': float('inf'), 'step': 4}]}, 4, 'loss') is None
+    assert checkpoint_metric({'log_history': [{'loss': 'nan', 'step': 4}]}, 4, 'loss') is None
+
+
+def test_on_save_keeps_the_best_finite_checkpoint_not_the_nan_one(tmp_path):
+    out = str(tmp_path)
+    for step, loss, nonfinite in [(2, 3.0, 0), (4, 1.0, 0), (6, 0.0, 1), (8, float('nan'), 0), (10, 2.0, 0)]:
+        path = make_checkpoint(out, step)
+        with open(os.path.join(path, 'trainer_state.json'), 'w') as f:  # NaN as json writes it (allow_nan)
+            json.dump({'global_step': step, 'log_history': [{'loss': loss, 'dynamic/nonfinite_steps': nonfinite,
+                                                             'step': step}]}, f)
+    cb = CheckpointRotationCallback(CheckpointRotationConfig(keep_last=1, keep_best=1, metric='loss'))
+    save_event(cb, out, 10)
+    assert listing(out) == names(4, 10)  # the best finite (step 4) and the newest; not 6 (0.0 for a NaN) nor 8
+
+
 # ---- real swift sft runs ----------------------------------------------------------------------------------
 
 BASE = dict(callbacks=['checkpoint_rotation'], lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=2)

@@ -40,7 +40,7 @@ def test_parse_good_section():
     assert config.pieces == {5: 2}
     assert config.via == 'dataloader'
     assert pack.to_json()['integration'] == {'record_samples': True, 'log_values': True, 'max_steps_unit': 'steps',
-                                             'oom_recovery': True, 'enabled': True, 'fail_fast': False, 'replay': None}
+                                             'oom_recovery': 'auto', 'oom_single_sample_retries': 2, 'enabled': True, 'fail_fast': False, 'replay': None, 'allow_config_change': False}
     assert pack.to_json()['batch_schedule']['via'] == 'dataloader'
 
 
@@ -89,7 +89,7 @@ def test_schedule_bad_types(value):
 def test_schedule_not_a_mapping(value):
     message = config_error({'batch_schedule': {'schedule': value}})
     assert 'dynamic_callbacks.batch_schedule.schedule' in message
-    assert 'expected a mapping {step: value}' in message
+    assert 'expected a mapping {step: batch_size}' in message
     assert repr(value) in message
 
 
@@ -135,7 +135,7 @@ def test_integration_unknown_setting():
     message = config_error({'integration': {'record_sample': True}})
     assert 'dynamic_callbacks.integration' in message
     assert 'record_sample' in message
-    assert 'allowed: enabled, fail_fast, log_values, max_steps_unit, oom_recovery, record_samples, replay' in message
+    assert 'allowed: allow_config_change, enabled, fail_fast, log_values, max_steps_unit, oom_recovery, oom_single_sample_retries, record_samples, replay' in message
 
 
 @pytest.mark.parametrize('section', [
@@ -169,7 +169,7 @@ def test_check_good_yaml(tmp_path, capsys):
     printed = json.loads(out)
     assert printed['batch_schedule'] == {'schedule': {'0': 2, '10': 4}}
     assert printed['integration'] == {'record_samples': False, 'log_values': True, 'max_steps_unit': 'steps',
-                                      'oom_recovery': True, 'enabled': True, 'fail_fast': False, 'replay': None}
+                                      'oom_recovery': 'auto', 'oom_single_sample_retries': 2, 'enabled': True, 'fail_fast': False, 'replay': None, 'allow_config_change': False}
     assert err == ''
 
 
@@ -258,7 +258,7 @@ def test_state_round_trip(tmp_path):
     assert os.listdir(tmp_path / 'checkpoint-5') == [STATE_FILE]  # no temporary file left
     read = read_state(tmp_path / 'checkpoint-5')
     assert read == payload
-    assert read['format'] == 1
+    assert read['format'] == 2
     assert read['components'] == {'a': {'value': 3, 'nested': {'list': [1, 2, 3]}},
                                   'b': {'value': 7, 'nested': {'list': [1, 2, 3]}}}
     fresh = [Counter('a'), Counter('b')]
@@ -295,7 +295,7 @@ def test_read_state_corrupt_json(tmp_path):
 
 @pytest.mark.parametrize('content', [
     '[]',
-    '{"format": 2, "components": {}}',
+    '{"format": 3, "components": {}}',
     '{"format": 1}',
     '{"format": 1, "components": []}',
     '{"components": {}}',

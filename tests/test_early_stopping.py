@@ -212,6 +212,56 @@ def test_train_metric_is_read_from_training_log_lines_only():
             ARGS, state, TrainerControl(), logs={'grad_norm': 1.0, 'learning_rate': 1e-3, 'x': 'str'})
 
 
+def log_line(cb, control, step, loss, nonfinite=0):
+    """One training log line as the integration hands it over: ``nonfinite`` steps had a NaN loss that HF's
+    ``logging_nan_inf_filter`` logged as the finite ``loss``."""
+    control.dynamic_loss_nonfinite = nonfinite
+    control.should_training_stop = control.should_save = False
+    cb.on_log(ARGS, TrainerState(global_step=step), control, logs={'loss': loss, 'dynamic/nonfinite_steps': nonfinite})
+    return control.should_training_stop
+
+
+def test_measured_nan_step_logged_as_zero_stops_as_non_finite_not_threshold():
+    """Measured: a NaN step logged as loss 0.0 stopped with reason threshold ("loss=0 reached threshold 1.0")."""
+    cb = EarlyStoppingCallback(EarlyStoppingConfig(monitor='loss', patience=5, threshold=1.0, divergence=50.0))
+    control = TrainerControl()
+    assert not log_line(cb, control, 1, 3.0)
+    assert log_line(cb, control, 2, 0.0, nonfinite=1)
+    assert cb.reason is StopReason.NON_FINITE and cb.best == 3.0  # never an improvement
+    cb.on_train_end(ARGS, TrainerState(global_step=2), control)
+    [record] = protocol.drain_decisions(control)
+    assert record.reason == 'non_finite' and math.isnan(record.values['value'])
+    assert record.values['logged'] == 0.0 and record.values['nonfinite_steps'] == 1
+    assert "logged as 0.0 by HF's logging_nan_inf_filter" in record.message
+
+
+def test_non_finite_without_stopping_counts_as_no_improvement():
+    cb = EarlyStoppingCallback(EarlyStoppingConfig(monitor='loss', patience=2, threshold=1.0,
+                                                   stop_on_non_finite=False))
+    control = TrainerControl()
+    assert not log_line(cb, control, 1, 3.0)
+    assert not log_line(cb, control, 2, 0.0, nonfinite=1)  # not the threshold, not a new best
+    assert (cb.best, cb.wait) == (3.0, 1)
+    assert log_line(cb, control, 3, float('inf'))
+    assert cb.reason is StopReason.PATIENCE and cb.best == 3.0
+
+
+@given(values=st.lists(finite, min_size=1, max_size=20), bad=st.sampled_from([math.nan, math.inf, -math.inf]),
+       at=st.integers(0, 19), mode=st.sampled_from(['min', 'max']), patience=st.integers(1, 5))
+def test_a_non_finite_value_is_never_an_improvement(values, bad, at, mode, patience):
+    values = values[:at] + [bad] + values[at:]
+    best, wait = None, 0
+    for value in values:
+        d = stop_decision(value, best, wait, mode=mode, patience=patience, stop_on_non_finite=False)
+        if not math.isfinite(value):
+            assert not d.improved and d.best == best and d.wait == wait + 1
+            assert d.reason in (None, StopReason.PATIENCE)
+        best, wait = d.best, d.wait
+        if d.stop:
+            break
+    assert best is None or math.isfinite(best)
+
+
 def test_a_stopped_run_that_is_resumed_stops_again_with_a_record():
     cb = EarlyStoppingCallback(EarlyStoppingConfig(patience=1))
     cb.load_state_dict({'best': 1.0, 'wait': 1, 'checks': 2, 'stopped': True, 'reason': 'patience', 'stop_step': 20})

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swift_dynamic_callbacks import protocol
@@ -16,7 +16,7 @@ from swift_dynamic_callbacks.callbacks.lr_schedule import LRScheduleCallback, LR
 from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.integrations.scheduler import ScaledLambda
 from swift_dynamic_callbacks.policies.lr import (GuardState, PlateauState, guard_step, plateau_step, schedule_factor,
-                                                 warmup_hold_cosine)
+                                                 smoothed, warmup_hold_cosine)
 from swift_runs import decisions, run_sft, train_logs
 
 SHAPE = dict(total=100, warmup=10, hold=5, min_ratio=0.01)
@@ -83,9 +83,17 @@ def test_plateau_detection_table():
         out.append(plateau)
     # 2.45 and 2.44 do not beat 2.5 by 0.1 -> plateau; 2.43 is the cooldown; 2.0 improves; then 2 more -> plateau
     assert out == [False, False, False, True, False, False, False, True]
-    state, plateau = plateau_step(PlateauState(best=1.0), float('nan'), mode='max', min_delta=0, patience=1,
-                                  cooldown=0)
-    assert plateau and state.best == 1.0  # non-finite never improves
+    for bad in (float('nan'), float('inf'), -float('inf')):  # non-finite: neither an improvement nor a plateau
+        for mode in ('min', 'max'):
+            state = PlateauState(best=1.0, wait=3, cooldown=2)
+            assert plateau_step(state, bad, mode=mode, min_delta=0, patience=1, cooldown=0) == (state, False)
+
+
+def test_smoothing_is_a_median_of_finite_values():
+    assert smoothed([1.0, 50.0, 2.0], 3) == 2.0  # a mean would be 17.7
+    assert smoothed([4.0, 1.0, 3.0, 2.0], 4) == 2.5
+    assert smoothed([9.0, 1.0, float('nan'), 3.0], 3) == 2.0  # the last 3, NaN left out
+    assert math.isnan(smoothed([float('nan')], 5))
 
 
 @given(norms=st.lists(st.one_of(st.floats(0, 100), st.just(float("nan")), st.just(float("inf"))), max_size=40))
@@ -181,6 +189,62 @@ def test_missing_monitor_names_the_metrics_seen():
         _fake(cb, TrainerControl(), 1, grad_norm=1.0)
 
 
+def feed(cb, control, losses, nonfinite_at=(), start=1):
+    """Training log lines with ``losses`` (a NaN step as the integration reports it: flagged, logged as 0.0)."""
+    for i, loss in enumerate(losses):
+        bad = i in nonfinite_at
+        control.dynamic_loss_nonfinite = 1 if bad else 0
+        _fake(cb, control, start + i, max_steps=1000, loss=0.0 if bad else loss)
+
+
+def restarts_for(losses, nonfinite_at=(), **settings):
+    from transformers import TrainerControl
+    config = {'warmup': 0, 'hold': 0, 'cooldown': 0, 'max_restarts': 3, **settings}
+    cb = LRScheduleCallback(LRScheduleConfig(**config))
+    feed(cb, TrainerControl(), losses, nonfinite_at)
+    return cb
+
+
+def test_measured_nan_steps_and_a_spike_do_not_restart_the_readme_settings():
+    """Measured with smooth 5, patience 3: one NaN step (logged 0.0) or one spike of 50x among steadily falling losses
+    restarted the LR ("loss plateaued")."""
+    falling = [3.0 - 0.02 * i for i in range(40)]
+    spiked = [*falling[:15], falling[15] * 50, *falling[16:]]
+    for name, losses, nonfinite in [('nan', falling, (15, )), ('spike', spiked, ()),
+                                    ('nan run', falling, (10, 11, 12, 13))]:
+        cb = restarts_for(losses, nonfinite, smooth=5, patience=3)
+        assert cb.restarts == [], name
+    assert restarts_for(falling, (15, 16, 17), smooth=5, patience=3).nonfinite_skipped == 3
+    # and a real plateau still restarts (the test can fail): the same losses flattening out
+    flat = falling[:20] + [falling[19]] * 10
+    assert len(restarts_for(flat, smooth=5, patience=3).restarts) >= 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(12, 40), start=st.floats(0.5, 20), steps=st.lists(st.floats(0.011, 0.5), min_size=40,
+                                                                        max_size=40),
+       at=st.integers(0, 39), kind=st.sampled_from(['nan', 'spike', 'drop', 'inf']), smooth=st.integers(3, 8),
+       patience=st.integers(2, 12), min_delta=st.floats(0, 0.01), mode=st.sampled_from(['min', 'max']))
+def test_one_noisy_batch_never_restarts(n, start, steps, at, kind, smooth, patience, min_delta, mode):
+    """README: "one noisy batch never restarts" — for smooth >= 3 and patience >= 2, one outlier (a NaN step, a 50x
+    spike, a drop to 0, an inf) among values improving by more than min_delta every log line never restarts the LR."""
+    values = [start]
+    for step in steps[:n - 1]:
+        values.append(values[-1] + step)  # rising by > min_delta each line ...
+    if mode == 'min':
+        values = [values[-1] + values[0] - v for v in values]  # ... or falling, for mode min
+    at = at % n
+    nonfinite = ()
+    if kind == 'nan':
+        nonfinite = (at, )
+    else:
+        high, low = values[at] * 50, 0.0  # an outlier the bad way (spike) or the good way (drop), for either mode
+        values[at] = {'spike': high if mode == 'min' else low, 'drop': low if mode == 'min' else high,
+                      'inf': math.inf}[kind]
+    cb = restarts_for(values, nonfinite, smooth=smooth, patience=patience, min_delta=min_delta, mode=mode)
+    assert cb.restarts == []
+
+
 LR_RUN = dict(lr_scheduler_type='cosine', warmup_ratio=0.0, learning_rate=1e-3, max_steps=12)
 LR_SETTINGS = {'warmup': 2, 'hold': 2, 'min_ratio': 0.1, 'min_delta': 100.0, 'patience': 2, 'cooldown': 2,
                'smooth': 1, 'max_restarts': 1, 'restart_factor': 0.5}
@@ -247,7 +311,8 @@ def test_lr_schedule_with_batch_growth_multiplies(tmp_path, tiny_qwen, gsm8k_16)
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
-        sdc.register(lr_schedule={**LR_SETTINGS, 'max_restarts': 0},
+        no_restarts = {**{k: v for k, v in LR_SETTINGS.items() if k != 'restart_factor'}, 'max_restarts': 0}
+        sdc.register(lr_schedule=no_restarts,
                      batch_growth={'initial': 1, 'factor': 2, 'interval': 4, 'maximum': 4, 'lr_scaling': 'linear'})
         out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'lr_schedule'],
                       gradient_accumulation_steps=2, **LR_RUN)  # the schedule counts optimizer steps

@@ -140,7 +140,11 @@ def test_callback_follows_an_oom_backoff():
 
 def test_cpu_probe_needs_a_budget():
     from transformers import TrainerControl, TrainerState
-    cb = MemoryBackoffCallback(MemoryBackoffConfig(probe='cpu'))
+    with pytest.raises(ConfigError, match='cpu_budget_gib: probe: cpu'):  # known from the settings alone: config time
+        MemoryBackoffConfig(probe='cpu')
+    if torch.cuda.is_available():
+        pytest.skip('probe auto picks CUDA here')
+    cb = MemoryBackoffCallback(MemoryBackoffConfig(probe='auto'))  # auto on a CPU-only machine: known at train begin
     with pytest.raises(ConfigError, match='cpu_budget_gib'):
         cb.on_train_begin(_args(), TrainerState(), TrainerControl())
 
@@ -193,8 +197,8 @@ def test_injected_ooms_lose_nothing_and_change_nothing(seed, snapshot, plain_run
     step's earlier gradients are run: the snapshot (adapters) and running the earlier micro-batches again."""
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.integrations.trainer import Integration
-    monkeypatch.setattr(Integration, '_snapshot_grads', lambda self, model: snapshot)
+    from swift_dynamic_callbacks.integrations.steps import StepRunner
+    monkeypatch.setattr(StepRunner, '_snapshot_grads', lambda self, model: snapshot)
     try:
         sdc.register(batch_schedule={'schedule': {0: 4}}, integration={'record_samples': True})
         with OomInjector(token_budget=1000, backward_rate=0.5, seed=seed) as injector:

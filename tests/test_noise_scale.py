@@ -87,12 +87,13 @@ def test_probe_measures_mean_gradients_under_token_sum_normalisation():
 
     expected_small, expected_big = mean_grad_sqnorm([0]), mean_grad_sqnorm([0, 1])
     model.zero_grad()
-    probe = GradNoiseProbe(2, 5, world=1, tokens_averaged=True)
-    sample = None
+    probe = GradNoiseProbe(5, world=1, tokens_averaged=True, num_items_in_batch=torch.tensor(num_items))
     for i in range(2):
         (token_losses(i).sum() / num_items).backward()
-        sample = probe.after_pass(model, {'labels': labels[i]}, torch.tensor(num_items), end_of_micro_batch=True)
-        assert (sample is None) == (i == 0)
+        probe.after_pass(model, {'labels': labels[i]}, torch.tensor(num_items))
+        if i == 0:
+            assert GradNoiseProbe(5, world=1, tokens_averaged=True, num_items_in_batch=num_items).finish(model) is None
+    sample = probe.finish(model)
     assert sample.small_sqnorm == pytest.approx(expected_small, rel=1e-5)
     assert sample.big_sqnorm == pytest.approx(expected_big, rel=1e-5)
     assert (sample.small_tokens, sample.big_tokens, sample.samples) == (int(labels[0].ne(-100).sum()), num_items, 5)

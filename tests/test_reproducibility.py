@@ -144,12 +144,13 @@ def test_replay_reproduces_growth_and_restart_and_resumes(tmp_path, tiny_qwen, g
         # the callbacks would decide differently now (faster growth, no restart): replay ignores them
         plugin._configured = None
         log_file = os.path.join(original, 'dynamic_decisions.jsonl')
-        sdc.register(lr_schedule={**LR_SETTINGS, 'max_restarts': 0, 'warmup': 0},
+        no_restarts = {k: v for k, v in LR_SETTINGS.items() if k != 'restart_factor'}  # not read: it would be refused
+        sdc.register(lr_schedule={**no_restarts, 'max_restarts': 0, 'warmup': 0},
                      batch_growth={**GROWTH, 'interval': 1}, integration={'replay': log_file})
         replayed = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'replay'),
                            callbacks=['batch_growth', 'lr_schedule'], save_steps=5, **LR_RUN)
         assert _columns(train_logs(replayed), *keys) == expected
-        replay_decisions = decisions(replayed)
+        replay_decisions = [d for d in decisions(replayed) if d['kind'] != 'engine']  # the engine record comes first
         assert replay_decisions[0]['kind'] == 'replay' and replay_decisions[0]['values']['requests'] == 3
         assert [(d['step'], d['values']) for d in replay_decisions if d['kind'] == 'applied_request'] == [
             (d['step'], d['values']) for d in applied]

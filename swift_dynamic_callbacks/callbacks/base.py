@@ -35,6 +35,8 @@ def _isolated(hook: Callable[..., Any], name: str) -> Callable[..., Any]:
     def wrapper(self, args, state, control, *rest, **kwargs):
         if getattr(control, protocol.DISABLED, False) or getattr(self, '_sdc_fault', None) is not None:
             return None
+        if name == 'on_train_begin':  # two callbacks driving the same control: refused before they fight
+            protocol.claim_controls(self, self.name or type(self).__name__, self.controls, state)
         try:
             return hook(self, args, state, control, *rest, **kwargs)
         except Exception as error:  # noqa: BLE001 - fault isolation: see DynamicCallback
@@ -52,7 +54,11 @@ class DynamicCallback(TrainerCallback):
 
     - ``name``: the name used in ms-swift's ``callbacks:`` list, in the YAML ``dynamic_callbacks:`` section and
       as ``state_key`` in checkpoints.
-    - ``config_class``: a frozen, validated dataclass; ``from_mapping`` builds it from YAML.
+    - ``config_class``: a frozen, validated dataclass; ``from_mapping`` builds it from YAML. The pack's config
+      classes live in ``config/`` (no torch, so the command line can validate them).
+    - ``controls``: the controls (``protocol.CONTROLS``) the callback requests, whose flags hold one value per step;
+      two callbacks requesting the same one are refused (``config.pack.check_controls`` for listed names, and at
+      train begin for callbacks added by hand). Taken from ``config_class.controls`` unless the subclass sets it.
     - ``state_dict`` / ``load_state_dict``: what must survive resume (empty by default).
     - Talks to the trainer only through ``control`` (``protocol``); ``on_step_begin`` warns once, loudly, when
       a request was never honoured because no integration is installed. Subclasses overriding
@@ -69,9 +75,14 @@ class DynamicCallback(TrainerCallback):
 
     name: ClassVar[str] = ''
     config_class: ClassVar[type] = object
+    controls: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if 'controls' not in vars(cls):
+            cls.controls = tuple(getattr(cls.config_class, 'controls', ()) or ())
+        if cls.on_train_begin is DynamicCallback.on_train_begin:  # not defined below the base: wrap the base's
+            cls.on_train_begin = DynamicCallback.on_train_begin  # (wrapped below: the controls are claimed there)
         for attr, value in list(vars(cls).items()):
             if attr.startswith('on_') and callable(value) and not getattr(value, '_sdc_isolated', False):
                 setattr(cls, attr, _isolated(value, attr))
@@ -114,6 +125,9 @@ class DynamicCallback(TrainerCallback):
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def on_train_begin(self, args, state, control, **kwargs):
         pass
 
     def on_step_begin(self, args, state, control, **kwargs):

@@ -2,141 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from .. import distributed, protocol
-from ..config import ConfigError, check_choice, check_int, check_number
+from ..config import ConfigError
+from ..config.batch_growth import (POLICIES, RANK_LOCAL_POLICIES, BatchGrowthConfig, checked_size,  # noqa: F401
+                                   import_callable)
 from ..policies.growth import (critical_batch, ema, interval_size, loss_variability_size, lr_scale, noise_scale_size,
                                noise_scale_terms, pieces_for_cap)
 from ..policies.schedule import scheduled_value
 from ..records import DecisionRecord
 from .base import DynamicCallback
-from .batch_schedule import _int_table
-
-POLICIES = ('interval', 'table', 'callable', 'loss_variability', 'noise_scale')
-#: Policies that decide from values of this rank (losses, gradients, a user function): rank 0 decides for all.
-RANK_LOCAL_POLICIES = ('callable', 'loss_variability', 'noise_scale')
-
-
-def import_callable(path: str) -> Callable[[int, int], int]:
-    """``'package.module:function'`` or ``'package.module.function'`` -> the function."""
-    module, _, name = path.partition(':') if ':' in path else path.rpartition('.')
-    if not module or not name:
-        raise ConfigError(f'function: expected "package.module:function", got {path!r}')
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f'function: cannot import {path!r}: {e}') from None
-    if not callable(fn):
-        raise ConfigError(f'function: {path!r} is not callable')
-    return fn
-
-
-def _checked_size(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f'batch_growth.function returned {value!r} {where}; it must return an int >= 1')
-    return value
-
-
-@dataclass(frozen=True)
-class BatchGrowthConfig:
-    """Settings of :class:`BatchGrowthCallback` (YAML key ``dynamic_callbacks.batch_growth``).
-
-    Attributes:
-        policy: ``interval`` (grow by ``factor`` every ``interval`` steps), ``table`` (``{step: size}``),
-            ``callable`` (``function(step, batch_size) -> batch_size``, called after every optimizer step) or
-            ``loss_variability`` (every ``interval`` steps, grow by ``factor`` while the coefficient of variation
-            of the last ``window`` logged training losses is above ``threshold``) or ``noise_scale`` (every
-            ``interval`` steps, grow toward the critical batch size estimated from the gradient noise scale, see
-            below).
-        initial: per-device batch size at the start (and before the first ``table`` key).
-        factor: interval growth factor, in (1, 8]; fractional factors round up and every growth adds >= 1.
-        interval: optimizer steps between growths (interval policy) or between checks (loss_variability).
-        maximum: largest per-device batch size (all policies are clamped to it).
-        delay: optimizer steps before the interval schedule starts (first growth at ``delay + interval``).
-        table: ``{0-based optimizer step: per-device batch size}`` (table policy).
-        function: dotted path ``package.module:function`` (or the function itself, in Python).
-        micro_batch_cap: largest number of samples per forward/backward pass; a larger batch is run as
-            ``ceil(batch / cap)`` pieces with the same gradient (``None``: no cap).
-        lr_scaling: ``sqrt`` (default: the rule for Adam-family optimizers, HF's default AdamW included),
-            ``linear`` or ``none``; the factor is relative to ``reference_batch``.
-        reference_batch: the per-device batch size the configured learning rate is meant for (default
-            ``initial``).
-        apply_at: ``step`` (a change applies at the next optimizer step) or ``epoch`` (held until the next
-            epoch boundary: fewer loader restarts).
-        window: logged losses the loss_variability policy looks at (default 20: with ``logging_steps: 1``, enough
-            values for a stable spread estimate, short enough to follow the run).
-        threshold: coefficient of variation above which the loss counts as noisy (default 0.05: step-to-step
-            loss of an LLM fine-tune at a small batch typically varies by 5-15 % of its value, and by less once the
-            batch averages enough samples).
-        noise_decay: EMA decay of the noise-scale terms (default 0.95, about 20 steps of memory: one step's
-            estimate from a single small pass is very noisy, and McCandlish et al. smooth both terms the same way).
-            The noise_scale policy also waits for ``window`` measured steps before its first decision.
-
-    The ``noise_scale`` policy estimates B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018) from gradients
-    gradient accumulation already computes: the integration measures the mean-gradient norm after a step's first
-    forward/backward pass and after its last (``protocol.measure_grad_noise``; no extra passes). B_simple is in
-    loss tokens; divided by the mean tokens per sample it is a global batch in samples, and divided by
-    ``gradient_accumulation_steps x world size`` the per-device size to grow toward. It needs at least two passes
-    per step: ``gradient_accumulation_steps >= 2`` or ``micro_batch_cap`` below the batch size.
-    """
-
-    policy: str = 'interval'
-    initial: int = 1
-    factor: float = 2.0
-    interval: int = 100
-    maximum: int = 32
-    delay: int = 0
-    table: Mapping[int, int] = field(default_factory=dict)
-    function: Any = None
-    micro_batch_cap: int | None = None
-    lr_scaling: str = 'sqrt'
-    reference_batch: int | None = None
-    apply_at: str = 'step'
-    window: int = 20
-    threshold: float = 0.05
-    noise_decay: float = 0.95
-
-    def __post_init__(self) -> None:
-        check_choice('policy', self.policy, POLICIES)
-        check_int('initial', self.initial, minimum=1)
-        check_number('factor', self.factor, 1, 8, low_open=True)
-        check_int('interval', self.interval, minimum=1)
-        check_int('maximum', self.maximum, minimum=1)
-        if self.maximum < self.initial:
-            raise ConfigError(f'maximum: must be >= initial ({self.initial}), got {self.maximum}')
-        check_int('delay', self.delay, minimum=0)
-        object.__setattr__(self, 'table', _int_table('table', self.table, 1))
-        if self.policy == 'table' and not self.table:
-            raise ConfigError('table: the table policy needs at least one {step: batch_size} entry, got none')
-        if self.micro_batch_cap is not None:
-            check_int('micro_batch_cap', self.micro_batch_cap, minimum=1)
-        check_choice('lr_scaling', self.lr_scaling, ('sqrt', 'linear', 'none'))
-        if self.reference_batch is not None:
-            check_int('reference_batch', self.reference_batch, minimum=1)
-        check_choice('apply_at', self.apply_at, ('step', 'epoch'))
-        check_int('window', self.window, minimum=2)
-        check_number('threshold', self.threshold, 0, math.inf, low_open=True, high_open=True)
-        check_number('noise_decay', self.noise_decay, 0, 1, high_open=True)
-        if self.policy == 'callable':
-            if self.function is None:
-                raise ConfigError('function: the callable policy needs function: "package.module:function"')
-            fn = import_callable(self.function) if isinstance(self.function, str) else self.function
-            if not callable(fn):
-                raise ConfigError(f'function: expected a dotted path or a callable, got {self.function!r}')
-            try:
-                _checked_size(fn(0, self.initial), f'for (step=0, batch_size={self.initial})')
-            except ValueError as e:
-                raise ConfigError(f'function: {e}') from None
-        elif self.function is not None:
-            raise ConfigError(f'function: only used by policy callable, but policy is {self.policy!r}')
-
-    def resolved_function(self) -> Callable[[int, int], int]:
-        return import_callable(self.function) if isinstance(self.function, str) else self.function
-
 
 class BatchGrowthCallback(DynamicCallback):
     """Grows the per-device batch size by a policy and scales the LR with it, through the control flags.
@@ -183,7 +60,7 @@ class BatchGrowthCallback(DynamicCallback):
             size = noise_scale_size(self.critical_per_device, current, factor=c.factor,
                                     maximum=c.maximum) if due and warm else current
         else:
-            size = _checked_size(self._fn(step, current), f'for (step={step}, batch_size={current})')
+            size = checked_size(self._fn(step, current), f'for (step={step}, batch_size={current})')
         return min(size, c.maximum)
 
     def observe_noise(self, sample: protocol.GradNoiseSample, passes_per_step: int) -> float | None:
@@ -241,8 +118,8 @@ class BatchGrowthCallback(DynamicCallback):
             self._request(args, control, size, state.global_step, reason=self.config.policy)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        loss = (logs or {}).get('loss')
-        if self.config.policy == 'loss_variability' and isinstance(loss, (int, float)):
+        loss = protocol.true_training_value(control, logs or {}, 'loss')  # NaN for HF's substitute of a NaN step
+        if self.config.policy == 'loss_variability' and isinstance(loss, (int, float)) and math.isfinite(loss):
             self.losses = (self.losses + [float(loss)])[-self.config.window:]
 
     def on_epoch_end(self, args, state, control, **kwargs):

@@ -2,53 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from torch.utils.data import DataLoader
 
 from .. import protocol
-from ..config import ConfigError, check_choice, check_int
+from ..config.batch_schedule import BatchScheduleConfig
 from ..policies.schedule import changes_at, scheduled_value
 from ..records import DecisionRecord
 from .base import DynamicCallback
-
-
-def _int_table(name: str, table: Any, minimum_value: int) -> dict[int, int]:
-    if not isinstance(table, Mapping):
-        raise ConfigError(f'{name}: expected a mapping {{step: value}}, got {table!r}')
-    out: dict[int, int] = {}
-    for key, value in table.items():
-        if isinstance(key, str) and key.strip().isdigit():
-            key = int(key)
-        check_int(f'{name} key {key!r}', key, minimum=0)
-        check_int(f'{name}[{key}]', value, minimum=minimum_value)
-        out[key] = value
-    return dict(sorted(out.items()))
-
-
-@dataclass(frozen=True)
-class BatchScheduleConfig:
-    """Settings of :class:`BatchScheduleCallback` (YAML key ``dynamic_callbacks.batch_schedule``).
-
-    Attributes:
-        schedule: ``{step: per-device batch size}``; the size holds from that 0-based optimizer step on
-            (``{0: 2, 10: 4}``: 2 for the first 10 steps, then 4). Keys >= 0, sizes >= 1.
-        pieces: ``{step: pieces per micro-batch}``, same convention (optional).
-        via: ``"batch_size"`` sets ``control.new_batch_size``; ``"dataloader"`` uses the seed article's form
-            (``should_update_dataloader`` + ``new_dataloader``).
-    """
-
-    schedule: Mapping[int, int] = field(default_factory=dict)
-    pieces: Mapping[int, int] = field(default_factory=dict)
-    via: str = 'batch_size'
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, 'schedule', _int_table('schedule', self.schedule, 1))
-        object.__setattr__(self, 'pieces', _int_table('pieces', self.pieces, 1))
-        if not self.schedule and not self.pieces:
-            raise ConfigError('schedule: give at least one {step: batch_size} entry (or pieces), got none')
-        check_choice('via', self.via, ('batch_size', 'dataloader'))
 
 
 class BatchScheduleCallback(DynamicCallback):

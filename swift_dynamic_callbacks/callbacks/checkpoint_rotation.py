@@ -7,11 +7,11 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .. import distributed, protocol
-from ..config import ConfigError, check_choice, check_int
+from ..config import ConfigError
+from ..config.checkpoint_rotation import CheckpointRotationConfig
 from ..policies.rotation import PREFIX, checkpoint_step, select_for_deletion
 from ..records import DecisionRecord
 from .base import DynamicCallback
@@ -20,34 +20,6 @@ logger = logging.getLogger(__name__)
 
 TRAINER_STATE = 'trainer_state.json'  # HF writes it last in _save_checkpoint: its presence marks a complete save
 LAST_CHECKPOINT_LINK = 'last-checkpoint'  # ms-swift's link to the newest checkpoint
-
-
-@dataclass(frozen=True)
-class CheckpointRotationConfig:
-    """Settings of :class:`CheckpointRotationCallback` (YAML key ``dynamic_callbacks.checkpoint_rotation``).
-
-    Attributes:
-        keep_last: newest checkpoints to keep (>= 1: the newest is always kept).
-        keep_best: best checkpoints to keep by ``metric`` (0: none beyond the newest).
-        metric: the value that ranks checkpoints, as logged (``eval_loss``, ``eval_token_acc``, ``loss``): a
-            checkpoint's value is the one logged at its own step, read from its ``trainer_state.json``. A name
-            without the ``eval_`` prefix that is not logged falls back to ``eval_<name>`` (as HF's
-            ``metric_for_best_model``). Checkpoints saved at a step without that value (``save_steps`` not a
-            multiple of ``eval_steps``) are kept or deleted by ``keep_last`` only.
-        mode: ``min`` (lower is better) or ``max``.
-    """
-
-    keep_last: int = 2
-    keep_best: int = 1
-    metric: str = 'eval_loss'
-    mode: str = 'min'
-
-    def __post_init__(self) -> None:
-        check_int('keep_last', self.keep_last, minimum=1)
-        check_int('keep_best', self.keep_best, minimum=0)
-        if not isinstance(self.metric, str) or not self.metric:
-            raise ConfigError(f'metric: expected a logged metric name such as "eval_loss", got {self.metric!r}')
-        check_choice('mode', self.mode, ('min', 'max'))
 
 
 def read_trainer_state(checkpoint_dir: str) -> dict[str, Any] | None:
@@ -61,12 +33,18 @@ def read_trainer_state(checkpoint_dir: str) -> dict[str, Any] | None:
 
 
 def checkpoint_metric(trainer_state: Mapping[str, Any], step: int, metric: str) -> float | None:
-    """The value of ``metric`` logged at ``step`` in ``log_history`` (``eval_<metric>`` as a fallback), if finite."""
+    """The value of ``metric`` logged at ``step`` in ``log_history`` (``eval_<metric>`` as a fallback), if finite.
+
+    ``None`` (never "best") when it is missing, not a number, NaN / inf, or the ``loss`` of a training log line
+    whose steps had a non-finite loss (``dynamic/nonfinite_steps`` > 0: HF logged a finite substitute).
+    """
     names = [metric] if metric.startswith('eval_') else [metric, f'eval_{metric}']
     for name in names:
         for entry in reversed(trainer_state.get('log_history') or []):
             if isinstance(entry, Mapping) and entry.get('step') == step and name in entry:
                 value = entry[name]
+                if name == 'loss' and (entry.get(protocol.NONFINITE_LOG_KEY) or 0) > 0:
+                    return None
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                     return float(value)
     return None

@@ -3,75 +3,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .. import distributed, protocol
-from ..config import ConfigError, check_choice, check_int
-from ..policies.stopping import MODES, StopReason, stop_decision
+from ..config import ConfigError
+from ..config.early_stopping import RESUME_STOPPED, EarlyStoppingConfig  # noqa: F401
+from ..policies.stopping import StopReason, stop_decision
 from ..records import DecisionRecord
 from .base import DynamicCallback
-
-RESUME_STOPPED = ('stop', 'continue')
-
-
-def _check_number(name: str, value: Any, *, optional: bool = False, minimum: float | None = None) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f'{name}: expected a finite number{" or null" if optional else ""}, got {value!r}')
-    if minimum is not None and value < minimum:
-        raise ConfigError(f'{name}: must be >= {minimum}, got {value!r}')
-
-
-@dataclass(frozen=True)
-class EarlyStoppingConfig:
-    """Settings of :class:`EarlyStoppingCallback` (YAML key ``dynamic_callbacks.early_stopping``).
-
-    Attributes:
-        monitor: the value to watch, exactly as logged. Names starting with ``eval_`` (``eval_loss``,
-            ``eval_token_acc``) are checked after every evaluation; other names (``loss``, ``grad_norm``) on every
-            training log line (``logging_steps``).
-        mode: ``min`` (lower is better) or ``max``.
-        patience: checks in a row without improvement before stopping (evaluations, or log lines for a training
-            value).
-        min_delta: how much better than the best a value must be to count as an improvement (>= 0).
-        threshold: stop as soon as the value reaches it (``<=`` in mode min, ``>=`` in max); ``None``: off.
-        divergence: stop as soon as the value is past it the wrong way (``>`` in mode min, ``<`` in max);
-            ``None``: off.
-        resume_stopped: what a resumed run that had already stopped does: ``stop`` again at once (default), or
-            ``continue`` (patience starts over; both are recorded in the decision log).
-    """
-
-    monitor: str = 'eval_loss'
-    mode: str = 'min'
-    patience: int = 3
-    min_delta: float = 0.0
-    threshold: float | None = None
-    divergence: float | None = None
-    resume_stopped: str = 'stop'
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.monitor, str) or not self.monitor:
-            raise ConfigError(f'monitor: expected a logged metric name such as "eval_loss" or "loss", '
-                              f'got {self.monitor!r}')
-        check_choice('mode', self.mode, MODES)
-        check_int('patience', self.patience, minimum=1)
-        _check_number('min_delta', self.min_delta, minimum=0.0)
-        _check_number('threshold', self.threshold, optional=True)
-        _check_number('divergence', self.divergence, optional=True)
-        if self.threshold is not None and self.divergence is not None:
-            sign = 1 if self.mode == 'min' else -1
-            if sign * self.divergence <= sign * self.threshold:
-                raise ConfigError(f'divergence: must be {"above" if self.mode == "min" else "below"} threshold '
-                                  f'({self.threshold}) in mode {self.mode}, got {self.divergence}')
-        check_choice('resume_stopped', self.resume_stopped, RESUME_STOPPED)
-
-    @property
-    def on_eval(self) -> bool:
-        """True when the monitored value is an evaluation metric (checked in ``on_evaluate``)."""
-        return self.monitor.startswith('eval_')
-
 
 def _merge_votes(votes: list[tuple[bool, str | None, float, int]]) -> tuple[bool, str | None, float, int]:
     """All ranks stop when one does; reason, value and rank are the first stopping rank's (else rank 0's)."""
@@ -84,6 +23,10 @@ def _merge_votes(votes: list[tuple[bool, str | None, float, int]]) -> tuple[bool
 class EarlyStoppingCallback(DynamicCallback):
     """Ends training softly when the monitored value stops improving, reaches a goal, diverges or is not finite.
 
+    A non-finite value (NaN / inf; for ``loss`` also a log line whose steps had a non-finite loss, which HF logs as a
+    finite substitute: ``control.dynamic_loss_nonfinite`` > 0) stops with reason ``non_finite`` (setting
+    ``stop_on_non_finite``, default true; false: a check without improvement), and is never an improvement.
+
     Hooks: ``on_evaluate`` (eval metrics) or ``on_log`` (training values): check, agree across ranks
     (``distributed.agree``), and on a stop set ``control.should_training_stop`` and ``control.should_save`` (the
     step completes and HF saves a final checkpoint before the loop ends). ``on_save`` writes the stop record once
@@ -93,7 +36,8 @@ class EarlyStoppingCallback(DynamicCallback):
     check fails with a :class:`ConfigError` listing the names seen when the monitored value is not among them
     (``on_train_begin`` already fails when an ``eval_`` metric is monitored and the run never evaluates).
     Flags set: ``should_training_stop``, ``should_save``, ``should_evaluate`` (cleared), ``dynamic_decisions``,
-    ``dynamic_metrics`` (``dynamic/early_stopping_patience_left``, ``dynamic/early_stopping_best``).
+    ``dynamic_metrics`` (``dynamic/early_stopping_patience_left``, ``dynamic/early_stopping_best``). Reads
+    ``dynamic_loss_nonfinite``.
     State: ``best``, ``wait``, ``checks``, ``stopped``, ``reason``, ``stop_step``.
     """
 
@@ -179,6 +123,9 @@ class EarlyStoppingCallback(DynamicCallback):
             return
         c = self.config
         value = values.get(c.monitor)
+        logged = value
+        if not c.on_eval:  # a loss HF logged as a finite substitute for non-finite steps is not finite
+            value = protocol.true_training_value(control, values, c.monitor)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             if value is None:
                 numeric = sorted(k for k, v in values.items()
@@ -188,7 +135,8 @@ class EarlyStoppingCallback(DynamicCallback):
             raise ConfigError(f'early_stopping.monitor: {c.monitor!r} is not a number in the {where} at step '
                               f'{state.global_step} (got {value!r})')
         decision = stop_decision(float(value), self.best, self.wait, mode=c.mode, patience=c.patience,
-                                 min_delta=c.min_delta, threshold=c.threshold, divergence=c.divergence)
+                                 min_delta=c.min_delta, threshold=c.threshold, divergence=c.divergence,
+                                 stop_on_non_finite=c.stop_on_non_finite)
         stop, reason, value, stop_rank = distributed.agree(  # the stopping rank's reason and value go in the record
             (decision.stop, decision.reason.value if decision.reason else None, float(value), distributed.rank()),
             _merge_votes)
@@ -200,10 +148,15 @@ class EarlyStoppingCallback(DynamicCallback):
         self.stopped, self.reason, self.stop_step = True, StopReason(reason), state.global_step
         control.should_training_stop = True
         control.should_save = True
+        nonfinite = {}
+        if (not math.isfinite(float(value)) and isinstance(logged, (int, float)) and not isinstance(logged, bool)
+                and math.isfinite(logged)):  # HF's substitute for non-finite steps
+            nonfinite = {'logged': logged, 'nonfinite_steps': protocol.loss_nonfinite(control)}
         self._record_pending = DecisionRecord(
             self.name, 'stop', self.reason.value, {
                 'monitor': c.monitor,
                 'value': float(value),
+                **nonfinite,
                 'rank': stop_rank,
                 'best': self.best,
                 'wait': self.wait,
@@ -212,11 +165,14 @@ class EarlyStoppingCallback(DynamicCallback):
                 'threshold': c.threshold,
                 'divergence': c.divergence,
             },
-            self._message(float(value)),
+            self._message(float(value), nonfinite),
             step=state.global_step)
 
-    def _message(self, value: float) -> str:
+    def _message(self, value: float, nonfinite: Mapping[str, Any] | None = None) -> str:
         c = self.config
+        if self.reason is StopReason.NON_FINITE and nonfinite:
+            return (f'{c.monitor} is not finite: {nonfinite["nonfinite_steps"]} step(s) since the previous log line '
+                    f'had a non-finite loss (logged as {nonfinite["logged"]!r} by HF\'s logging_nan_inf_filter)')
         if self.reason is StopReason.PATIENCE:
             return f'{c.monitor}={value:.6g}: no improvement over best {self.best:.6g} (min_delta {c.min_delta}) ' \
                    f'in {self.wait} checks'

@@ -4,101 +4,17 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Mapping
 
 from .. import distributed, protocol
-from ..config import ConfigError, check_bool, check_choice, check_int, check_number
+from ..config import ConfigError
+from ..config.lr_schedule import LRScheduleConfig
 from ..policies.lr import GuardState, PlateauState, guard_step, plateau_step, resolve_steps, smoothed
 from ..records import DecisionRecord
 from .base import DynamicCallback
 
 logger = logging.getLogger('swift_dynamic_callbacks')
-
-
-def _check_steps_or_fraction(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (isinstance(value, float)
-                                                                                      and value >= 1):
-        raise ConfigError(f'{name}: expected optimizer steps (an int >= 0) or a fraction of training (a float in '
-                          f'[0, 1)), got {value!r}')
-
-
-@dataclass(frozen=True)
-class LRScheduleConfig:
-    """Settings of :class:`LRScheduleCallback` (YAML key ``dynamic_callbacks.lr_schedule``).
-
-    Attributes:
-        warmup: linear warmup from 0 to the configured ``learning_rate``: optimizer steps (int) or a fraction of
-            training (float < 1). Default 0.03.
-        hold: steps (or fraction) at the full LR after warmup. Default 0.
-        min_ratio: the cosine decays to ``learning_rate * min_ratio`` at the end of training. Default 0.01.
-        monitor: the metric watched for plateaus: a logged training value (``loss``, the default) or an eval
-            metric (``eval_loss``, ``eval_token_acc``, ...; names starting with ``eval_``).
-        mode: ``min`` (lower is better) or ``max``.
-        min_delta: an improvement must beat the best value by more than this. Default 0.
-        patience: values without improvement before a plateau is declared: logged values for a training metric,
-            evaluations for an eval metric. Default 10.
-        cooldown: values ignored after a restart (the restarted run settles). Default 5.
-        smooth: the monitored value is the mean of the last ``smooth`` values, so one noisy batch does not
-            trigger a restart. Default 5 (1 for no smoothing).
-        max_restarts: restarts at most (0: a plain warmup-hold-cosine). Default 3.
-        restart_factor: each restart's peak is the previous peak times this, in (0, 1]. Default 0.5.
-        rewarmup: steps of linear re-warmup from the current LR to the new peak (0: jump). Default 0.
-        guard: enable the grad-norm guard.
-        guard_high, guard_low: the guard lowers the LR when ``guard_patience`` logged grad norms in a row are above
-            ``guard_high`` (or not finite), and raises it back when that many are below ``guard_low``.
-        guard_patience: logged grad norms in a row. Default 3.
-        guard_down, guard_up: factors applied to the guard's scale (default 0.5 and 1.25).
-        guard_min_scale: lowest guard scale (default 0.1); the highest is 1 (the guard never exceeds the schedule).
-    """
-
-    warmup: int | float = 0.03
-    hold: int | float = 0
-    min_ratio: float = 0.01
-    monitor: str = 'loss'
-    mode: str = 'min'
-    min_delta: float = 0.0
-    patience: int = 10
-    cooldown: int = 5
-    smooth: int = 5
-    max_restarts: int = 3
-    restart_factor: float = 0.5
-    rewarmup: int = 0
-    guard: bool = False
-    guard_high: float = 10.0
-    guard_low: float = 0.1
-    guard_patience: int = 3
-    guard_down: float = 0.5
-    guard_up: float = 1.25
-    guard_min_scale: float = 0.1
-
-    def __post_init__(self) -> None:
-        _check_steps_or_fraction('warmup', self.warmup)
-        _check_steps_or_fraction('hold', self.hold)
-        check_number('min_ratio', self.min_ratio, 0, 1)
-        if not isinstance(self.monitor, str) or not self.monitor:
-            raise ConfigError(f'monitor: expected a metric name such as "loss" or "eval_loss", got {self.monitor!r}')
-        check_choice('mode', self.mode, ('min', 'max'))
-        check_number('min_delta', self.min_delta, 0, math.inf, high_open=True)
-        check_int('patience', self.patience, minimum=1)
-        check_int('cooldown', self.cooldown, minimum=0)
-        check_int('smooth', self.smooth, minimum=1)
-        check_int('max_restarts', self.max_restarts, minimum=0)
-        check_number('restart_factor', self.restart_factor, 0, 1, low_open=True)
-        check_int('rewarmup', self.rewarmup, minimum=0)
-        check_bool('guard', self.guard)
-        check_number('guard_high', self.guard_high, 0, math.inf, low_open=True, high_open=True)
-        check_number('guard_low', self.guard_low, 0, math.inf, high_open=True)
-        if self.guard_low >= self.guard_high:
-            raise ConfigError(f'guard_low: must be below guard_high ({self.guard_high}), got {self.guard_low}')
-        check_int('guard_patience', self.guard_patience, minimum=1)
-        check_number('guard_down', self.guard_down, 0, 1, low_open=True, high_open=True)
-        check_number('guard_up', self.guard_up, 1, 10, low_open=True)
-        check_number('guard_min_scale', self.guard_min_scale, 0, 1, low_open=True)
-
-    @property
-    def watches_eval(self) -> bool:
-        return self.monitor.startswith('eval_')
 
 
 class LRScheduleCallback(DynamicCallback):
@@ -110,11 +26,15 @@ class LRScheduleCallback(DynamicCallback):
     the logged LR and the LR after resume agree, and batch-growth LR scaling (``new_lr_scale``) multiplies it.
 
     Hooks: ``on_train_begin`` (the schedule, once per run), ``on_log`` (training metric, grad-norm guard),
-    ``on_evaluate`` (eval metric). Plateaus are watched from the end of warmup + hold on.
+    ``on_evaluate`` (eval metric). Plateaus are watched from the end of warmup + hold on, on the median of the
+    last ``smooth`` finite values once there are ``smooth`` of them; a non-finite value (also a logged ``loss``
+    whose steps had a non-finite loss: ``control.dynamic_loss_nonfinite``) is skipped and counted
+    (``dynamic/lr_nonfinite_skipped``), never judged. Reads ``dynamic_loss_nonfinite``.
     Flags set: ``new_lr_schedule``, ``dynamic_decisions``, ``dynamic_metrics`` (``dynamic/lr_restarts``,
-    ``dynamic/lr_plateau_wait``, ``dynamic/lr_guard_scale``).
+    ``dynamic/lr_plateau_wait``, ``dynamic/lr_guard_scale``, ``dynamic/lr_nonfinite_skipped``).
     State: ``started``, ``restarts`` (``[step, peak, rewarmup]``), ``peak``, the recent values, the plateau
-    state (best, wait, cooldown), the guard state and scale. Decisions are taken from rank 0's view and broadcast.
+    state (best, wait, cooldown), the guard state and scale, the non-finite values skipped. Decisions are taken
+    from rank 0's view and broadcast.
     """
 
     name = 'lr_schedule'
@@ -129,6 +49,7 @@ class LRScheduleCallback(DynamicCallback):
         self.plateau = PlateauState()
         self.guard_state = GuardState()
         self.guard_scale = 1.0
+        self.nonfinite_skipped = 0
         self._seen_monitor = False
 
     def schedule(self) -> dict[str, Any]:
@@ -184,14 +105,21 @@ class LRScheduleCallback(DynamicCallback):
                                   f'(metrics seen: {", ".join(sorted(values)) or "none"})')
             return
         self._seen_monitor = True
-        value = float(values[c.monitor])
-        self.values = (self.values + [value])[-c.smooth:]
+        # a training log line whose steps had a non-finite loss: HF logged a finite substitute; never judged
+        value = float(protocol.true_training_value(control, values, c.monitor))
+        if math.isfinite(value):
+            self.values = (self.values + [value])[-c.smooth:]
+        else:
+            self.nonfinite_skipped += 1
         total = max(int(state.max_steps), 1)
         if state.global_step < resolve_steps(c.warmup, total) + resolve_steps(c.hold, total):
             return
-        self.plateau, plateau = plateau_step(self.plateau, smoothed(self.values, c.smooth), mode=c.mode,
-                                             min_delta=c.min_delta, patience=c.patience, cooldown=c.cooldown)
-        # the plateau is judged on this rank's values: rank 0's verdict (plateau, restart) holds on every rank
+        plateau = False
+        if math.isfinite(value) and len(self.values) >= c.smooth:  # judged on a full window of finite values
+            self.plateau, plateau = plateau_step(self.plateau, smoothed(self.values, c.smooth), mode=c.mode,
+                                                 min_delta=c.min_delta, patience=c.patience, cooldown=c.cooldown)
+        # the plateau is judged on this rank's values: rank 0's verdict (plateau, restart) holds on every rank (every
+        # rank gets here at the same steps: the early returns above depend on the step and the logged names only)
         plateau, restart = distributed.broadcast_from_main((plateau, plateau and len(self.restarts) < c.max_restarts))
         if plateau and not restart and len(self.restarts) >= c.max_restarts:
             protocol.record_decision(
@@ -234,7 +162,8 @@ class LRScheduleCallback(DynamicCallback):
                    f'x{scale:.4g}', step=state.global_step))
 
     def _publish(self, control: Any) -> None:
-        values = {'dynamic/lr_restarts': len(self.restarts), 'dynamic/lr_plateau_wait': self.plateau.wait}
+        values = {'dynamic/lr_restarts': len(self.restarts), 'dynamic/lr_plateau_wait': self.plateau.wait,
+                  'dynamic/lr_nonfinite_skipped': self.nonfinite_skipped}
         if self.config.guard:
             values['dynamic/lr_guard_scale'] = self.guard_scale
         protocol.publish_metrics(control, values)
@@ -249,6 +178,7 @@ class LRScheduleCallback(DynamicCallback):
             'plateau': asdict(self.plateau),
             'guard_state': asdict(self.guard_state),
             'guard_scale': self.guard_scale,
+            'nonfinite_skipped': self.nonfinite_skipped,
             'seen_monitor': self._seen_monitor,
         }
 
@@ -260,4 +190,5 @@ class LRScheduleCallback(DynamicCallback):
         self.plateau = PlateauState(**state.get('plateau', {}))
         self.guard_state = GuardState(**state.get('guard_state', {}))
         self.guard_scale = float(state.get('guard_scale', 1.0))
+        self.nonfinite_skipped = int(state.get('nonfinite_skipped', 0))
         self._seen_monitor = bool(state.get('seen_monitor', False))

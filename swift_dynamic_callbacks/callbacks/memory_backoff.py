@@ -2,76 +2,16 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Mapping
 
 from .. import distributed, protocol
-from ..config import ConfigError, check_choice, check_int, check_number
+from ..config import ConfigError
+from ..config.memory_backoff import MemoryBackoffConfig
 from ..memory import GIB, CpuProbe, MemoryProbe, auto_probe
 from ..policies.memory import PressureState, pressure_step
 from ..records import DecisionRecord
 from .base import DynamicCallback
-from .batch_schedule import _int_table
-
-
-@dataclass(frozen=True)
-class MemoryBackoffConfig:
-    """Settings of :class:`MemoryBackoffCallback` (YAML key ``dynamic_callbacks.memory_backoff``).
-
-    Attributes:
-        threshold: peak memory fraction of the device above which the next steps run in smaller passes (default
-            0.85, the seed's).
-        low: the fraction below which a step counts as clean (hysteresis: between ``low`` and ``threshold`` the
-            size holds). Default 0.6.
-        clean_steps: clean steps in a row before growing back. Default 50.
-        shrink: the pass size is multiplied by this on pressure (default 0.5).
-        grow: and by this on a grow-back (default 2.0), until the size from before the first backoff.
-        min_pass: never fewer samples per pass than this (default 1).
-        length_rules: ``{longer_than: samples}``: a micro-batch whose padded length is greater than
-            ``longer_than`` tokens runs at most ``samples`` samples a pass (seed: ``{1024: 2}``).
-        max_pass_tokens: at most this many padded tokens (samples x padded length) per pass.
-        probe: ``auto`` (CUDA, XPU or MPS when present, else CPU), ``cuda`` or ``cpu``.
-        cpu_budget_gib: the CPU probe's budget for the process RSS (required when the CPU probe is used for
-            pressure: without it there is no fraction to compare).
-
-    The global batch never changes: a smaller pass means more passes per micro-batch, with the same samples and
-    loss normalisation (``new_pass_limit``).
-    """
-
-    threshold: float = 0.85
-    low: float = 0.6
-    clean_steps: int = 50
-    shrink: float = 0.5
-    grow: float = 2.0
-    min_pass: int = 1
-    length_rules: Mapping[int, int] = field(default_factory=dict)
-    max_pass_tokens: int | None = None
-    probe: str = 'auto'
-    cpu_budget_gib: float | None = None
-
-    def __post_init__(self) -> None:
-        check_number('threshold', self.threshold, 0, 1, low_open=True, high_open=True)
-        check_number('low', self.low, 0, 1, low_open=True, high_open=True)
-        if self.low >= self.threshold:
-            raise ConfigError(f'low: must be below threshold ({self.threshold}), got {self.low}')
-        check_int('clean_steps', self.clean_steps, minimum=1)
-        check_number('shrink', self.shrink, 0, 1, low_open=True, high_open=True)
-        check_number('grow', self.grow, 1, 8, low_open=True)
-        check_int('min_pass', self.min_pass, minimum=1)
-        object.__setattr__(self, 'length_rules', _int_table('length_rules', self.length_rules, 1))
-        if self.max_pass_tokens is not None:
-            check_int('max_pass_tokens', self.max_pass_tokens, minimum=1)
-        check_choice('probe', self.probe, ('auto', 'cuda', 'cpu'))
-        if self.cpu_budget_gib is not None:
-            check_number('cpu_budget_gib', self.cpu_budget_gib, 0, math.inf, low_open=True, high_open=True)
-
-    def static_limit(self) -> dict[str, Any]:
-        return {
-            'samples': None,
-            'tokens': self.max_pass_tokens,
-            'rules': [[k, v] for k, v in sorted(self.length_rules.items())]
-        }
 
 
 class MemoryBackoffCallback(DynamicCallback):
@@ -126,8 +66,9 @@ class MemoryBackoffCallback(DynamicCallback):
         fraction = max(fractions)
         pass_size = max(distributed.gather_objects(int(getattr(control, protocol.PASS_SIZE, 0) or 0)))
         event = getattr(control, protocol.OOM_EVENT, None)
+        # an OOM retried at the same one-sample pass leaves the cap as it was (new_cap None): nothing to follow
         ooms = [e for e in distributed.gather_objects((event.new_cap, event.pass_size) if event is not None else None)
-                if e is not None]
+                if e is not None and e[0] is not None]
         if ooms:  # the integration already backed off (and agreed); follow it and start counting again
             unlimited = self.state.unlimited if self.state.unlimited is not None else max(p for _, p in ooms)
             self.state = PressureState(cap=min(cap for cap, _ in ooms), clean=0, unlimited=unlimited)

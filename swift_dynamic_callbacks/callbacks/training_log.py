@@ -22,39 +22,14 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .. import protocol
-from ..config import ConfigError, check_bool, check_int
+from ..config.training_log import LOG_FILE, TrainingLogConfig  # noqa: F401 - LOG_FILE re-exported
 from ..memory import GIB
 from .base import DynamicCallback
 
-LOG_FILE = 'dynamic_training_log.jsonl'
 _STEP_KEYS = ('loss', 'grad_norm', 'learning_rate')
-
-
-@dataclass(frozen=True)
-class TrainingLogConfig:
-    """Settings of :class:`TrainingLogCallback` (YAML key ``dynamic_callbacks.training_log``).
-
-    Attributes:
-        every: write a step line every ``every``-th training log event (so every ``every * logging_steps``
-            optimizer steps); epoch summaries count every logged loss regardless.
-        memory: measure device memory after each optimizer step (CUDA: peak allocated and reserved since the
-            start; CPU: the process's resident and peak resident memory) and put it into the training logs.
-        file: the JSON Lines file, relative to ``output_dir`` (an absolute path is used as is).
-    """
-
-    every: int = 1
-    memory: bool = True
-    file: str = LOG_FILE
-
-    def __post_init__(self) -> None:
-        check_int('every', self.every, minimum=1)
-        check_bool('memory', self.memory)
-        if not isinstance(self.file, str) or not self.file.strip() or self.file.endswith(('/', os.sep)):
-            raise ConfigError(f'file: expected a file name such as {LOG_FILE!r}, got {self.file!r}')
 
 
 _process: Any = None

@@ -1,5 +1,4 @@
-"""One micro-batch as forward/backward passes: splitting, gradient snapshots and norms, the gradient-noise probe,
-and the manual gradient all-reduce used with OOM recovery under DDP."""
+"""One micro-batch as forward/backward passes: splitting, gradient snapshots and norms, the gradient-noise probe."""
 
 from __future__ import annotations
 
@@ -13,36 +12,35 @@ from ..policies.data_plan import piece_bounds
 class GradNoiseProbe:
     """Measures one optimizer step's mean-gradient norms for ``measure_grad_noise`` (no extra passes).
 
-    After the step's first forward/backward pass the accumulated gradient is that pass's alone; after the last
-    pass of the last micro-batch it is the whole step's (synchronised across ranks). Under ms-swift's token-sum
-    loss a pass's gradient is ``k * sum of its tokens' gradients`` with ``k = 1 / num_items_in_batch`` (times the
-    world size when ``average_tokens_across_devices``), so the first pass's *mean* gradient is its gradient over
-    ``k * tokens``; the accumulated gradient already is a mean. Cost: one sum of squares over the trainable
-    parameters' gradients after the first and after the last pass.
+    After the step's first forward/backward pass the accumulated gradient is that pass's alone (this rank's, before
+    any reduction); :meth:`finish` reads the whole step's after the engine reduced it across ranks, i.e. the gradient
+    the optimizer uses. Under ms-swift's token-sum loss a pass's gradient is ``k * sum of its tokens' gradients``
+    with ``k = 1 / num_items_in_batch`` (times the world size when ``average_tokens_across_devices``), so the first
+    pass's *mean* gradient is its gradient over ``k * tokens``; the reduced step gradient already is a mean. Cost:
+    one sum of squares over the trainable parameters' gradients after the first pass and one after the reduction.
     """
 
-    def __init__(self, micro_batches: int, samples: int, *, world: int, tokens_averaged: bool) -> None:
-        self.remaining = micro_batches
+    def __init__(self, samples: int, *, world: int, tokens_averaged: bool, num_items_in_batch: Any) -> None:
         self.samples = samples
         self.world = world
         self.tokens_averaged = tokens_averaged
+        self.num_items = num_items_in_batch
         self.passes = 0
         self.small: tuple[float, int] | None = None
 
-    def after_pass(self, model: Any, part: Mapping[str, Any], num_items_in_batch: Any, *,
-                   end_of_micro_batch: bool) -> protocol.GradNoiseSample | None:
+    def after_pass(self, model: Any, part: Mapping[str, Any], num_items_in_batch: Any) -> None:
         self.passes += 1
         if self.passes == 1:
             tokens = loss_tokens(part)
             normaliser = float(num_items_in_batch)
             scale = normaliser / (tokens * (self.world if self.tokens_averaged else 1)) if tokens else 0.0
             self.small = (grad_sqnorm(model) * scale * scale, tokens)
-        if not end_of_micro_batch:
+
+    def finish(self, model: Any) -> protocol.GradNoiseSample | None:
+        """The step's sample, read from the reduced gradient; ``None`` when the step had a single pass."""
+        if self.passes < 2 or self.small is None or self.num_items is None:
             return None
-        self.remaining -= 1
-        if self.remaining > 0 or self.passes < 2 or self.small is None:
-            return None
-        total_tokens = int(num_items_in_batch) * (1 if self.tokens_averaged or self.world == 1 else self.world)
+        total_tokens = int(self.num_items) * (1 if self.tokens_averaged or self.world == 1 else self.world)
         return protocol.GradNoiseSample(
             small_sqnorm=self.small[0],
             small_tokens=self.small[1],
@@ -79,23 +77,6 @@ def grad_snapshot(model: Any) -> list[torch.Tensor | None]:
 def restore_grads(model: Any, snapshot: list[torch.Tensor | None]) -> None:
     for p, saved in zip([p for p in model.parameters() if p.requires_grad], snapshot):
         p.grad = saved.clone() if saved is not None else None
-
-
-def all_reduce_grads(model: Any) -> None:
-    """Average the gradients over ranks (what DDP's backward hooks do), in one flat buffer."""
-    import torch.distributed as dist
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-        offset += n
 
 
 def loss_tokens(inputs: Mapping[str, Any]) -> int:

@@ -13,94 +13,28 @@ Each factory installs the integration on the trainer (once) and builds its callb
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
+
+from transformers import TrainerCallback
 
 from ..callbacks import (BatchGrowthCallback, BatchScheduleCallback, CheckpointRotationCallback, DynamicCallback,
                          EarlyStoppingCallback, LengthBatchingCallback, LRScheduleCallback, MemoryBackoffCallback,
                          TrainingLogCallback)
-from ..config import ConfigError
-from transformers import TrainerCallback
+from ..config import ConfigError, to_mapping  # noqa: F401 - ConfigError re-exported
+from ..config.integration import IntegrationConfig  # noqa: F401 - re-exported
+from ..config.pack import (CALLBACK_CONFIGS, ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig,  # noqa: F401
+                           load_env_config, parse_section)
+from .trainer import PackOffCallback, install, pack_disabled
 
-from .trainer import IntegrationConfig, PackOffCallback, install, pack_disabled
-
-ENV_CONFIG = 'SWIFT_DYNAMIC_CALLBACKS_CONFIG'
-SECTION = 'dynamic_callbacks'
-PLUGIN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'swift_plugin.py')
-
-#: Every pack callback by its ms-swift name.
+#: Every pack callback by its ms-swift name (the same names as ``config.pack.CALLBACK_CONFIGS``, which the
+#: torch-free command line uses).
 CALLBACKS: dict[str, type[DynamicCallback]] = {
     cls.name: cls
     for cls in (BatchGrowthCallback, BatchScheduleCallback, LRScheduleCallback, MemoryBackoffCallback,
                 EarlyStoppingCallback, CheckpointRotationCallback, TrainingLogCallback, LengthBatchingCallback)
 }
-
-
-@dataclass(frozen=True)
-class PackConfig:
-    """The validated ``dynamic_callbacks:`` section: the integration's settings and each callback's raw settings."""
-
-    integration: IntegrationConfig = field(default_factory=IntegrationConfig)
-    callbacks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-
-    def callback_config(self, name: str) -> Any:
-        return CALLBACKS[name].config_from_mapping(self.callbacks.get(name))
-
-    def to_json(self) -> dict[str, Any]:
-        from ..config import to_mapping
-        return {'integration': to_mapping(self.integration), **{k: dict(v) for k, v in self.callbacks.items()}}
-
-
-def parse_section(section: Mapping[str, Any] | None, listed: Iterable[str] | None = None) -> PackConfig:
-    """Validate a ``dynamic_callbacks:`` mapping; with ``listed`` (ms-swift's ``callbacks:``) check both agree.
-
-    Raises:
-        ConfigError: unknown callback name, a setting a callback rejects, or settings for a callback that is
-            not listed in ``callbacks:`` (they would silently do nothing).
-    """
-    if section is None:
-        section = {}
-    if not isinstance(section, Mapping):
-        raise ConfigError(f'{SECTION}: expected a mapping {{callback name: settings}}, got {section!r}')
-    section = dict(section)
-    integration = IntegrationConfig.from_mapping(section.pop('integration', None))
-    unknown = sorted(set(section) - set(CALLBACKS))
-    if unknown:
-        raise ConfigError(f'{SECTION}: unknown callback(s) {", ".join(unknown)}; known: '
-                          f'{", ".join(sorted(CALLBACKS))} (and "integration")')
-    for name, settings in section.items():
-        if settings is not None and not isinstance(settings, Mapping):
-            raise ConfigError(f'{SECTION}.{name}: expected a mapping of settings, got {settings!r}')
-    pack = PackConfig(integration, {k: dict(v or {}) for k, v in section.items()})
-    names = list(listed) if listed is not None else list(section)
-    if listed is not None:
-        not_listed = sorted(set(section) - set(names))
-        if not_listed:
-            raise ConfigError(f'{SECTION}.{not_listed[0]}: configured but not listed in callbacks: {names}; add it to '
-                              'callbacks: or remove its settings')
-    for name in names:
-        if name in CALLBACKS:
-            pack.callback_config(name)  # validates, raising ConfigError naming the key
-    return pack
-
-
-def load_env_config() -> PackConfig | None:
-    """The pack settings handed over in :data:`ENV_CONFIG` (inline JSON, or a path to a YAML/JSON file)."""
-    raw = os.environ.get(ENV_CONFIG)
-    if not raw:
-        return None
-    if raw.lstrip().startswith('{'):
-        data = json.loads(raw)
-    else:
-        if not os.path.exists(raw):
-            raise ConfigError(f'{ENV_CONFIG}: {raw!r} is neither inline JSON nor an existing file')
-        import yaml
-        with open(raw, encoding='utf-8') as f:
-            data = yaml.safe_load(f) or {}
-        data = data.get(SECTION, data)
-    return parse_section(data)
+assert set(CALLBACKS) == set(CALLBACK_CONFIGS) and all(
+    CALLBACKS[n].config_class is CALLBACK_CONFIGS[n] for n in CALLBACKS), 'config.pack.CALLBACK_CONFIGS is out of date'
 
 
 _configured: PackConfig | None = None
@@ -144,8 +78,8 @@ def register(settings: Mapping[str, Any] | None = None, **by_name: Any) -> PackC
     merged = dict(settings or {})
     merged.update(by_name)
     if merged:
-        from ..config import to_mapping
-        raw = {k: (v if isinstance(v, Mapping) or v is None else to_mapping(v)) for k, v in merged.items()}
+        raw = {k: (v if isinstance(v, Mapping) or v is None else to_mapping(v, changed_only=True))
+               for k, v in merged.items()}
         _configured = parse_section(raw)
     elif _configured is None:
         _configured = load_env_config()  # validated now: the plugin is imported while ms-swift parses arguments

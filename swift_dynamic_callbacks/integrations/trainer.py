@@ -27,31 +27,33 @@ requests, ``applied_request`` records and replay) and :mod:`.scheduler` (the ``L
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from transformers import TrainerCallback
 
 from .. import distributed, protocol
-from ..config import ConfigError, check_bool, check_choice, from_mapping, to_mapping
-from ..loader import ElasticDataLoader, EmptyMicroBatch, dataset_lengths
-from ..policies.data_plan import piece_bounds, steps_to_budget
-from ..memory import device_figures, free_memory, is_oom
+from ..config import ConfigError, to_mapping
+from ..config.integration import IntegrationConfig
+from ..loader import ElasticDataLoader, dataset_fingerprint, dataset_lengths
+from ..policies.data_plan import steps_to_budget
 from ..policies.length import BatchPlan, padding_fraction
-from ..policies.memory import oom_backoff, pass_cap, pieces_needed
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
-from ..state import (StateError, build_payload, read_state, restore_components, stateful_components, write_state)
+from ..state import (BINDING_KEY, StateError, binding_entry, build_payload, check_binding, file_digest, new_run_id,
+                     read_state, restore_components, settings_changes, stateful_components, write_state)
 
-from .passes import (GradNoiseProbe, SampleTooLargeError, all_reduce_grads, batch_shape, grad_snapshot,
-                     restore_grads, row_tokens, split_micro_batch)
+from .engines import Engine, engine_name, select_engine
+from .losses import loss_watch
+from .passes import GradNoiseProbe, SampleTooLargeError  # noqa: F401  (SampleTooLargeError: re-exported)
 from .requests import (LR_RECORD_KINDS, changes_lr, is_request_record, load_replay, merge_step, request_to_json,
                        set_request)
 from .scheduler import ScaledLambda
+from .steps import StepRunner
 
 logger = logging.getLogger('swift_dynamic_callbacks')
 if not logger.handlers:
@@ -63,56 +65,9 @@ if not logger.handlers:
 
 SAMPLES_FILE = 'dynamic_samples.rank{rank}.jsonl'
 CONFIG_FILE = 'dynamic_callbacks_config.json'
-
-
-@dataclass(frozen=True)
-class IntegrationConfig:
-    """Settings of the integration itself (YAML key ``dynamic_callbacks.integration``).
-
-    Attributes:
-        record_samples: write ``dynamic_samples.rank<R>.jsonl`` with the dataset indices of every micro-batch
-            (an audit trail of exactly-once data; small: one line per optimizer step).
-        log_values: merge the current batch size, pieces, global batch and samples seen into training logs.
-        max_steps_unit: what ``max_steps`` counts when the batch size changes: ``steps`` (default: optimizer
-            steps, whatever their size; HF's meaning) or ``samples`` (a data budget of ``max_steps`` steps at the
-            configured ``per_device_train_batch_size`` x ``gradient_accumulation_steps`` samples per device: growing the batch then means fewer, larger steps, and training stops at the
-            first step boundary where the budget of samples is used; the LR schedule, ``state.max_steps`` and the
-            progress bar follow the step count the budget needs at the current batch size).
-        oom_recovery: an out-of-memory error inside a training step does not end the run: the step's passes are
-            run again at half the pass size with the same samples and gradient (see
-            :meth:`Integration.run_micro_batch`). Not under DeepSpeed (a record says so at start).
-        enabled: ``false`` turns the whole pack off for a baseline run (as does the environment variable
-            ``SWIFT_DYNAMIC_CALLBACKS_DISABLE=1``): no integration, no callback does anything, the run is the plain
-            trainer's; one log line and one ``pack``/``disabled`` record say so.
-        fail_fast: an unexpected exception inside a pack callback's hook ends the run (debugging) instead of
-            disabling that callback with a ``fault`` record.
-        replay: path of a previous run's ``dynamic_decisions.jsonl`` (or its output directory): the integration
-            applies the batch and LR requests recorded there (``applied_request`` records) at the same step
-            boundaries and ignores the callbacks' own requests, so the run repeats the recorded one.
-    """
-
-    record_samples: bool = False
-    log_values: bool = True
-    max_steps_unit: str = 'steps'
-    oom_recovery: bool = True
-    enabled: bool = True
-    fail_fast: bool = False
-    replay: str | None = None
-
-    def __post_init__(self) -> None:
-        check_bool('record_samples', self.record_samples)
-        check_bool('log_values', self.log_values)
-        check_choice('max_steps_unit', self.max_steps_unit, ('steps', 'samples'))
-        check_bool('oom_recovery', self.oom_recovery)
-        check_bool('enabled', self.enabled)
-        check_bool('fail_fast', self.fail_fast)
-        if self.replay is not None and (not isinstance(self.replay, str) or not self.replay):
-            raise ConfigError(f'replay: expected the path of a dynamic_decisions.jsonl (or its output directory), '
-                              f'got {self.replay!r}')
-
-    @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any] | None) -> 'IntegrationConfig':
-        return from_mapping(cls, mapping, prefix='dynamic_callbacks.integration')
+#: settings that do not change what is trained: a resume may change them without ``allow_config_change``
+LOGGING_SETTINGS = ('integration.record_samples', 'integration.log_values', 'integration.fail_fast',
+                    'integration.allow_config_change', 'training_log')
 
 
 class Integration:
@@ -145,18 +100,13 @@ class Integration:
         self.horizon: int | None = None  # the LR schedule's length in optimizer steps (before any stretch)
         self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
         self.pass_limit: dict[str, Any] | None = None  # the cap on samples per forward/backward pass
-        self.oom_count = 0
-        self._step_batches: list[Any] = []  # this step's micro-batches (kept for an OOM retry)
-        self._step_indices: list[list[int]] = []
-        self._micro_index = 0
-        self._step_max_pass = 0
-        self._current_pass: tuple[int, int, int] | None = None
-        self._oom_retries = 0
-        self._oom_this_step: dict[str, int] | None = None
-        self._adapter_like: bool | None = None  # trainable parameters <= 10 % of the model: snapshot gradients
+        self.engine: Engine = Engine(trainer)  # the engine adapter, chosen in begin_train
+        self.runner = StepRunner(self, self.engine, oom_recovery=False, single_sample_retries=0)
         self._held: list[DecisionRecord] = []  # callbacks' records, written at the next step boundary
-        self._probe: GradNoiseProbe | None = None  # this step's gradient-noise measurement (measure_grad_noise)
         self.replay: dict[int, protocol.BatchRequest] | None = None  # step -> recorded request (replay setting)
+        self.run_id: str | None = None  # this run's identity in its checkpoints (kept across resumes)
+        self._binding: dict[str, Any] | None = None  # the resumed state's binding (step, samples, dataset)
+        self._dataset_fingerprint: dict[str, Any] | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
     def begin_train(self, resume_from_checkpoint: Any) -> None:
@@ -166,6 +116,7 @@ class Integration:
         self._check_supported(trainer)
         self.decisions = DecisionLog(
             os.path.join(args.output_dir, DECISIONS_FILE), enabled=distributed.is_main_process())
+        self._start_engine()
         if distributed.is_main_process():
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, CONFIG_FILE), 'w', encoding='utf-8') as f:
@@ -189,19 +140,68 @@ class Integration:
                 checkpoint = get_last_checkpoint(args.output_dir)
         self._resume_checkpoint = checkpoint
         self._resume_payload = read_state(checkpoint) if checkpoint else None
+        self.run_id = new_run_id()
         if checkpoint and self._resume_payload is not None:
-            missing = restore_components([self] + self.callback_components(), self._resume_payload)
+            self._check_resumed_state(checkpoint, self._resume_payload)
+            source = os.path.join(checkpoint, 'dynamic_callbacks_state.json')
+            missing = restore_components([self] + self.callback_components(), self._resume_payload, source=source)
             for key in missing:
                 self._record(
                     DecisionRecord(
                         'integration', 'resume', 'new_component', {'state_key': key},
                         f'{key} has no state in {checkpoint}; it starts fresh'))
         self._user_max_steps = args.max_steps
-        if self.config.oom_recovery and trainer.is_deepspeed_enabled:
-            message = ('oom_recovery is off under DeepSpeed (its engine runs forward/backward and accumulation '
-                       'itself, so a step cannot be split and re-run); an OOM ends the run as usual')
+
+    def settings_snapshot(self) -> dict[str, Any]:
+        """Normalised settings of the integration and of every pack callback on the trainer (compared at resume)."""
+        from ..callbacks.base import DynamicCallback
+        snapshot = {'integration': to_mapping(self.config)}
+        for cb in self.trainer.callback_handler.callbacks:
+            if isinstance(cb, DynamicCallback) and dataclasses.is_dataclass(cb.config):
+                snapshot[cb.name] = json.loads(json.dumps(to_mapping(cb.config), default=str))
+        return snapshot
+
+    def _check_resumed_state(self, checkpoint: str, payload: Mapping[str, Any]) -> None:
+        """Refuse a state that does not belong to ``checkpoint`` and settings that changed since it was written
+        (unless ``allow_config_change``, then each change is a ``config_change`` record)."""
+        binding = check_binding(checkpoint, payload)
+        if binding is None:
+            self._record(DecisionRecord('integration', 'resume', 'unbound', {'checkpoint': os.path.basename(checkpoint)},
+                                        'the pack state was written by an earlier version (format 1): it is not bound '
+                                        'to its checkpoint and its settings are not compared'))
+            return
+        self._binding = binding
+        self.run_id = binding.get('run_id') or self.run_id
+        if 'settings' not in payload:
+            return
+        changes = settings_changes(payload['settings'], self.settings_snapshot(), ignore=LOGGING_SETTINGS)
+        if not changes:
+            return
+        listed = '; '.join(f'{k}: {old!r} -> {new!r}' for k, (old, new) in changes.items())
+        if not self.config.allow_config_change:
+            raise StateError(f'the settings changed since {checkpoint} was written ({listed}); the resumed run would '
+                             'silently train otherwise than the saved one. Resume with the same settings, or set '
+                             'dynamic_callbacks.integration.allow_config_change: true to apply the new ones (each '
+                             'change is then recorded)')
+        for key, (old, new) in changes.items():
+            self._record(DecisionRecord('integration', 'config_change', 'resume', {'setting': key, 'old': old,
+                                                                                   'new': new},
+                                        f'{key} changed at resume: {old!r} -> {new!r} (allow_config_change)'))
+
+    def _start_engine(self) -> None:
+        """Choose the engine adapter (once), refuse what it cannot run, and record what was chosen."""
+        from ..config.engines import check_engine
+        name = engine_name(self.trainer)
+        listed = [getattr(cb, 'name', '') for cb in self.trainer.callback_handler.callbacks]
+        check_engine(name, self.pack_config, listed)
+        self.engine, recovery, why_off = select_engine(self.trainer, self.config.oom_recovery)
+        self.runner = StepRunner(self, self.engine, oom_recovery=recovery,
+                                 single_sample_retries=self.config.oom_single_sample_retries)
+        facts = {**self.engine.describe(), 'oom_recovery': recovery}
+        message = f'engine {self.engine.name}' + ('' if recovery else f'; OOM recovery off ({why_off})')
+        if not recovery and self.config.oom_recovery == 'auto':
             logger.warning(message)
-            self._record(DecisionRecord('integration', 'oom_recovery', 'deepspeed', {'enabled': False}, message))
+        self._record(DecisionRecord('integration', 'engine', self.engine.name, facts, message))
 
     def end_train(self) -> None:
         if self._user_max_steps is not None:
@@ -209,8 +209,8 @@ class Integration:
         if self.loader is not None:
             self.loader.close()
         self.drain(self.trainer.control)
-        if self._oom_this_step is not None and self._oom_this_step.get('record') is not None:
-            self._held.append(self._oom_this_step['record'])  # an OOM in the last step: no boundary exchanged it
+        if self.runner.oom is not None and self.runner.oom.get('record') is not None:
+            self._held.append(self.runner.oom['record'])  # an OOM in the last step: no boundary exchanged it
         if protocol.has_pending_request(self.trainer.control):  # decided after the last step: never applied here
             self._held = [
                 replace(r, values={**r.values, 'pending': True},
@@ -273,6 +273,7 @@ class Integration:
             loader_kwargs=loader_kwargs,
             lengths=lambda: dataset_lengths(dataset))
         self.loader = loader
+        self._dataset_fingerprint = dataset_fingerprint(dataset)
         self._restore_loader(loader)
         self._samples_at_start = loader.samples_seen
         self._derive_max_steps(loader, batch_size)
@@ -284,7 +285,10 @@ class Integration:
             return
         payload = self._resume_payload
         if payload is not None and loader.state_key in payload['components']:
-            loader.load_state_dict(_rank_state(payload['components'], loader.state_key))
+            self._check_same_data(checkpoint, loader)
+            source = os.path.join(checkpoint, 'dynamic_callbacks_state.json')
+            restore_components([loader], {'components': {
+                loader.state_key: _rank_state(payload['components'], loader.state_key)}}, source=source)
             self._record(
                 DecisionRecord(
                     'integration', 'resume', 'checkpoint', {
@@ -314,6 +318,20 @@ class Integration:
                 'epoch': epoch,
                 'position': position
             }, f'{checkpoint} has no pack state; position derived from global_step at a constant batch size'))
+
+    def _check_same_data(self, checkpoint: str, loader: ElasticDataLoader) -> None:
+        """Refuse a resume over another training dataset than the one the checkpoint's position counts in."""
+        saved = (self._binding or {}).get('dataset')
+        if not saved:
+            return
+        now = self._dataset_fingerprint or dataset_fingerprint(loader.dataset)
+        if saved.get('size') != now['size'] or (saved.get('sha256') and now['sha256']
+                                                  and saved['sha256'] != now['sha256']):
+            what = (f'{saved.get("size")} samples then, {now["size"]} now' if saved.get('size') != now['size'] else
+                    'the same number of samples, other content')
+            raise StateError(f'{checkpoint} was written for another training dataset ({what}): its data position would '
+                             'point at other samples. Resume with the same dataset and preprocessing (dataset files, '
+                             'max_length, dataset_seed, split_dataset_ratio)')
 
     def _derive_max_steps(self, loader: ElasticDataLoader, batch_size: int) -> None:
         """For ``num_train_epochs`` runs: give HF a loop bound that no batch size can outrun, and the epoch budget.
@@ -381,7 +399,7 @@ class Integration:
         control = trainer.control
         control._sdc_integration = True
         if control.should_training_stop:  # e.g. a resumed run that had stopped: no step, HF leaves the loop
-            self._step_batches, self._step_indices = [], []
+            self.runner.clear()
             return [], None
         self.apply_requests(control)
         optimizer = getattr(trainer, 'optimizer', None)
@@ -393,20 +411,16 @@ class Integration:
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
         counted = real or ([{'labels': torch.full((1, 1), -100)}] if distributed.world_size() > 1 else [])
         _, num_items_in_batch = original(iter(counted), len(counted), device)
-        self._step_batches = [batch for _, batch in pairs]
-        self._step_indices = [indices for indices, _ in pairs]
-        self._micro_index = self._step_max_pass = self._oom_retries = 0
-        self._oom_this_step = None
         setattr(control, protocol.GRAD_NOISE_SAMPLE, None)
         setattr(control, protocol.OOM_EVENT, None)
-        self._probe = None
+        probe = None
         if protocol.grad_noise_requested(control):
-            if trainer.is_deepspeed_enabled:
-                raise ConfigError('measure_grad_noise (batch_growth policy noise_scale) is not supported under '
-                                  'DeepSpeed: its partitioned gradients cannot be read between passes')
-            self._probe = GradNoiseProbe(
-                len(real), sum(len(indices) for indices, _ in pairs), world=distributed.world_size(),
-                tokens_averaged=bool(getattr(trainer.args, 'average_tokens_across_devices', False)))
+            self.engine.refuse('noise_scale', 'control.measure_grad_noise (batch_growth policy: noise_scale)')
+            probe = GradNoiseProbe(
+                sum(len(indices) for indices, _ in pairs), world=distributed.world_size(),
+                tokens_averaged=bool(getattr(trainer.args, 'average_tokens_across_devices', False)),
+                num_items_in_batch=num_items_in_batch)
+        self.runner.start_step(pairs, probe)
         if self.config.record_samples:
             self._write_samples([indices for indices, _ in pairs])
         return [batch for _, batch in pairs], num_items_in_batch
@@ -423,12 +437,18 @@ class Integration:
         protocol.clear_requests(control)
         if self.replay is not None:  # the recorded request of this boundary instead of the callbacks'
             request = self.replay.get(self.trainer.state.global_step, protocol.BatchRequest())
-        if self._oom_this_step is not None:  # this rank's OOM cap: every rank takes the smallest one
+        oom = self.runner.oom
+        if oom is not None and oom.get('new_cap') is not None:  # this rank's OOM cap: every rank takes the smallest
             own = dict(request.pass_limit or self.pass_limit or {})
-            own['samples'] = min(v for v in (own.get('samples'), self._oom_this_step['new_cap']) if v is not None)
+            own['samples'] = min(v for v in (own.get('samples'), oom['new_cap']) if v is not None)
             request = replace(request, pass_limit=protocol.check_pass_limit(own))
-        own_oom = (self._oom_this_step or {}).get('record')
-        request, ooms = distributed.agree((request, own_oom), merge_step)
+        own_oom = (oom or {}).get('record')
+        # one small all-reduce decides whether any rank has something to agree on (most boundaries: nothing); only
+        # then are the requests and OOM records gathered
+        if distributed.sum_ints([int(not request.empty or own_oom is not None)])[0]:
+            request, ooms = distributed.agree((request, own_oom), merge_step)
+        else:
+            ooms = []
         self.drain(control)
         self._held.extend(ooms)  # every rank's OOM of the last step, on every rank (rank 0 writes them)
         if self.replay is not None:
@@ -464,7 +484,8 @@ class Integration:
         if request.batch_plan is not None:
             self._apply_batch_plan(request.batch_plan, queued_kinds)
         if request.num_pieces is not None and request.num_pieces != loader.num_pieces:
-            self._check_splittable()
+            if request.num_pieces > 1:
+                self.check_splittable('control.new_num_pieces')
             old = loader.num_pieces
             loader.num_pieces = request.num_pieces
             if 'num_pieces' not in queued_kinds:
@@ -474,6 +495,8 @@ class Integration:
                         'new': request.num_pieces
                     }))
         if request.pass_limit is not None and request.pass_limit != self.pass_limit:
+            if any(request.pass_limit.values()) and 'oom' not in queued_kinds:
+                self.engine.refuse('pass_limit', 'control.new_pass_limit')
             old_limit = self.pass_limit
             self.pass_limit = None if all(not v for v in request.pass_limit.values()) else dict(request.pass_limit)
             if 'pass_limit' not in queued_kinds:
@@ -539,8 +562,7 @@ class Integration:
     def token_values(self) -> dict[str, float]:
         """Padded tokens per micro-batch and padding fraction of the micro-batches drawn since the last log line
         (all ranks), from the samples' lengths (a batch plan is set)."""
-        stats = distributed.gather_objects(self.loader.take_token_stats())
-        real, padded, batches = (sum(column) for column in zip(*stats))
+        real, padded, batches = distributed.sum_ints(self.loader.take_token_stats())
         if not batches:
             return {}
         return {'dynamic/tokens_per_batch': round(padded / batches, 3),
@@ -554,16 +576,16 @@ class Integration:
                              f'(got a {type(dataloader).__name__} over {type(dataset).__name__}); the integration '
                              'only takes its batch size and keeps the epoch order and position')
 
-    def _check_splittable(self) -> None:
+    def check_splittable(self, setting: str) -> None:
+        """Raise when a micro-batch cannot run as several passes: packed rows, or an engine whose passes hold
+        collectives (``config.engines``)."""
         args = self.trainer.args
         template = getattr(self.trainer, 'template', None)
         if getattr(template, 'padding_free', False) or getattr(args, 'padding_free', False) or getattr(
                 args, 'packing', False):
-            raise ConfigError('num_pieces > 1 cannot be used with packing / padding_free: a packed micro-batch is '
-                              'one [1, N] row and cannot be split into pieces')
-        if self.trainer.is_deepspeed_enabled:
-            raise ConfigError('num_pieces > 1 is not supported under DeepSpeed (its engine does its own '
-                              'gradient accumulation)')
+            raise ConfigError(f'{setting}: a micro-batch cannot run as several passes with packing / padding_free: '
+                              'a packed micro-batch is one [1, N] row and cannot be split')
+        self.engine.refuse('pieces', setting)
 
     def drain(self, control: Any) -> None:
         """Take the decision records queued on ``control`` (written by :meth:`flush`)."""
@@ -679,146 +701,10 @@ class Integration:
     # ---- the micro-step -----------------------------------------------------------------------------
     def run_micro_batch(self, model: Any, inputs: Any, run: Callable[[Any], torch.Tensor],
                         num_items_in_batch: Any) -> torch.Tensor:
-        """Run one HF micro-batch (HF's ``training_step``): skip a placeholder, or run it as one or more passes.
-
-        With ``oom_recovery``, an out-of-memory error in any pass (forward or backward) does not end the run: the
-        step's gradients are dropped (``grad = None``: nothing of the failed attempt leaks into the step), memory
-        is freed, the pass cap is halved, and the micro-batch is run again in smaller passes — the same samples
-        with the same loss normalisation, so the optimizer step sees the same gradient. The gradients the step had
-        before this micro-batch come back from a snapshot taken before it when the trainable parameters are a
-        small part of the model (LoRA and other adapters: at most 10 %, so the copy is cheap); otherwise the
-        step's earlier micro-batches are run again too (their losses were already counted by HF and are not
-        counted again). A single sample that does not fit stops the run with :class:`SampleTooLargeError`.
-        """
-        index = self._micro_index
-        self._micro_index += 1
-        last_of_step = index == len(self._step_batches) - 1
-        if isinstance(inputs, EmptyMicroBatch):
-            if last_of_step and self._manual_sync(model):
-                all_reduce_grads(model)
-            return torch.zeros((), device=self.trainer.args.device)
-        if not self.config.oom_recovery or self.trainer.is_deepspeed_enabled:
-            return self._run_passes(model, inputs, run, num_items_in_batch, index)
-        snapshot = grad_snapshot(model) if self._snapshot_grads(model) else None
-        retries = 0
-        while True:
-            failed: tuple[int, int] | None = None
-            try:
-                if retries and snapshot is not None:  # the step's gradients before this micro-batch, back
-                    restore_grads(model, snapshot)
-                elif retries:  # the step so far, again: the gradients were dropped
-                    for j in range(index):
-                        if not isinstance(self._step_batches[j], EmptyMicroBatch):
-                            self._run_passes(model, self._step_batches[j], run, num_items_in_batch, j, sync=False)
-                loss = self._run_passes(model, inputs, run, num_items_in_batch, index)
-            except Exception as error:  # noqa: BLE001 - only OOMs are handled; everything else is re-raised
-                if not is_oom(error):
-                    raise
-                failed = self._current_pass
-            if failed is None:
-                if retries:
-                    self._report_oom(retries)
-                return loss
-            retries += 1
-            self._recover_from_oom(model, failed, index)
-
-    def _run_passes(self, model: Any, inputs: Any, run: Callable[[Any], torch.Tensor], num_items_in_batch: Any,
-                    index: int, *, sync: bool = True) -> torch.Tensor:
-        """One micro-batch as ``pieces`` passes (requested pieces, or more to respect the pass limit)."""
-        rows, length = batch_shape(inputs)
-        requested = self.loader.num_pieces if self.loader is not None else 1
-        pieces = pieces_needed(rows, requested, pass_cap(length, self.pass_limit))
-        probe = self._probe
-        manual_sync = self._manual_sync(model)
-        if pieces > 1 and num_items_in_batch is None:
-            raise RuntimeError('splitting a micro-batch into passes (num_pieces > 1, a pass limit or OOM recovery) '
-                               'needs the loss normalised by num_items_in_batch (token-sum losses, as ms-swift uses); '
-                               'this model/trainer computes a per-batch mean, so splitting would change the gradient')
-        if probe is not None and num_items_in_batch is None:
-            raise RuntimeError('measure_grad_noise needs the loss normalised by num_items_in_batch (token-sum '
-                               'losses, as ms-swift uses); this model/trainer computes a per-batch mean')
-        if pieces > 1:
-            self._check_splittable()
-        bounds = piece_bounds(rows, pieces)
-        parts = split_micro_batch(inputs, pieces) if pieces > 1 else [inputs]
-        last_of_step = index == len(self._step_batches) - 1
-        total = None
-        for i, (part, (start, stop)) in enumerate(zip(parts, bounds)):
-            last = i == len(parts) - 1
-            self._current_pass = (index, start, stop)
-            self._step_max_pass = max(self._step_max_pass, stop - start)
-            synchronise = sync and last and not manual_sync
-            ctx = contextlib.nullcontext() if synchronise else self.trainer.accelerator.no_sync(model)
-            with ctx:
-                loss = run(dict(part))
-            total = loss if total is None else total + loss
-            if probe is not None:
-                sample = probe.after_pass(model, part, num_items_in_batch, end_of_micro_batch=last)
-                if sample is not None:
-                    setattr(self.trainer.control, protocol.GRAD_NOISE_SAMPLE, sample)
-        setattr(self.trainer.control, protocol.PASS_SIZE, self._step_max_pass)
-        if sync and last_of_step and manual_sync:
-            all_reduce_grads(model)
-        return total
-
-    def _snapshot_grads(self, model: Any) -> bool:
-        if self._adapter_like is None:
-            trainable = total = 0
-            for p in model.parameters():
-                total += p.numel()
-                trainable += p.numel() if p.requires_grad else 0
-            self._adapter_like = trainable <= 0.1 * max(total, 1)
-        return self._adapter_like
-
-    def _manual_sync(self, model: Any) -> bool:
-        """Under DDP every pass runs without DDP's in-backward all-reduce and the integration all-reduces the
-        gradients after the step's last pass: an OOM on one rank then never leaves the others waiting inside a
-        half-done backward, and a rank whose last step of an epoch is placeholders only (its shard is a sample
-        short) still joins the all-reduce (with or without ``oom_recovery``)."""
-        return isinstance(model, torch.nn.parallel.DistributedDataParallel)
-
-    def _recover_from_oom(self, model: Any, failed: tuple[int, int, int] | None, index: int) -> None:
-        """After an OOM (outside the ``except`` block): drop the step's gradients, free memory, halve the pass."""
-        micro, start, stop = failed if failed is not None else (index, 0, 1)
-        size = stop - start
-        for p in model.parameters():
-            p.grad = None
-        self._probe = None  # the first-pass gradient of this step is gone
-        free_memory()
-        self.oom_count += 1
-        if size <= 1:
-            batch = self._step_batches[micro]
-            indices = self._step_indices[micro] if micro < len(self._step_indices) else []
-            row_ids = batch.get('input_ids') if isinstance(batch, Mapping) else None
-            tokens = row_tokens(batch, start)
-            padded = int(row_ids.shape[-1]) if isinstance(row_ids, torch.Tensor) else None
-            sample = indices[start] if start < len(indices) else None
-            raise SampleTooLargeError(
-                f'out of memory on a single sample (dataset index {sample}, {tokens} tokens, padded to {padded}) '
-                f'after {self._oom_retries} retries; memory: {device_figures()}. It cannot fit: shorten it '
-                '(max_length / truncation_strategy), use a smaller model, gradient checkpointing, or more memory. '
-                'It was not skipped: skipping would silently lose data.')
-        cap = oom_backoff(size)
-        self.pass_limit = {**(self.pass_limit or {'tokens': None, 'rules': []}), 'samples': cap}
-        self._oom_retries += 1
-        self._oom_this_step = {'pass_size': size, 'new_cap': cap}
-
-    def _report_oom(self, retries: int) -> None:
-        info = self._oom_this_step or {'pass_size': 0, 'new_cap': 0}
-        figures = device_figures()
-        event = protocol.OomEvent(info['pass_size'], info['new_cap'], retries, figures)
-        setattr(self.trainer.control, protocol.OOM_EVENT, event)
-        # held until the next step boundary, where every rank's OOM records are exchanged (``apply_requests``)
-        info['record'] = DecisionRecord(
-            'integration', 'oom', 'recovered', {
-                'rank': distributed.rank(),
-                'pass_size': info['pass_size'],
-                'new_pass_cap': info['new_cap'],
-                'retries': retries,
-                'oom_count': self.oom_count,
-                **{f'memory_{k}': v for k, v in figures.items()}
-            }, f'out of memory in a pass of {info["pass_size"]} samples: the step was run again with at most '
-            f'{info["new_cap"]} a pass (same samples, same gradient)', step=self.trainer.state.global_step)
+        """HF's ``training_step`` for one micro-batch: see :meth:`.steps.StepRunner.run_micro_batch`. Every returned
+        loss is noted (:mod:`.losses`): a non-finite one is published at the next log line."""
+        loss = self.runner.run_micro_batch(model, inputs, run, num_items_in_batch)
+        return loss_watch(self).note(self.trainer.state.global_step, loss)
 
     # ---- numbers for the logs -------------------------------------------------------------------------
     def global_batch_size(self) -> int:
@@ -836,11 +722,11 @@ class Integration:
                 'dynamic/batch_size': loader.batch_size,
                 'dynamic/num_pieces': loader.num_pieces,
                 'dynamic/global_batch_size': self.global_batch_size(),
-                'dynamic/samples_seen': sum(distributed.gather_objects(loader.samples_seen)),
+                'dynamic/samples_seen': distributed.sum_ints([loader.samples_seen])[0],
                 'dynamic/epoch_coverage': round(loader.position / max(loader.epoch_size, 1), 6),
                 'dynamic/lr_scale': self.lr_scale,
-                'dynamic/pass_size': self._step_max_pass,
-                'dynamic/oom_count': self.oom_count,
+                'dynamic/pass_size': self.runner.max_pass,
+                'dynamic/oom_count': self.runner.oom_count,
             })
         if loader is not None and self.config.log_values and loader.plan is not None:
             values.update(self.token_values())
@@ -853,13 +739,13 @@ class Integration:
             'pending_request': None if request.empty else asdict(request),
             'held_decisions': [r.to_json() for r in self._held],
             'pass_limit': self.pass_limit,
-            'oom_count': self.oom_count,
+            'oom_count': self.runner.oom_count,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._held = [DecisionRecord(**r) for r in state.get('held_decisions', [])]
         self.pass_limit = state.get('pass_limit')
-        self.oom_count = int(state.get('oom_count', 0))
+        self.runner.oom_count = int(state.get('oom_count', 0))
         pending = state.get('pending_request')
         if not pending:
             return
@@ -883,10 +769,15 @@ class Integration:
         if not (self.trainer.args.should_save and distributed.is_main_process()):
             return
         components = [self] + ([self.loader] if self.loader is not None else []) + self.callback_components()
-        payload = build_payload(components, self.snapshot_config())
+        binding = {'run_id': self.run_id, 'global_step': self.trainer.state.global_step,
+                   'samples_seen': sum(int(state.get('samples_seen', 0)) for state in loader_ranks),
+                   'dataset': self._dataset_fingerprint}
+        payload = build_payload(components, self.snapshot_config(), binding=binding, settings=self.settings_snapshot())
         if len(loader_ranks) > 1:
             payload['components'][f'{self.loader.state_key}.ranks'] = loader_ranks
-        write_state(checkpoint_dir, payload)
+        path = write_state(checkpoint_dir, payload)
+        # HF writes trainer_state.json after this: the entry binds the state file to this checkpoint (check_binding)
+        self.trainer.state.stateful_callbacks[BINDING_KEY] = binding_entry(payload, file_digest(path))
 
 
 def _rank_state(components: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -1017,6 +908,10 @@ class DynamicTrainerMixin:
     def log(self, logs, *args, **kwargs):
         integration = self.dynamic_integration
         if 'loss' in logs and integration.loader is not None:
+            nonfinite = sum(distributed.gather_objects(loss_watch(integration).take()))  # HF may log a NaN as finite
+            setattr(self.control, protocol.LOSS_NONFINITE, nonfinite)
+            if nonfinite or integration.config.log_values:
+                logs[protocol.NONFINITE_LOG_KEY] = nonfinite
             logs.update(integration.log_values(self.control))
             if 'learning_rate' in logs and integration.step_lr is not None:
                 # ms-swift reads the LR after the scheduler stepped (the next step's); log the one this step used

@@ -98,23 +98,33 @@ def plateau_step(state: PlateauState, value: float, *, mode: str, min_delta: flo
     During ``cooldown`` values (after a restart) nothing counts. Otherwise an improvement by more than
     ``min_delta`` resets the wait; ``patience`` values in a row without one are a plateau, after which the wait
     restarts, the cooldown begins and the best value is the current one (the restarted run is judged afresh).
-    Non-finite values never improve.
+    A non-finite value changes nothing: it is neither an improvement nor a value without one (a NaN step says
+    nothing about a plateau), and it does not use up the cooldown.
     """
+    if not math.isfinite(value):
+        return state, False
     if state.cooldown > 0:
         best = value if state.best is None else state.best
         return replace(state, cooldown=state.cooldown - 1, best=best), False
-    if math.isfinite(value) and improved(value, state.best, mode, min_delta):
+    if improved(value, state.best, mode, min_delta):
         return PlateauState(best=value, wait=0, cooldown=0), False
     wait = state.wait + 1
     if wait >= patience:
-        return PlateauState(best=value if math.isfinite(value) else state.best, wait=0, cooldown=cooldown), True
+        return PlateauState(best=value, wait=0, cooldown=cooldown), True
     return replace(state, wait=wait), False
 
 
 def smoothed(values: Sequence[float], window: int) -> float:
-    """Mean of the last ``window`` values (fewer at the start)."""
-    recent = list(values)[-window:]
-    return sum(recent) / len(recent)
+    """Median of the finite values among the last ``window`` values (fewer at the start; NaN when none).
+
+    A median, not a mean: one outlier (a loss spike, or the 0.0 HF logs for a NaN step) moves it by one rank at
+    most, where it would move a mean of ``window`` values by ``outlier / window`` for ``window`` values in a row.
+    """
+    recent = sorted(v for v in list(values)[-window:] if math.isfinite(v))
+    if not recent:
+        return math.nan
+    middle = len(recent) // 2
+    return recent[middle] if len(recent) % 2 else (recent[middle - 1] + recent[middle]) / 2
 
 
 @dataclass(frozen=True)

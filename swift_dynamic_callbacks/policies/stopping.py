@@ -3,7 +3,9 @@
 One monitored value at a time (an evaluation metric, or a logged training value) goes through
 :func:`stop_decision` with the state kept so far (best value, evaluations without improvement). Checks, in order:
 
-1. ``non_finite``: the value is NaN or infinite -> stop (best and wait unchanged).
+1. ``non_finite``: the value is NaN or infinite -> stop (best and wait unchanged). With
+   ``stop_on_non_finite=False`` it is a check without improvement instead (``wait += 1``; only rule 5 applies):
+   a non-finite value is never an improvement, never reaches a threshold and never counts as a divergence.
 2. improvement: ``value < best - min_delta`` (mode ``min``) or ``value > best + min_delta`` (mode ``max``); the
    first value always improves. An improvement sets ``best = value, wait = 0``; otherwise ``wait += 1``.
 3. ``threshold``: the value reached the goal (``value <= threshold`` in mode ``min``, ``>=`` in ``max``) -> stop.
@@ -59,14 +61,18 @@ def improves(value: float, best: float | None, mode: str, min_delta: float = 0.0
 
 
 def stop_decision(value: float, best: float | None, wait: int, *, mode: str, patience: int, min_delta: float = 0.0,
-                  threshold: float | None = None, divergence: float | None = None) -> StopDecision:
+                  threshold: float | None = None, divergence: float | None = None,
+                  stop_on_non_finite: bool = True) -> StopDecision:
     """Check one monitored value (see the module docstring for the rules and their order)."""
     if mode not in MODES:
         raise ValueError(f'mode: must be min or max, got {mode!r}')
     if patience < 1:
         raise ValueError(f'patience: must be >= 1, got {patience}')
     if not math.isfinite(value):
-        return StopDecision(True, StopReason.NON_FINITE, best, wait, False)
+        if stop_on_non_finite:
+            return StopDecision(True, StopReason.NON_FINITE, best, wait, False)
+        wait += 1
+        return StopDecision(wait >= patience, StopReason.PATIENCE if wait >= patience else None, best, wait, False)
     improved = improves(value, best, mode, min_delta)
     if improved:
         best, wait = value, 0

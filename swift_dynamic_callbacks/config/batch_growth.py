@@ -1,0 +1,211 @@
+"""Settings of the ``batch_growth`` callback (YAML key ``dynamic_callbacks.batch_growth``); no torch imported."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from . import (Check, Choice, ConfigError, Int, IntTable, Number, Reads, Settings, setting)
+
+POLICIES = ('interval', 'table', 'callable', 'loss_variability', 'noise_scale')
+#: Policies that decide from values of this rank (losses, gradients, a user function): rank 0 decides for all.
+RANK_LOCAL_POLICIES = ('callable', 'loss_variability', 'noise_scale')
+#: Modules the command line never imports (they cost seconds): a ``function`` whose module needs one of them is
+#: checked when the trainer is built, in the training process, instead of by ``swift-dynamic check``.
+HEAVY_MODULES = ('torch', 'transformers', 'peft', 'swift', 'accelerate', 'deepspeed')
+
+
+class HeavyImportNeeded(ImportError):
+    """Importing a ``function`` module would import torch (or another heavy package) in a light process."""
+
+
+class _HeavyBlocker(importlib.abc.MetaPathFinder):
+
+    def find_spec(self, name, path=None, target=None):  # noqa: D102 - importlib protocol
+        if name.split('.')[0] in HEAVY_MODULES:
+            raise HeavyImportNeeded(name)
+        return None
+
+
+def _split_path(path: str) -> tuple[str, str]:
+    module, _, name = path.partition(':') if ':' in path else path.rpartition('.')
+    if not module or not name:
+        raise ConfigError(f'function: expected "package.module:function", got {path!r}')
+    return module, name
+
+
+def import_callable(path: str, *, light: bool = False) -> Callable[[int, int], int] | None:
+    """``'package.module:function'`` or ``'package.module.function'`` -> the function.
+
+    ``light``: in a process that has not imported torch (the command line), a module that would import one of
+    :data:`HEAVY_MODULES` is not imported (what it had imported so far is dropped again) and ``None`` is
+    returned: the training process checks it when the trainer is built.
+
+    Raises:
+        ConfigError: bad syntax, the module or the attribute cannot be imported, or it is not callable.
+    """
+    module, name = _split_path(path)
+    blocker = None
+    before = set(sys.modules)
+    if light and not any(m in sys.modules for m in HEAVY_MODULES):
+        blocker = _HeavyBlocker()
+        sys.meta_path.insert(0, blocker)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except HeavyImportNeeded:
+        for added in set(sys.modules) - before:
+            sys.modules.pop(added, None)
+        return None
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f'function: cannot import {path!r}: {type(e).__name__}: {e}') from None
+    except Exception as e:  # noqa: BLE001 - the module itself failed while being imported
+        raise ConfigError(f'function: importing {path!r} failed: {type(e).__name__}: {e}') from None
+    finally:
+        if blocker is not None:
+            sys.meta_path.remove(blocker)
+    if not callable(fn):
+        raise ConfigError(f'function: {path!r} is not callable (got a {type(fn).__name__})')
+    return fn
+
+
+def checked_size(value: Any, where: str) -> int:
+    """A batch size returned by the ``function``; ``ValueError`` naming the call unless an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f'batch_growth.function returned {value!r} {where}; it must return an int >= 1')
+    return value
+
+
+@dataclass(frozen=True)
+class FunctionRef(Check):
+    """A dotted path ``package.module:function`` (syntax checked here; the import in ``cross_checks``) or, in
+    Python, the callable itself."""
+
+    optional: bool = True
+
+    def check(self, name: str, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                _split_path(value)
+            except ConfigError as e:
+                raise ConfigError(str(e).replace('function:', f'{name}:', 1)) from None
+            return value
+        if callable(value) and not isinstance(value, type):
+            return value
+        raise ConfigError(f'{name}: expected "package.module:function" (or a callable in Python), got {value!r}')
+
+
+@dataclass(frozen=True)
+class BatchGrowthConfig(Settings):
+    """Settings of :class:`BatchGrowthCallback` (YAML key ``dynamic_callbacks.batch_growth``).
+
+    Attributes:
+        policy: ``interval`` (grow by ``factor`` every ``interval`` steps), ``table`` (``{step: size}``),
+            ``callable`` (``function(step, batch_size) -> batch_size``, called after every optimizer step) or
+            ``loss_variability`` (every ``interval`` steps, grow by ``factor`` while the coefficient of variation
+            of the last ``window`` logged training losses is above ``threshold``) or ``noise_scale`` (every
+            ``interval`` steps, grow toward the critical batch size estimated from the gradient noise scale, see
+            below).
+        initial: per-device batch size at the start (and before the first ``table`` key).
+        factor: growth factor, in (1, 8]; fractional factors round up and every growth adds >= 1.
+        interval: optimizer steps between growths (interval policy) or between checks (loss_variability,
+            noise_scale).
+        maximum: largest per-device batch size (all policies are clamped to it).
+        delay: optimizer steps before the interval schedule starts (first growth at ``delay + interval``).
+        table: ``{0-based optimizer step: per-device batch size}`` (table policy).
+        function: dotted path ``package.module:function`` (or the function itself, in Python). Imported and called
+            once as ``function(0, initial)`` when the settings are validated; ``swift-dynamic check`` does that
+            only when the module can be imported without torch (else the training process does it when the
+            trainer is built, and ``check`` prints a note saying so).
+        micro_batch_cap: largest number of samples per forward/backward pass; a larger batch is run as
+            ``ceil(batch / cap)`` pieces with the same gradient (``None``: no cap).
+        lr_scaling: ``sqrt`` (default: the rule for Adam-family optimizers, HF's default AdamW included),
+            ``linear`` or ``none``; the factor is relative to ``reference_batch``.
+        reference_batch: the per-device batch size the configured learning rate is meant for (default
+            ``initial``).
+        apply_at: ``step`` (a change applies at the next optimizer step) or ``epoch`` (held until the next
+            epoch boundary: fewer loader restarts).
+        window: logged losses the loss_variability policy looks at (default 20: with ``logging_steps: 1``, enough
+            values for a stable spread estimate, short enough to follow the run).
+        threshold: coefficient of variation above which the loss counts as noisy (default 0.05: step-to-step
+            loss of an LLM fine-tune at a small batch typically varies by 5-15 % of its value, and by less once the
+            batch averages enough samples).
+        noise_decay: EMA decay of the noise-scale terms (default 0.95, about 20 steps of memory: one step's
+            estimate from a single small pass is very noisy, and McCandlish et al. smooth both terms the same way).
+            The noise_scale policy also waits for ``window`` measured steps before its first decision.
+
+    Which settings each policy reads is the ``reads`` table below; a setting the configured policy does not read
+    is refused (``table`` with ``policy: interval`` would be silently ignored).
+
+    The ``noise_scale`` policy estimates B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018) from gradients
+    gradient accumulation already computes: the integration measures the mean-gradient norm after a step's first
+    forward/backward pass and after its last (``protocol.measure_grad_noise``; no extra passes). B_simple is in
+    loss tokens; divided by the mean tokens per sample it is a global batch in samples, and divided by
+    ``gradient_accumulation_steps x world size`` the per-device size to grow toward. It needs at least two passes
+    per step: ``gradient_accumulation_steps >= 2`` or ``micro_batch_cap`` below the batch size.
+    """
+
+    policy: str = setting(Choice(POLICIES), 'interval')
+    initial: int = setting(Int(1), 1)
+    factor: float = setting(Number(1, 8, low_open=True), 2.0)
+    interval: int = setting(Int(1), 100)
+    maximum: int = setting(Int(1), 32)
+    delay: int = setting(Int(0), 0)
+    table: Mapping[int, int] = setting(IntTable(1, what='step: batch_size'), default_factory=dict)
+    function: Any = setting(FunctionRef(), None)
+    micro_batch_cap: int | None = setting(Int(1, optional=True), None)
+    lr_scaling: str = setting(Choice(('sqrt', 'linear', 'none')), 'sqrt')
+    reference_batch: int | None = setting(Int(1, optional=True), None)
+    apply_at: str = setting(Choice(('step', 'epoch')), 'step')
+    window: int = setting(Int(2), 20)
+    threshold: float = setting(Number(0, float('inf'), low_open=True, high_open=True), 0.05)
+    noise_decay: float = setting(Number(0, 1, high_open=True), 0.95)
+
+    reads = (
+        Reads('policy', {
+            'interval': ('factor', 'interval', 'delay'),
+            'table': ('table', ),
+            'callable': ('function', ),
+            'loss_variability': ('factor', 'interval', 'delay', 'window', 'threshold'),
+            'noise_scale': ('factor', 'interval', 'delay', 'window', 'noise_decay'),
+        }),
+        Reads('lr_scaling', {'sqrt': ('reference_batch', ), 'linear': ('reference_batch', ), 'none': ()}),
+    )
+    controls = ('batch_size', 'num_pieces', 'lr_scale')
+
+    def cross_checks(self) -> None:
+        if self.maximum < self.initial:
+            raise ConfigError(f'maximum: must be >= initial ({self.initial}), got {self.maximum}')
+        if self.policy == 'table' and not self.table:
+            raise ConfigError('table: the table policy needs at least one {step: batch_size} entry, got none')
+        if self.policy == 'callable':
+            if self.function is None:
+                raise ConfigError('function: the callable policy needs function: "package.module:function"')
+            fn = import_callable(self.function, light=True) if isinstance(self.function, str) else self.function
+            if fn is None:
+                object.__setattr__(self, '_notes', (
+                    f'batch_growth.function: {self.function!r} imports torch (or transformers, swift, ...), so it is '
+                    'imported and checked when the trainer is built, in the training process, not here', ))
+                return
+            self._check_call(fn)
+
+    def _check_call(self, fn: Callable[[int, int], int]) -> None:
+        try:
+            checked_size(fn(0, self.initial), f'for (step=0, batch_size={self.initial})')
+        except ValueError as e:
+            raise ConfigError(f'function: {e}') from None
+        except Exception as e:  # noqa: BLE001 - the user's function failed: a configuration error naming it
+            raise ConfigError(f'function: calling {self.function!r} as function(0, {self.initial}) failed: '
+                              f'{type(e).__name__}: {e}') from None
+
+    def notes(self) -> tuple[str, ...]:
+        """What validation could not check in this process (printed by ``swift-dynamic check``)."""
+        return getattr(self, '_notes', ())
+
+    def resolved_function(self) -> Callable[[int, int], int]:
+        """The ``function``, imported now (torch allowed) and checked with one call (``ConfigError`` otherwise)."""
+        fn = import_callable(self.function) if isinstance(self.function, str) else self.function
+        self._check_call(fn)
+        return fn

@@ -1,0 +1,123 @@
+"""Which pack features each training engine supports: one table, read by ``swift-dynamic check``, by
+``swift-dynamic sft`` before it launches, and by the integration's engine adapter when training starts.
+
+Engines (``integrations.engines`` has one adapter each): ``single`` (one process), ``ddp``
+(``DistributedDataParallel``), ``fsdp2`` (``fully_shard``) and ``deepspeed`` (ZeRO-2 / ZeRO-3). Whether a
+run is ``single`` or ``ddp`` is only known at launch (the number of processes); ``fsdp2`` and ``deepspeed`` are
+named in the ms-swift settings (``fsdp:`` / ``deepspeed:``), so their refusals are raised before any model loads.
+
+No torch here: this module is imported by the command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from . import ConfigError
+
+ENGINES = ('single', 'ddp', 'fsdp2', 'deepspeed')
+
+#: feature -> why FSDP2 / DeepSpeed cannot run it (they hold collectives inside forward and backward).
+_SHARDED_REASONS = {
+    'fsdp2': {
+        'pieces': 'FSDP2 all-gathers the parameters in every forward pass; a micro-batch run as several passes '
+                  '(micro_batch_cap, or a pass cap that depends on each rank\'s sample lengths) would give the ranks '
+                  'different numbers of collectives',
+        'pass_limit': 'FSDP2 all-gathers the parameters in every forward pass; a pass cap that depends on each '
+                      'rank\'s sample lengths and memory gives the ranks different numbers of collectives',
+        'noise_scale': 'FSDP2 keeps a step\'s first-pass gradient unsharded inside the engine until the step\'s '
+                       'reduce-scatter, so the gradient-noise probe cannot read it',
+        'oom_recovery': 'FSDP2 all-gathers inside forward and reduce-scatters inside backward: a rank that runs a '
+                        'pass again after an out-of-memory error would leave the other ranks waiting in a collective',
+    },
+    'deepspeed': {
+        'pieces': 'DeepSpeed owns backward, the optimizer step and the accumulation boundary, and ZeRO communicates '
+                  'in every backward; a micro-batch run as several passes would give the ranks different numbers '
+                  'of collectives',
+        'pass_limit': 'DeepSpeed ZeRO communicates in every backward; a pass cap that depends on each rank\'s sample '
+                      'lengths and memory gives the ranks different numbers of collectives',
+        'noise_scale': 'DeepSpeed ZeRO partitions and reduces gradients inside backward, so the gradient-noise probe '
+                       'cannot read a pass\'s gradient',
+        'oom_recovery': 'DeepSpeed ZeRO communicates inside backward (and ZeRO-3 inside forward): a rank that runs a '
+                        'pass again after an out-of-memory error would leave the other ranks waiting in a collective',
+    },
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A feature the configuration asks for that the engine cannot run."""
+
+    engine: str
+    feature: str
+    setting: str  # the YAML key that asks for it
+    reason: str
+
+    @property
+    def message(self) -> str:
+        return (f'{self.setting}: {self.feature} is not supported under {self.engine}: {self.reason}. Remove the '
+                f'setting, or train without {self.engine}')
+
+
+def engine_from_swift(settings: Mapping[str, Any]) -> str | None:
+    """The engine the ms-swift settings (YAML keys, or ``SftArguments`` fields) name, or ``None`` when only the
+    number of processes decides (``single`` / ``ddp``).
+
+    Raises:
+        ConfigError: FSDP version 1 (``fsdp_config.fsdp_version: 1``), which the pack does not support.
+    """
+    if settings.get('deepspeed'):
+        return 'deepspeed'
+    if settings.get('fsdp'):
+        fsdp_config = settings.get('fsdp_config') or {}
+        version = fsdp_config.get('fsdp_version', 2) if isinstance(fsdp_config, Mapping) else 2
+        if str(version) == '1':
+            raise ConfigError('fsdp_config.fsdp_version: 1 (FSDP1) is not supported by swift-dynamic-callbacks; use '
+                              'fsdp: fsdp2 (FSDP2), DeepSpeed or DDP')
+        return 'fsdp2'
+    return None
+
+
+def requested_features(pack: Mapping[str, Any], listed: Iterable[str]) -> dict[str, str]:
+    """``feature -> the setting asking for it`` for the engine-dependent features of a pack configuration.
+
+    ``pack`` is the ``dynamic_callbacks:`` mapping (``PackConfig.to_json()``), ``listed`` the callbacks named in
+    ms-swift's ``callbacks:``.
+    """
+    listed = set(listed)
+    features: dict[str, str] = {}
+    growth = pack.get('batch_growth') or {}
+    if 'batch_growth' in listed:
+        if growth.get('micro_batch_cap') is not None:
+            features['pieces'] = 'dynamic_callbacks.batch_growth.micro_batch_cap'
+        if growth.get('policy') == 'noise_scale':
+            features['noise_scale'] = 'dynamic_callbacks.batch_growth.policy'
+    if 'memory_backoff' in listed:
+        features['pass_limit'] = 'callbacks: memory_backoff'
+    if (pack.get('integration') or {}).get('oom_recovery') is True:
+        features['oom_recovery'] = 'dynamic_callbacks.integration.oom_recovery'
+    return features
+
+
+def unsupported(engine: str, feature: str) -> str | None:
+    """Why ``engine`` cannot run ``feature``, or ``None`` when it can."""
+    return _SHARDED_REASONS.get(engine, {}).get(feature)
+
+
+def refusals(engine: str | None, pack: Mapping[str, Any], listed: Iterable[str]) -> list[Refusal]:
+    if engine is None:
+        return []
+    found = []
+    for feature, setting in requested_features(pack, listed).items():
+        reason = unsupported(engine, feature)
+        if reason is not None:
+            found.append(Refusal(engine, feature, setting, reason))
+    return found
+
+
+def check_engine(engine: str | None, pack: Mapping[str, Any], listed: Iterable[str]) -> None:
+    """Raise one :class:`ConfigError` listing every feature ``engine`` cannot run."""
+    found = refusals(engine, pack, listed)
+    if found:
+        raise ConfigError('; '.join(r.message for r in found))

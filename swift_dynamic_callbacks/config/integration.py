@@ -1,0 +1,59 @@
+"""Settings of the trainer-side integration (YAML key ``dynamic_callbacks.integration``); no torch imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from . import Choice, Flag, Int, Settings, Text, from_mapping, setting
+
+
+@dataclass(frozen=True)
+class IntegrationConfig(Settings):
+    """Settings of the integration itself (YAML key ``dynamic_callbacks.integration``).
+
+    Attributes:
+        record_samples: write ``dynamic_samples.rank<R>.jsonl`` with the dataset indices of every micro-batch
+            (an audit trail of exactly-once data; small: one line per optimizer step).
+        log_values: merge the current batch size, pieces, global batch and samples seen into training logs.
+        max_steps_unit: what ``max_steps`` counts when the batch size changes: ``steps`` (default: optimizer
+            steps, whatever their size; HF's meaning) or ``samples`` (a data budget of ``max_steps`` steps at the
+            configured ``per_device_train_batch_size`` x ``gradient_accumulation_steps`` samples per device: growing
+            the batch then means fewer, larger steps, and training stops at the first step boundary where the budget
+            of samples is used; the LR schedule, ``state.max_steps`` and the progress bar follow the step count the
+            budget needs at the current batch size).
+        oom_recovery: ``auto`` (default), ``true`` or ``false``. On, an out-of-memory error inside a training step
+            does not end the run: the step's passes are run again at half the pass size with the same samples and
+            gradient (see :meth:`Integration.run_micro_batch`). ``auto`` turns it on where the engine allows it (one
+            process, DDP) and off under FSDP2 and DeepSpeed, whose forward and backward passes hold collectives
+            (the ``engine`` record at start says so); ``true`` there is refused (``config.engines``).
+        oom_single_sample_retries: how often a one-sample pass that ran out of memory is run again, memory freed
+            before each try (a one-off spike or fragmentation), before the sample is declared too large (default 2).
+        enabled: ``false`` turns the whole pack off for a baseline run (as does the environment variable
+            ``SWIFT_DYNAMIC_CALLBACKS_DISABLE=1``): no integration, no callback does anything, the run is the plain
+            trainer's; one log line and one ``pack``/``disabled`` record say so.
+        fail_fast: an unexpected exception inside a pack callback's hook ends the run (debugging) instead of
+            disabling that callback with a ``fault`` record.
+        allow_config_change: resuming with settings other than those the checkpoint was written with (a growth
+            interval, a budget, an LR shape ...) is refused unless this is ``true``; then every changed setting is
+            one ``config_change`` record with its old and new value. Logging settings (``record_samples``,
+            ``log_values``, ``fail_fast``, ``training_log``) may always change.
+        replay: path of a previous run's ``dynamic_decisions.jsonl`` (or its output directory): the integration
+            applies the batch and LR requests recorded there (``applied_request`` records) at the same step
+            boundaries and ignores the callbacks' own requests, so the run repeats the recorded one. That it exists
+            is checked when the ``dynamic_callbacks:`` section is parsed (``config.pack.parse_section``).
+    """
+
+    record_samples: bool = setting(Flag(), False)
+    log_values: bool = setting(Flag(), True)
+    max_steps_unit: str = setting(Choice(('steps', 'samples')), 'steps')
+    oom_recovery: bool | str = setting(Choice(('auto', True, False)), 'auto')
+    oom_single_sample_retries: int = setting(Int(0, 100), 2)
+    enabled: bool = setting(Flag(), True)
+    fail_fast: bool = setting(Flag(), False)
+    replay: str | None = setting(Text('output/first_run/dynamic_decisions.jsonl', optional=True), None)
+    allow_config_change: bool = setting(Flag(), False)
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | None) -> 'IntegrationConfig':
+        return from_mapping(cls, mapping, prefix='dynamic_callbacks.integration')

@@ -1,0 +1,76 @@
+"""Settings of the ``length_batching`` callback (YAML key ``dynamic_callbacks.length_batching``); no torch imported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..policies.length import DEFAULT_RULES, MODES, BatchPlan, check_rules
+from . import Check, Choice, ConfigError, Flag, Int, Number, Reads, Settings, setting
+
+
+@dataclass(frozen=True)
+class LengthRules(Check):
+    """``{longer_than: samples}`` (or ``[[longer_than, samples], ...]``) with a ``0`` entry."""
+
+    def check(self, name: str, value: Any) -> Any:
+        if isinstance(value, (str, bytes)) or not isinstance(value, (Mapping, list, tuple)):
+            raise ConfigError(f'{name}: expected a mapping {{longer_than: samples}} with a 0 entry, got {value!r} '
+                              f'({type(value).__name__})')
+        try:
+            rules = check_rules(value)
+        except (TypeError, ValueError) as e:
+            message = str(e)
+            raise ConfigError(message.replace('rules:', f'{name}:', 1) if message.startswith('rules:') else
+                              f'{name}: {message}') from None
+        return dict(rules)
+
+
+@dataclass(frozen=True)
+class LengthBatchingConfig(Settings):
+    """Settings of :class:`LengthBatchingCallback` (YAML key ``dynamic_callbacks.length_batching``).
+
+    Attributes:
+        mode: ``token_budget`` (a micro-batch holds as many samples as fit in ``max_tokens`` padded tokens,
+            ``samples x longest``) or ``rules`` (the longest sample picks the size from ``rules``).
+        max_tokens: padded-token budget of one micro-batch (token_budget). A sample longer than this runs alone
+            (a warning record lists such samples).
+        rules: ``{longer_than: samples}``: a micro-batch whose longest sample is longer than ``longer_than`` tokens
+            holds at most ``samples`` (the largest matching threshold wins); needs a ``0`` entry. The seed's rule:
+            ``{0: 8, 1024: 2}`` (longest > 1024 tokens -> 2, else 8).
+        bucketing: lay every epoch out as shuffled chunks of samples of similar length (far less padding); off:
+            the host's random order, cut by length.
+        bucket_width: relative length spread inside a bucket, in [0, 10] (0.03: within 3 % of the bucket's
+            shortest sample). Smaller: less padding, more (smaller) partial batches.
+        bucket_fill: in [0, 1], how much of one full micro-batch a bucket holds before the next bucket may open
+            (0.5: half; where lengths are sparse a bucket grows past ``bucket_width`` until then, so it can still
+            form reasonably large micro-batches). Larger: fewer micro-batches, a little more padding.
+        seed: seed of the bucketed order (with the epoch number); ``None``: ``data_seed``, else ``seed`` of the
+            training arguments.
+
+    In both modes the trainer's per-device batch size (``per_device_train_batch_size``, or what a batch callback
+    set) is the most samples a micro-batch holds: set it to the largest count you allow for short samples.
+    ``max_tokens`` is read only by ``mode: token_budget``, ``rules`` only by ``mode: rules``, the ``bucket_*``
+    settings and ``seed`` only with ``bucketing: true`` (the ``reads`` table).
+    """
+
+    mode: str = setting(Choice(MODES), 'token_budget')
+    max_tokens: int = setting(Int(1), 16384)
+    rules: Mapping[int, int] = setting(LengthRules(), default_factory=lambda: dict(DEFAULT_RULES))
+    bucketing: bool = setting(Flag(), True)
+    bucket_width: float = setting(Number(0, 10), 0.03)
+    bucket_fill: float = setting(Number(0, 1), 0.5)
+    seed: int | None = setting(Int(optional=True), None)
+
+    reads = (
+        Reads('mode', {'token_budget': ('max_tokens', ), 'rules': ('rules', )}),
+        Reads('bucketing', {True: ('bucket_width', 'bucket_fill', 'seed'), False: ()}),
+    )
+    controls = ('batch_plan', )  # composes with batch_size: the plan cuts micro-batches at most the current size
+
+    def plan(self, default_seed: int) -> BatchPlan:
+        """The :class:`BatchPlan` these settings ask for (``default_seed`` when ``seed`` is ``None``)."""
+        return BatchPlan(mode=self.mode, max_tokens=self.max_tokens, rules=tuple(self.rules.items()),
+                         bucketing=self.bucketing, bucket_width=float(self.bucket_width),
+                         bucket_fill=float(self.bucket_fill),
+                         seed=self.seed if self.seed is not None else default_seed)

@@ -1,0 +1,434 @@
+"""The ``dynamic_callbacks:`` section, the callback names and every check that needs only the YAML file. No torch.
+
+This is what ``swift-dynamic check`` / ``sft`` / ``rlhf`` import (nothing here imports torch, transformers, peft or
+swift), and what the training processes use to read the settings handed over in :data:`ENV_CONFIG`:
+
+- :func:`parse_section`: the pack's own settings (each callback's config class validates its settings; unknown
+  names, settings of callbacks that are not listed, two listed callbacks that drive the same control, and a replay
+  file that does not exist are refused);
+- :func:`check_run`: the pack against the rest of the ms-swift settings (unknown names in ``callbacks:``, the
+  engine's refusals, streaming, packing with split micro-batches, settings the integration refuses at start-up,
+  monitors of evaluation metrics in a run that never evaluates, ...) — everything that would otherwise only fail
+  after the model has loaded;
+- :func:`load_env_config`: the settings in :data:`ENV_CONFIG` (inline JSON, or a YAML / JSON file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping, Sequence
+
+from .. import protocol
+from . import ConfigError, from_mapping, to_mapping
+from .batch_growth import BatchGrowthConfig
+from .batch_schedule import BatchScheduleConfig
+from .checkpoint_rotation import CheckpointRotationConfig
+from .early_stopping import EarlyStoppingConfig
+from .engines import check_engine, engine_from_swift
+from .integration import IntegrationConfig
+from .length_batching import LengthBatchingConfig
+from .lr_schedule import LRScheduleConfig
+from .memory_backoff import MemoryBackoffConfig
+from .training_log import TrainingLogConfig
+
+ENV_CONFIG = 'SWIFT_DYNAMIC_CALLBACKS_CONFIG'
+SECTION = 'dynamic_callbacks'
+PLUGIN_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'integrations',
+                           'swift_plugin.py')
+
+#: Every pack callback by its ms-swift name, with its config class (the callback classes live in ``callbacks/``
+#: and import torch; ``integrations.swift.CALLBACKS`` maps the same names to them).
+CALLBACK_CONFIGS: dict[str, type] = {
+    'batch_growth': BatchGrowthConfig,
+    'batch_schedule': BatchScheduleConfig,
+    'lr_schedule': LRScheduleConfig,
+    'memory_backoff': MemoryBackoffConfig,
+    'early_stopping': EarlyStoppingConfig,
+    'checkpoint_rotation': CheckpointRotationConfig,
+    'training_log': TrainingLogConfig,
+    'length_batching': LengthBatchingConfig,
+}
+
+#: ms-swift 4.6's own entries of ``swift.callbacks.callbacks_map`` (a static copy: the command line must not import
+#: swift; ``tests/test_cli_yaml.py`` compares it with the installed ms-swift).
+SWIFT_CALLBACKS = ('activation_cpu_offload', 'adalora', 'deepspeed_elastic', 'early_stop', 'graceful_exit', 'lisa',
+                   'perf_log')
+
+#: HF ``lr_scheduler_type`` values whose scheduler is not a ``LambdaLR`` (the pack cannot scale or reshape them).
+NON_LAMBDA_SCHEDULERS = ('reduce_lr_on_plateau', 'greedy')
+
+
+@dataclass(frozen=True)
+class PackConfig:
+    """The validated ``dynamic_callbacks:`` section: the integration's settings and each callback's raw settings.
+
+    ``notes``: what validation could not check in this process (e.g. a ``batch_growth.function`` whose module
+    imports torch), printed by the command line; not part of the configuration.
+    """
+
+    integration: IntegrationConfig = field(default_factory=IntegrationConfig)
+    callbacks: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def callback_config(self, name: str) -> Any:
+        return from_mapping(CALLBACK_CONFIGS[name], self.callbacks.get(name), prefix=f'{SECTION}.{name}')
+
+    def to_json(self) -> dict[str, Any]:
+        return {'integration': to_mapping(self.integration), **{k: dict(v) for k, v in self.callbacks.items()}}
+
+
+def _names(listed: Any, where: str) -> list[str]:
+    if listed is None:
+        return []
+    if isinstance(listed, str):
+        return [listed]
+    if not isinstance(listed, (list, tuple)) or not all(isinstance(n, str) for n in listed):
+        raise ConfigError(f'{where}: expected a list of callback names, got {listed!r}')
+    return list(listed)
+
+
+def check_controls(listed: Iterable[str]) -> None:
+    """Refuse two listed pack callbacks that drive the same control (``protocol.CONTROLS``), and a pack callback
+    listed twice: a request flag holds one value per step boundary, so the last request would silently win.
+
+    Derived from each config class's ``controls``. Pairs that compose are not refused: ``length_batching``
+    (``batch_plan``) cuts micro-batches of at most the batch size ``batch_growth`` / ``batch_schedule`` set;
+    ``memory_backoff``'s pass limit caps the passes whatever ``num_pieces`` asks; ``lr_schedule`` shapes the LR
+    and ``batch_growth``'s ``lr_scale`` multiplies it.
+    """
+    names = [n for n in listed if n in CALLBACK_CONFIGS]
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ConfigError(f'callbacks: {name} is listed twice; two {name} callbacks would fight over '
+                              f'{", ".join(CALLBACK_CONFIGS[name].controls) or "the same work"}')
+        seen.add(name)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            shared = [c for c in CALLBACK_CONFIGS[first].controls if c in CALLBACK_CONFIGS[second].controls]
+            if shared:
+                what = ' and '.join(_control_text(c) for c in shared)
+                raise ConfigError(f'callbacks: {first} and {second} both request {what}; a request holds one value '
+                                  f'per step, so the last one would silently win. List only one of them'
+                                  f'{_CONFLICT_HINTS.get(frozenset((first, second)), "")}')
+
+
+def _control_text(control: str) -> str:
+    what, flags = protocol.CONTROLS[control]
+    return f'{what} ({", ".join(f"control.{f}" for f in flags)})'
+
+
+_CONFLICT_HINTS = {
+    frozenset(('batch_growth', 'batch_schedule')):
+        ' (batch_growth with policy: table gives batch sizes from a step table, with LR scaling)',
+}
+
+
+def parse_section(section: Mapping[str, Any] | None, listed: Iterable[str] | None = None) -> PackConfig:
+    """Validate a ``dynamic_callbacks:`` mapping; with ``listed`` (ms-swift's ``callbacks:``) check both agree.
+
+    Raises:
+        ConfigError: unknown callback name, a setting a callback rejects, settings for a callback that is not
+            listed in ``callbacks:`` (they would silently do nothing), two listed callbacks driving the same
+            control, or an ``integration.replay`` file that does not exist.
+    """
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f'{SECTION}: expected a mapping {{callback name: settings}}, got {section!r}')
+    section = dict(section)
+    integration = IntegrationConfig.from_mapping(section.pop('integration', None))
+    unknown = sorted(map(str, set(section) - set(CALLBACK_CONFIGS)))
+    if unknown:
+        raise ConfigError(f'{SECTION}: unknown callback(s) {", ".join(unknown)}; known: '
+                          f'{", ".join(sorted(CALLBACK_CONFIGS))} (and "integration")')
+    for name, settings in section.items():
+        if settings is not None and not isinstance(settings, Mapping):
+            raise ConfigError(f'{SECTION}.{name}: expected a mapping of settings, got {settings!r}')
+    pack = PackConfig(integration, {k: dict(v or {}) for k, v in section.items()})
+    names = _names(list(listed), 'callbacks') if listed is not None else list(section)
+    if listed is not None:
+        not_listed = sorted(set(section) - set(names))
+        if not_listed:
+            raise ConfigError(f'{SECTION}.{not_listed[0]}: configured but not listed in callbacks: {names}; add it to '
+                              'callbacks: or remove its settings')
+    notes: list[str] = []
+    for name in names:
+        if name in CALLBACK_CONFIGS:
+            config = pack.callback_config(name)  # validates, raising ConfigError naming the key
+            notes.extend(getattr(config, 'notes', lambda: ())())
+    check_controls(names)
+    replay = integration.replay
+    if replay is not None and not os.path.exists(replay):
+        raise ConfigError(f'{SECTION}.integration.replay: {replay!r} does not exist (relative paths are read from '
+                          f'the current directory, {os.getcwd()}); give a previous run\'s dynamic_decisions.jsonl or '
+                          'its output directory')
+    return replace(pack, notes=tuple(notes))
+
+
+# ---- the environment variable -------------------------------------------------------------------------------
+
+
+def load_env_config(environ: Mapping[str, str] | None = None) -> PackConfig | None:
+    """The pack settings handed over in :data:`ENV_CONFIG`: inline JSON (``{...}``), or the path of a YAML / JSON
+    file holding the ``dynamic_callbacks:`` section (or just its content). ``None`` when the variable is unset or
+    empty.
+
+    Raises:
+        ConfigError: naming :data:`ENV_CONFIG` in every case: bad JSON or YAML, a file that does not exist or is
+            empty, content that is not a mapping, or settings :func:`parse_section` rejects.
+    """
+    raw = (os.environ if environ is None else environ).get(ENV_CONFIG)
+    if raw is None or raw == '':
+        return None
+    text = raw.strip()
+    if text[:1] in '{[' and text:
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f'{ENV_CONFIG}: not valid inline JSON ({e}); give {{"callback": {{settings}}}} or the '
+                              'path of a YAML / JSON file') from None
+        where = 'inline JSON'
+    else:
+        if not os.path.isfile(raw):
+            raise ConfigError(f'{ENV_CONFIG}: {raw!r} is neither inline JSON ({{...}}) nor an existing file')
+        import yaml
+        try:
+            with open(raw, encoding='utf-8') as f:
+                data = yaml.safe_load(f)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ConfigError(f'{ENV_CONFIG}: cannot read {raw!r} as YAML / JSON: {e}') from None
+        if data is None:
+            raise ConfigError(f'{ENV_CONFIG}: {raw!r} is empty; give the {SECTION}: section (a mapping)')
+        where = raw
+        if isinstance(data, Mapping) and SECTION in data:
+            data = data[SECTION]
+            if data is None:
+                data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f'{ENV_CONFIG} ({where}): expected a mapping {{callback name: settings}}, got '
+                          f'{data!r} ({type(data).__name__})')
+    try:
+        return parse_section(data)
+    except ConfigError as e:
+        raise ConfigError(f'{ENV_CONFIG} ({where}): {e}') from None
+
+
+# ---- the rest of the ms-swift settings ---------------------------------------------------------------------
+
+
+def _scalar(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ('true', 'false'):
+        return low == 'true'
+    if low in ('none', 'null'):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    if text[:1] in '{[':
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_flags(argv: Sequence[str]) -> dict[str, Any]:
+    """ms-swift flags given after the YAML file (``--key value [value ...]``, ``--key=value``, a bare ``--flag``
+    is ``true``) as settings; they override the file's keys, as in ``swift sft``."""
+    out: dict[str, Any] = {}
+    key: str | None = None
+    values: list[str] = []
+
+    def close() -> None:
+        if key is not None:
+            out[key] = True if not values else (_scalar(values[0]) if len(values) == 1 else list(values))
+
+    for token in argv:
+        if token.startswith('--') and len(token) > 2:
+            close()
+            key, _, value = token[2:].partition('=')
+            values = [value] if '=' in token else []
+        elif key is not None:
+            values.append(token)
+    close()
+    return out
+
+
+def merged_settings(config: Mapping[str, Any], argv: Sequence[str]) -> dict[str, Any]:
+    """The YAML's ms-swift settings with the flags after the file applied."""
+    return {**config, **read_flags(argv)}
+
+
+def listed_callbacks(settings: Mapping[str, Any]) -> list[str]:
+    """The names in ms-swift's ``callbacks:`` (a list, or one name)."""
+    return [str(n) for n in _names(settings.get('callbacks') or [], 'callbacks')]
+
+
+def _flag(settings: Mapping[str, Any], key: str) -> bool:
+    value = settings.get(key)
+    if isinstance(value, str):
+        return value.strip().lower() in ('true', '1', 'yes')
+    return bool(value) and value is not False
+
+
+def _number(settings: Mapping[str, Any], key: str, default: float | None = None) -> float | None:
+    value = settings.get(key, default)
+    if isinstance(value, str):
+        value = _scalar(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return default
+    return value
+
+
+def evaluates(settings: Mapping[str, Any]) -> bool:
+    """Whether an ms-swift run with these settings evaluates (ms-swift sets ``eval_strategy: no`` without
+    evaluation data: no ``val_dataset`` / ``eval_dataset`` and ``split_dataset_ratio`` 0, its default)."""
+    strategy = settings.get('eval_strategy')
+    if strategy is None:
+        strategy = settings.get('save_strategy')
+    if isinstance(strategy, str) and strategy.strip().lower() == 'no':
+        return False
+    if settings.get('val_dataset') or settings.get('eval_dataset'):
+        return True
+    return bool(settings.get('dataset')) and (_number(settings, 'split_dataset_ratio', 0.0) or 0.0) > 0
+
+
+def _plugins(settings: Mapping[str, Any]) -> list[str]:
+    plugins = settings.get('external_plugins') or []
+    plugins = [plugins] if isinstance(plugins, str) else [str(p) for p in plugins]
+    ours = os.path.realpath(PLUGIN_FILE)
+    return [p for p in plugins if os.path.realpath(p) != ours]
+
+
+def _world_size() -> int:
+    try:
+        return max(int(os.environ.get('NPROC_PER_NODE', '1')), 1) * max(int(os.environ.get('NNODES', '1')), 1)
+    except ValueError:
+        return 1
+
+
+def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str] | None = None) -> list[str]:
+    """Check the pack against the rest of the ms-swift settings (the YAML with the flags after it applied), before
+    any model loads. Returns notes (warnings) for what cannot be decided here.
+
+    Raises:
+        ConfigError: naming the setting, the value and what is allowed (see the module docstring for the list).
+    """
+    listed = listed_callbacks(settings) if listed is None else list(listed)
+    notes = list(pack.notes)
+    unknown = [n for n in listed if n not in CALLBACK_CONFIGS and n not in SWIFT_CALLBACKS]
+    if unknown:
+        known = (f'pack callbacks: {", ".join(sorted(CALLBACK_CONFIGS))}; ms-swift callbacks: '
+                 f'{", ".join(SWIFT_CALLBACKS)}')
+        others = _plugins(settings)
+        if not others:
+            raise ConfigError(f'callbacks: {", ".join(map(repr, unknown))} is not a known callback name ({known}); '
+                              'ms-swift would fail with a KeyError when it builds the trainer')
+        notes.append(f'callbacks: {", ".join(map(repr, unknown))} is neither a pack nor an ms-swift callback; it must '
+                     f'be registered by external_plugins {", ".join(others)} (not checked here: ms-swift fails with a '
+                     f'KeyError when it builds the trainer if none does)')
+    pack_listed = [n for n in listed if n in CALLBACK_CONFIGS]
+    check_controls(pack_listed)
+    check_engine(engine_from_swift(settings), pack.to_json(), listed)
+    if not pack_listed:  # nothing of the pack runs: the rest concerns the pack's integration
+        return notes
+    configs = {n: pack.callback_config(n) for n in pack_listed}
+    uses = ', '.join(pack_listed)
+    if _flag(settings, 'streaming'):
+        raise ConfigError(f'streaming: true is not supported by swift-dynamic-callbacks yet (callbacks: {uses}): batch '
+                          'size changes and exactly-once epochs need a map-style dataset with a length; set '
+                          'streaming: false')
+    sp = _number(settings, 'sequence_parallel_size', 1)
+    if sp is not None and sp > 1:
+        raise ConfigError(f'sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism '
+                          f'(got {sp}, callbacks: {uses}); use 1')
+    if _flag(settings, 'dataloader_drop_last'):
+        raise ConfigError('dataloader_drop_last: must be false with swift-dynamic-callbacks (every sample is used '
+                          'exactly once per epoch; the last step of an epoch takes what is left), got true')
+    if _flag(settings, 'auto_find_batch_size'):
+        raise ConfigError('auto_find_batch_size: must be false with swift-dynamic-callbacks (it restarts training '
+                          'from step 0 on OOM; the pack changes the batch size in place: memory_backoff and the '
+                          'integration\'s oom_recovery), got true')
+    packed = [k for k in ('packing', 'padding_free') if _flag(settings, k)]
+    if packed:
+        splitters = _splitters(configs)
+        if splitters:
+            raise ConfigError(f'{packed[0]}: true cannot be combined with {splitters[0]}: a packed micro-batch is one '
+                              '[1, N] row and cannot be split into smaller forward/backward passes; remove '
+                              f'{splitters[0]} or set {packed[0]}: false')
+    limit = _number(settings, 'save_total_limit')
+    if 'checkpoint_rotation' in configs and limit is not None and limit > 0:
+        rotation = configs['checkpoint_rotation']
+        raise ConfigError(f'save_total_limit: checkpoint_rotation deletes checkpoints itself, so HF\'s '
+                          f'save_total_limit must be unset, got {limit:g}; use {SECTION}.checkpoint_rotation.keep_last '
+                          f'(now {rotation.keep_last}) and keep_best (now {rotation.keep_best}) instead')
+    if not evaluates(settings):
+        for name, key, metric in _eval_monitors(configs):
+            raise ConfigError(f'{SECTION}.{name}.{key}: {metric!r} is an evaluation metric but this run never '
+                              'evaluates (no val_dataset, split_dataset_ratio 0, or eval_strategy no); give it '
+                              'evaluation data (split_dataset_ratio or val_dataset, eval_steps) or watch a training '
+                              'value such as loss')
+    scheduler = str(settings.get('lr_scheduler_type') or '').strip().lower()
+    if scheduler in NON_LAMBDA_SCHEDULERS:
+        users = ['callbacks: lr_schedule'] if 'lr_schedule' in configs else []
+        growth = configs.get('batch_growth')
+        if growth is not None and growth.lr_scaling != 'none':
+            users.append(f'{SECTION}.batch_growth.lr_scaling: {growth.lr_scaling}')
+        if users:
+            raise ConfigError(f'lr_scheduler_type: {scheduler} is not a LambdaLR schedule, so the pack cannot reshape '
+                              f'or scale it ({users[0]}); use one of HF\'s LambdaLR schedules (linear, cosine, '
+                              'constant, constant_with_warmup, warmup_stable_decay, ...) or remove that setting')
+    growth = configs.get('batch_growth')
+    if growth is not None and growth.policy == 'noise_scale':
+        accumulation = _number(settings, 'gradient_accumulation_steps')
+        if accumulation is None:
+            batch = _number(settings, 'per_device_train_batch_size', 1) or 1
+            accumulation = max(1, math.ceil(16 / batch / _world_size()))  # ms-swift's default
+        cap = growth.micro_batch_cap
+        if accumulation < 2 and not (cap is not None and cap < growth.maximum):
+            raise ConfigError(f'{SECTION}.batch_growth.policy: noise_scale needs at least two forward/backward passes '
+                              f'per optimizer step to compare gradients, but gradient_accumulation_steps is '
+                              f'{accumulation:g} and micro_batch_cap is {cap}; set gradient_accumulation_steps >= 2 '
+                              '(or a micro_batch_cap below maximum)')
+    memory = configs.get('memory_backoff')
+    if memory is not None and memory.probe == 'auto' and memory.cpu_budget_gib is None and _flag(settings, 'use_cpu'):
+        raise ConfigError(f'{SECTION}.memory_backoff.cpu_budget_gib: use_cpu: true trains on the CPU, where memory '
+                          'pressure is the process RSS against a budget; set cpu_budget_gib (e.g. 16) or remove '
+                          'memory_backoff (OOM recovery is the integration\'s and stays on)')
+    epochs, steps = _number(settings, 'num_train_epochs', 3), _number(settings, 'max_steps', -1)
+    if (steps is None or steps <= 0) and epochs is not None and epochs <= 0:
+        raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs:g}')
+    return notes
+
+
+def _splitters(configs: Mapping[str, Any]) -> list[str]:
+    """Settings that run a micro-batch as several forward/backward passes."""
+    out = []
+    growth = configs.get('batch_growth')
+    if growth is not None and growth.micro_batch_cap is not None:
+        out.append(f'{SECTION}.batch_growth.micro_batch_cap')
+    schedule = configs.get('batch_schedule')
+    if schedule is not None and schedule.splits_micro_batches:
+        out.append(f'{SECTION}.batch_schedule.pieces')
+    if 'memory_backoff' in configs:
+        out.append('callbacks: memory_backoff (it caps the samples of a pass)')
+    return out
+
+
+def _eval_monitors(configs: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    out = []
+    if 'early_stopping' in configs and configs['early_stopping'].on_eval:
+        out.append(('early_stopping', 'monitor', configs['early_stopping'].monitor))
+    if 'lr_schedule' in configs and configs['lr_schedule'].watches_eval:
+        out.append(('lr_schedule', 'monitor', configs['lr_schedule'].monitor))
+    rotation = configs.get('checkpoint_rotation')
+    if rotation is not None and rotation.keep_best > 0 and rotation.metric.startswith('eval_'):
+        out.append(('checkpoint_rotation', 'metric', rotation.metric))
+    return out

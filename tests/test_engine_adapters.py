@@ -1,0 +1,221 @@
+"""The engine adapters and the engine x feature table, with fakes (no training): what each engine refuses, how each
+runs a pass, what a rank without samples runs, how DDP repairs its state after an OOM and reduces gradients."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from swift_dynamic_callbacks.config import ConfigError
+from swift_dynamic_callbacks.config.engines import (ENGINES, check_engine, engine_from_swift, refusals,
+                                                     requested_features, unsupported)
+from swift_dynamic_callbacks.integrations.engines import (DDPEngine, DeepSpeedEngineAdapter, Engine, FSDP2Engine,
+                                                          engine_name, select_engine, zero_weight_batch)
+from swift_dynamic_callbacks.integrations.engines.ddp import all_reduce_gradients
+
+FEATURES = ('pieces', 'pass_limit', 'noise_scale', 'oom_recovery')
+
+
+# ---- the table ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize('engine', ENGINES)
+@pytest.mark.parametrize('feature', FEATURES)
+def test_table_every_engine_and_feature(engine, feature):
+    """One process and DDP run every feature; FSDP2 and DeepSpeed refuse the four that need rank-local passes or
+    readable pass gradients, each with a reason."""
+    reason = unsupported(engine, feature)
+    if engine in ('single', 'ddp'):
+        assert reason is None
+    else:
+        assert reason and ('collective' in reason or 'gradient' in reason)
+
+
+def test_engine_from_swift_settings():
+    assert engine_from_swift({'deepspeed': 'zero2'}) == 'deepspeed'
+    assert engine_from_swift({'fsdp': 'fsdp2'}) == 'fsdp2'
+    assert engine_from_swift({'fsdp': 'full_shard', 'fsdp_config': {'fsdp_version': 2}}) == 'fsdp2'
+    assert engine_from_swift({'per_device_train_batch_size': 2}) is None
+    with pytest.raises(ConfigError, match='FSDP1'):
+        engine_from_swift({'fsdp': 'full_shard', 'fsdp_config': {'fsdp_version': 1}})
+
+
+def test_requested_features_read_the_pack_section():
+    pack = {'batch_growth': {'micro_batch_cap': 2, 'policy': 'noise_scale'}, 'memory_backoff': {},
+            'integration': {'oom_recovery': True}}
+    assert requested_features(pack, ['batch_growth', 'memory_backoff']) == {
+        'pieces': 'dynamic_callbacks.batch_growth.micro_batch_cap',
+        'noise_scale': 'dynamic_callbacks.batch_growth.policy',
+        'pass_limit': 'callbacks: memory_backoff',
+        'oom_recovery': 'dynamic_callbacks.integration.oom_recovery'}
+    assert requested_features(pack, []) == {'oom_recovery': 'dynamic_callbacks.integration.oom_recovery'}
+    assert requested_features({'integration': {'oom_recovery': 'auto'}}, []) == {}
+
+
+@pytest.mark.parametrize('engine', ['fsdp2', 'deepspeed'])
+def test_check_engine_names_every_refused_setting(engine):
+    pack = {'batch_growth': {'micro_batch_cap': 2}, 'memory_backoff': {}}
+    with pytest.raises(ConfigError) as e:
+        check_engine(engine, pack, ['batch_growth', 'memory_backoff'])
+    message = str(e.value)
+    assert 'dynamic_callbacks.batch_growth.micro_batch_cap: pieces is not supported under ' + engine in message
+    assert 'callbacks: memory_backoff: pass_limit is not supported under ' + engine in message
+    check_engine('ddp', pack, ['batch_growth', 'memory_backoff'])  # no error
+    assert refusals(None, pack, ['memory_backoff']) == []
+
+
+# ---- choosing the adapter ----------------------------------------------------------------------------------------
+def fake_trainer(kind: str, world: int = 2, fsdp_version: int = 2, oom: bool = True):
+    from accelerate.utils import DistributedType
+    state = types.SimpleNamespace(fsdp_plugin=types.SimpleNamespace(fsdp_version=fsdp_version),
+                                  deepspeed_plugin=types.SimpleNamespace(zero_stage=3))
+    accelerator = types.SimpleNamespace(distributed_type=getattr(DistributedType, kind), state=state,
+                                        gradient_state=FakeGradientState())
+    return types.SimpleNamespace(accelerator=accelerator, args=types.SimpleNamespace(world_size=world))
+
+
+class FakeGradientState:
+    def __init__(self) -> None:
+        self.sync_gradients = True
+
+    def _set_sync_gradients(self, value: bool) -> None:
+        self.sync_gradients = value
+
+
+@pytest.mark.parametrize('kind,world,expected', [('NO', 1, 'single'), ('MULTI_CPU', 2, 'ddp'),
+                                                 ('MULTI_GPU', 4, 'ddp'), ('MULTI_GPU', 1, 'single'),
+                                                 ('FSDP', 2, 'fsdp2'), ('DEEPSPEED', 2, 'deepspeed')])
+def test_engine_name(kind, world, expected):
+    assert engine_name(fake_trainer(kind, world)) == expected
+
+
+def test_several_processes_without_ddp_are_refused():
+    """ms-swift with ``ddp_backend: gloo`` on CPU and no ``use_cpu``: accelerate runs DistributedType.NO, each rank
+    would train its own copy. The pack refuses it instead of training the wrong thing."""
+    with pytest.raises(ConfigError, match='use_cpu: true'):
+        engine_name(fake_trainer('NO', 2))
+    with pytest.raises(ConfigError, match='FSDP1'):
+        engine_name(fake_trainer('FSDP', 2, fsdp_version=1))
+
+
+def test_select_engine_and_oom_recovery_setting():
+    single, recovery, _ = select_engine(fake_trainer('NO', 1), 'auto')
+    assert type(single) is Engine and recovery
+    ddp, recovery, why = select_engine(fake_trainer('MULTI_CPU'), 'auto')
+    assert isinstance(ddp, DDPEngine) and ddp.sync == 'deferred' and ddp.passes_are_local and recovery and why is None
+    native, recovery, why = select_engine(fake_trainer('MULTI_CPU'), False)
+    assert native.sync == 'native' and not native.passes_are_local and not recovery and why == 'off by setting'
+    for kind, cls in (('FSDP', FSDP2Engine), ('DEEPSPEED', DeepSpeedEngineAdapter)):
+        engine, recovery, why = select_engine(fake_trainer(kind), 'auto')
+        assert isinstance(engine, cls) and not recovery and 'collective' in why
+        with pytest.raises(ConfigError, match=f'oom_recovery: true is not supported under {engine.name}'):
+            select_engine(fake_trainer(kind), True)
+        with pytest.raises(ConfigError, match='control.new_num_pieces: pieces is not supported'):
+            engine.refuse('pieces', 'control.new_num_pieces')
+    Engine(fake_trainer('NO', 1)).refuse('pieces', 'anything')  # one process: nothing refused
+
+
+# ---- passes --------------------------------------------------------------------------------------------------------
+class FakeFSDPModel:
+    def __init__(self) -> None:
+        self.calls: list[bool] = []
+
+    def set_requires_gradient_sync(self, value: bool) -> None:
+        self.calls.append(value)
+
+
+def test_fsdp2_sets_gradient_sync_per_pass():
+    """Each pass sets the sync it needs: inside a micro-batch that HF already wrapped in ``no_sync`` a pass that is
+    not the step's last stays unsynchronised (accelerate's nested ``no_sync`` used to switch sync back on)."""
+    engine, model = FSDP2Engine(fake_trainer('FSDP')), FakeFSDPModel()
+    for sync in (False, False, True):
+        with engine.pass_context(model, sync=sync):
+            pass
+    assert model.calls == [False, False, True]
+
+
+def test_deepspeed_marks_only_the_last_pass_as_the_boundary():
+    trainer = fake_trainer('DEEPSPEED')
+    engine = DeepSpeedEngineAdapter(trainer)
+    state = trainer.accelerator.gradient_state
+    seen = []
+    for sync in (False, True):
+        with engine.pass_context(None, sync=sync):
+            seen.append(state.sync_gradients)
+    assert seen == [False, True] and state.sync_gradients is True
+    assert engine.describe()['zero_stage'] == 3
+
+
+def test_zero_weight_batch_is_one_ignored_row():
+    template = {'input_ids': torch.arange(12).view(3, 4), 'attention_mask': torch.ones(3, 4, dtype=torch.long),
+                'labels': torch.arange(12).view(3, 4), 'position_ids': torch.arange(4).view(1, 4), 'flag': True}
+    batch = zero_weight_batch(template)
+    assert batch['input_ids'].tolist() == [[0, 1, 2, 3]] and batch['labels'].tolist() == [[-100] * 4]
+    assert batch['position_ids'].shape == (1, 4) and batch['flag'] is True
+    assert template['labels'][0].tolist() == [0, 1, 2, 3]  # the template is not changed
+    with pytest.raises(RuntimeError, match='labels'):
+        zero_weight_batch({'input_ids': torch.zeros(2, 3)})
+
+
+@pytest.mark.parametrize('engine_cls,kind', [(FSDP2Engine, 'FSDP'), (DeepSpeedEngineAdapter, 'DEEPSPEED')])
+def test_sharded_placeholders_run_a_zero_weight_pass(engine_cls, kind):
+    engine = engine_cls(fake_trainer(kind))
+    ran = []
+    loss = engine.placeholder_pass(FakeFSDPModel(), lambda batch: ran.append(batch) or torch.tensor(0.0),
+                                   {'input_ids': torch.ones(2, 3, dtype=torch.long),
+                                    'labels': torch.ones(2, 3, dtype=torch.long)}, sync=True)
+    assert float(loss) == 0.0 and len(ran) == 1 and ran[0]['labels'].tolist() == [[-100] * 3]
+    with pytest.raises(RuntimeError, match='no template'):
+        engine.placeholder_pass(FakeFSDPModel(), lambda batch: None, None, sync=False)
+
+
+def test_ddp_placeholders_run_nothing_unless_native_sync_needs_them():
+    deferred = DDPEngine(fake_trainer('MULTI_CPU'), sync='deferred')
+    native = DDPEngine(fake_trainer('MULTI_CPU'), sync='native')
+    template = {'input_ids': torch.ones(1, 2, dtype=torch.long), 'labels': torch.ones(1, 2, dtype=torch.long)}
+    assert deferred.placeholder_pass(None, lambda b: 1 / 0, template, sync=True) is None
+    assert native.placeholder_pass(None, lambda b: 1 / 0, template, sync=False) is None
+
+
+class FakeDDP:
+    def __init__(self) -> None:
+        self.require_forward_param_sync = True
+
+
+def test_ddp_after_oom_clears_the_pending_buffer_broadcast_only_when_forward_started():
+    """The first-forward deadlock: DDP broadcasts buffers before calling the module; a forward that failed inside the
+    module never cleared the request, so the retry broadcast again while the other rank waited elsewhere."""
+    engine, model = DDPEngine(fake_trainer('MULTI_CPU')), FakeDDP()
+    engine._forward_started = False
+    engine.after_oom(model)  # failed before DDP's forward ran (e.g. moving inputs): its broadcast is still owed
+    assert model.require_forward_param_sync is True
+    engine._forward_started = True
+    engine.after_oom(model)
+    assert model.require_forward_param_sync is False and engine._forward_started is False
+
+
+def _reduce_worker(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=2)
+    params = [torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(3, 2)),
+              torch.nn.Parameter(torch.zeros(4, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(2))]
+    for i, p in enumerate(params[:3]):
+        p.grad = torch.full_like(p, float(rank + 1 + i))
+    all_reduce_gradients(params, bucket_bytes=24)  # several buckets, a dtype change, a missing gradient
+    results[rank] = [p.grad.tolist() for p in params]
+    dist.destroy_process_group()
+
+
+def test_all_reduce_gradients_averages_in_buckets():
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_reduce_worker, args=(port, results), nprocs=2, join=True)
+    assert results[0] == results[1]
+    grads = results[0]
+    assert grads[0] == [1.5] * 5 and grads[1] == [[2.5, 2.5]] * 3 and grads[2] == [3.5] * 4 and grads[3] == [0.0, 0.0]

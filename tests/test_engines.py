@@ -1,0 +1,175 @@
+"""The pack under real engines on 2 CPU processes (gloo): DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3.
+
+Every run asserts the engine it claims (accelerate's distributed type and the wrapper class, so a silent fallback
+fails), that both ranks end with equal trainable weights, and that those equal a one-process run over the same
+micro-batches per step from the same starting weights (``engine_runs.reference``; fp32, 1e-5). The dataset has 15
+samples, so the shards are uneven (8 and 7) and epochs end with a rank a sample short (placeholders).
+
+FSDP2 on CPU is a test-only device: accelerate starts FSDP only on accelerators, so the driver lifts its ``MULTI_CPU``
+state to ``FSDP`` and ``fully_shard`` runs over gloo. ``scripts/gpu_engines.sh`` runs the same checks on GPUs (NCCL).
+
+Marked ``engines`` (and ``distributed``): run by ``.ci/run`` as its own step, not by the default ``pytest`` run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from engine_runs import (assert_engine, assert_same_steps, assert_same_weights, decision_keys, reference,
+                         run_ranks, traces)
+from swift_runs import indices_by_epoch, read_jsonl, sample_trace
+
+pytestmark = [pytest.mark.engines, pytest.mark.distributed, pytest.mark.e2e]
+
+N_SAMPLES = 15  # rank 0 gets 8 samples an epoch, rank 1 gets 7
+
+
+@pytest.fixture(scope='module')
+def dataset_15(fixture_dir):
+    from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
+    return str(write_gsm8k_dataset(fixture_dir / 'gsm8k-15.jsonl', N_SAMPLES))
+
+
+def _deepspeed_available() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def engine_param(name: str):
+    marks = [pytest.mark.skipif(not _deepspeed_available(), reason='deepspeed is not installed (pip install .[deepspeed])')
+             ] if name.startswith('zero') else []
+    return pytest.param(name, marks=marks, id=name)
+
+
+def assert_exactly_once(out: str, *, complete_epochs: int) -> None:
+    """Over both ranks, every epoch is the dataset exactly once (the last epoch may be partial), disjoint shards."""
+    by_rank = [indices_by_epoch(sample_trace(out, rank)) for rank in (0, 1)]
+    for epoch in sorted(set(by_rank[0]) | set(by_rank[1])):
+        a, b = by_rank[0].get(epoch, []), by_rank[1].get(epoch, [])
+        assert len(a) == len(set(a)) and len(b) == len(set(b)) and not set(a) & set(b), epoch
+        if epoch < complete_epochs:
+            assert sorted(a + b) == list(range(N_SAMPLES)), f'epoch {epoch}: not the dataset exactly once'
+
+
+def placeholders(out: str) -> int:
+    """Micro-batches without a sample (a rank a sample short at an epoch's end), over both ranks."""
+    return sum(batch == [] for rank in (0, 1) for row in sample_trace(out, rank) for batch in row['batches'])
+
+
+def test_ddp_growth_pieces_and_ooms_on_one_rank(tmp_path, tiny_qwen, dataset_15):
+    """DDP: batch growth 1 -> 2 -> 4 with GA 2 (micro-batches of 4 run as pieces), an epoch end where rank 1 is a sample
+    short (a placeholder micro-batch), and rank 1 alone running out of memory in its very first forward and in a
+    later one-sample forward (each run again as it was) and mid-backward in a pass of two (halved: both ranks cap
+    their passes from the next step). No hang (the first-forward OOM used to deadlock on DDP's buffer broadcast),
+    the same steps on both ranks, every sample once, and weights equal to one process with the same samples per
+    step. (The injector counts first-layer forwards, gradient checkpointing's recomputation in backward included.)"""
+    pack = {'integration': {'record_samples': True},
+            'batch_growth': {'initial': 1, 'factor': 2, 'interval': 4, 'maximum': 4, 'micro_batch_cap': 2}}
+    common = dict(max_steps=9, lr_scheduler_type='cosine', warmup_ratio=0.0)
+    out = run_ranks(str(tmp_path / 'ddp'), tiny_qwen, dataset_15, engine='ddp', callbacks=['batch_growth'],
+                    pack=pack, faults={'1': {'oom_forward_passes': [0, 5], 'oom_backward_passes': [16]}},
+                    gradient_accumulation_steps=2, **common)
+    t0, t1 = assert_engine(out, 'ddp')
+    assert_same_steps(t0, t1)
+    assert t0['global_step'] == 9
+    assert [s['batch_size'] for s in t0['steps']] == [1, 1, 1, 1, 2, 2, 2, 2, 4]
+    with open(os.path.join(out, 'rank1.injected.json'), encoding='utf-8') as f:
+        injected = json.load(f)
+    assert injected['forward'] == 2 and injected['backward'] == 1
+    ooms = [d for d in read_jsonl(os.path.join(out, 'dynamic_decisions.jsonl')) if d['kind'] == 'oom']
+    found = [(d['values']['rank'], d['values']['pass_size'], d['values']['new_pass_cap']) for d in ooms]
+    assert found == [(1, 1, None), (1, 1, None), (1, 2, 1)]  # two one-sample passes run again as they were, one halved
+    caps = [(s['pass_limit'] or {}).get('samples') for s in t0['steps']]
+    assert caps == [None] * 5 + [1] * 4  # rank 1's halving in step 5: both ranks cap their passes from step 6
+    assert t0['steps'][-1]['num_pieces'] == 2
+    assert decision_keys(t0) == decision_keys(t1)
+    assert_exactly_once(out, complete_epochs=2)
+    assert placeholders(out) == 1  # rank 1, step 4
+    ref = reference(str(tmp_path / 'ref'), tiny_qwen, dataset_15, out, gradient_accumulation_steps=2, **common)
+    assert_same_weights(out, ref)
+
+
+def test_ddp_noise_scale_reads_the_reduced_gradient(tmp_path, tiny_qwen, dataset_15):
+    """DDP: the gradient-noise probe's step gradient is the one the optimizer uses (after the all-reduce): the same on
+    both ranks, and its squared norm is the logged ``grad_norm`` squared (it used to read each rank's own)."""
+    pack = {'integration': {'record_samples': True},
+            'batch_growth': {'policy': 'noise_scale', 'initial': 2, 'maximum': 4, 'interval': 100}}
+    out = run_ranks(str(tmp_path / 'ddp'), tiny_qwen, dataset_15, engine='ddp', callbacks=['batch_growth'],
+                    pack=pack, max_steps=4, gradient_accumulation_steps=2)
+    t0, t1 = assert_engine(out, 'ddp')
+    measured = [(a['noise'], b['noise']) for a, b in zip(t0['steps'], t1['steps']) if 'noise' in a]
+    assert len(measured) == 3  # every step but the last (read at the next boundary)
+    logged = {row['global_step/max_steps'].split('/')[0]: row['grad_norm']
+              for row in read_jsonl(os.path.join(out, 'logging.jsonl')) if 'grad_norm' in row}
+    for step, (a, b) in enumerate(measured, start=1):
+        assert a['big_sqnorm'] == pytest.approx(b['big_sqnorm'], rel=1e-6)
+        assert a['small_sqnorm'] != pytest.approx(b['small_sqnorm'], rel=1e-3)  # the first pass is each rank's own
+        assert math.sqrt(a['big_sqnorm']) == pytest.approx(float(logged[str(step)]), rel=1e-4)
+
+
+@pytest.mark.parametrize('engine', [engine_param('ddp'), engine_param('fsdp2'), engine_param('zero2'),
+                                    engine_param('zero3')])
+def test_growth_token_budget_lr_schedule_resume_and_early_stop(engine, tmp_path, tiny_qwen, dataset_15):
+    """Every engine, every callback that is not refused there: batch growth with GA 2 and sqrt LR scaling, a token
+    budget with bucketing on uneven shards (placeholder micro-batches on the short rank), warmup -> hold -> cosine,
+    checkpoint rotation and the training log; killed after the checkpoint at step 4 and resumed, then stopped early at
+    step 7 by a divergence rank 1 alone sees. Same steps and decisions on both ranks, every sample once per epoch over
+    both runs, and the resumed run's weights equal one process's over the same 7 steps."""
+    callbacks = ['batch_growth', 'length_batching', 'lr_schedule', 'early_stopping', 'checkpoint_rotation',
+                 'training_log']
+    pack = {'integration': {'record_samples': True},
+            'batch_growth': {'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4},
+            'length_batching': {'mode': 'token_budget', 'max_tokens': 900, 'bucketing': True},
+            'lr_schedule': {'warmup': 2, 'hold': 2, 'min_ratio': 0.1, 'patience': 1000},
+            'early_stopping': {'monitor': 'loss', 'patience': 1000, 'divergence': 1000.0},
+            'checkpoint_rotation': {'keep_last': 1, 'keep_best': 0}, 'training_log': {}}
+    common = dict(gradient_accumulation_steps=2, max_steps=12, save_steps=4)
+    workdir = str(tmp_path / engine)
+    out = run_ranks(workdir, tiny_qwen, dataset_15, engine=engine, callbacks=callbacks, pack=pack, stop_at=4, **common)
+    first = assert_engine(out, engine)
+    assert_same_steps(*first)
+    assert first[0]['global_step'] == 4 and os.path.isdir(os.path.join(out, 'checkpoint-4'))
+    run_ranks(workdir + '-resumed', tiny_qwen, dataset_15, engine=engine, callbacks=callbacks, pack=pack,
+              faults={'1': {'monitor_value': {7: 1.0e6}}}, output_dir=out,
+              resume_from_checkpoint=os.path.join(out, 'checkpoint-4'), **common)
+    t0, t1 = assert_engine(out, engine)
+    assert_same_steps(t0, t1)
+    assert t0['global_step'] == 7 and [s['step'] for s in t0['steps']] == [5, 6, 7]
+    assert decision_keys(t0, skip_kinds=('delete_checkpoint', )) == decision_keys(t1)
+    stops = [d for d in read_jsonl(os.path.join(out, 'dynamic_decisions.jsonl')) if d['kind'] == 'stop']
+    assert [(d['reason'], d['step'], d['values']['rank']) for d in stops] == [('divergence', 7, 1)]
+    assert [s['batch_size'] for s in first[0]['steps'] + t0['steps']] == [1, 1, 2, 2, 4, 4, 4]
+    lrs = [s['lr'] for s in first[0]['steps'] + t0['steps']]
+    assert lrs[1] > lrs[0] and lrs[-1] < max(lrs)  # warmup, then the cosine (times the growth's sqrt scale)
+    assert sorted(n for n in os.listdir(out) if n.startswith('checkpoint-')) == ['checkpoint-4', 'checkpoint-7']
+    assert_exactly_once(out, complete_epochs=1)
+    assert placeholders(out) >= 1
+    ref = reference(str(tmp_path / f'{engine}-ref'), tiny_qwen, dataset_15, out, gradient_accumulation_steps=2,
+                    max_steps=12, stop_at=7)
+    assert_same_weights(out, ref)
+
+
+@pytest.mark.parametrize('engine,callbacks,pack,message', [
+    pytest.param('fsdp2', ['memory_backoff'], {'memory_backoff': {}}, 'callbacks: memory_backoff: pass_limit is not '
+                 'supported under fsdp2', id='fsdp2-memory_backoff'),
+    pytest.param('zero3', ['batch_growth'], {'batch_growth': {'micro_batch_cap': 1}, 'integration': {'oom_recovery': True}},
+                 'dynamic_callbacks.batch_growth.micro_batch_cap: pieces is not supported under deepspeed',
+                 id='zero3-pieces', marks=pytest.mark.skipif(not _deepspeed_available(), reason='no deepspeed')),
+])
+def test_sharded_engines_refuse_at_start(engine, callbacks, pack, message, tmp_path, tiny_qwen, dataset_15):
+    """A feature the engine cannot run stops the run when training starts, naming the setting and the engine
+    (``swift-dynamic check`` refuses the same YAML before any model loads)."""
+    log = run_ranks(str(tmp_path / engine), tiny_qwen, dataset_15, engine=engine, callbacks=callbacks, pack=pack,
+                    max_steps=2, expect_failure=True)
+    with open(log, encoding='utf-8', errors='replace') as f:
+        text = f.read()
+    assert 'ConfigError' in text and message in text
+    assert not os.path.exists(os.path.join(str(tmp_path / engine), 'out', 'rank0.trace.json')) or not traces(
+        os.path.join(str(tmp_path / engine), 'out'))[0]['steps']
