@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 VENV=$VENV bash scripts/setup_env.sh
-"$VENV/bin/python" -m pytest -q "$@"
+"$VENV/bin/python" -m pytest -q --durations=30 "$@"
