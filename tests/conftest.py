@@ -9,6 +9,25 @@ import pytest
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 
 
+def _random_dataset_fingerprints() -> None:
+    """Test speed only: ``datasets`` names the cache file of every ``map`` by a hash of the transform, and ms-swift's
+    encode transform holds the template with its 151k-token tokenizer, so every in-process ``swift sft`` run spent
+    seconds dill-pickling it (most of a short run's set-up). A random fingerprint is what ``datasets`` itself uses when
+    a transform cannot be hashed: the map still runs (16 rows), only its cache is never reused between runs. The pack's
+    own dataset fingerprint (``loader.dataset_fingerprint``) hashes token ids and is not affected."""
+    import datasets.arrow_dataset
+    import datasets.fingerprint
+
+    def random_fingerprint(fingerprint, transform, transform_args):
+        return datasets.fingerprint.generate_random_fingerprint()
+
+    datasets.fingerprint.update_fingerprint = random_fingerprint
+    datasets.arrow_dataset.update_fingerprint = random_fingerprint
+
+
+_random_dataset_fingerprints()
+
+
 @pytest.fixture(scope='session')
 def fixture_dir(tmp_path_factory):
     return tmp_path_factory.mktemp('fixtures')

@@ -167,7 +167,8 @@ def test_bad_config_names_the_field(settings, field):
 
 # ---- real runs with a simulated memory cliff -------------------------------------------------------------
 OOM_RUN = dict(max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2, lora_dropout=0.0,
-               learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=6)
+               learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=6,
+               gradient_checkpointing=True)
 
 
 def _adapter(out: str) -> dict[str, torch.Tensor]:
