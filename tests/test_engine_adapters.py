@@ -219,3 +219,26 @@ def test_all_reduce_gradients_averages_in_buckets():
     assert results[0] == results[1]
     grads = results[0]
     assert grads[0] == [1.5] * 5 and grads[1] == [[2.5, 2.5]] * 3 and grads[2] == [3.5] * 4 and grads[3] == [0.0, 0.0]
+
+
+def test_a_placeholder_pass_adds_a_plain_zero_to_the_logged_loss():
+    """The loss of a row whose labels are all ignored is NaN (a mean over no tokens); what a placeholder micro-batch
+    returns is added to HF's logged training loss, so it must be a plain zero (a NaN made a sharded engine's run stop
+    early with reason ``non_finite``)."""
+    from swift_dynamic_callbacks.integrations.steps import StepRunner
+    from swift_dynamic_callbacks.loader import EmptyMicroBatch
+
+    class NaNPlaceholderEngine(Engine):
+        def check_wrapped(self, model):
+            pass
+
+        def placeholder_pass(self, model, run, template, *, sync):
+            return run(template)
+
+    trainer = fake_trainer('FSDP')
+    trainer.args = types.SimpleNamespace(device=torch.device('cpu'))
+    runner = StepRunner(types.SimpleNamespace(trainer=trainer), NaNPlaceholderEngine(trainer), oom_recovery=False,
+                        single_sample_retries=0)
+    runner.start_step([([], EmptyMicroBatch()), ([], EmptyMicroBatch())], None)
+    loss = runner.run_micro_batch(None, EmptyMicroBatch(), lambda batch: torch.tensor(float('nan')), None)
+    assert torch.isfinite(loss) and float(loss) == 0.0
