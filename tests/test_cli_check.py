@@ -264,7 +264,7 @@ from swift_dynamic_callbacks import cli
 rc_check = cli.main(['check', sys.argv[1]])
 subprocess.run = lambda cmd, env=None, **kw: subprocess.CompletedProcess(cmd, 0)  # launch nothing
 rc_sft = cli.main(['sft', sys.argv[1]])
-rc_rlhf = cli.main(['rlhf', sys.argv[1]])
+rc_rlhf = cli.main(['rlhf', sys.argv[2]])  # swift rlhf: nothing that splits a micro-batch of pairs
 heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'peft', 'swift'))
 print(json.dumps({'rc': [rc_check, rc_sft, rc_rlhf], 'heavy': heavy}))
 '''
@@ -275,8 +275,11 @@ def test_check_and_launch_import_no_torch_transformers_peft_or_swift(tmp_path):
              'checkpoint_rotation', 'training_log']
     data = case(every, {'batch_growth': {'micro_batch_cap': 4}, 'early_stopping': {'monitor': 'loss'},
                         'checkpoint_rotation': {'metric': 'loss'}, 'integration': {'record_samples': True}})
-    result = subprocess.run([sys.executable, '-c', _PROBE, write(tmp_path, data)], capture_output=True, text=True,
-                            timeout=120)
+    pairs = case([n for n in every if n != 'memory_backoff'], {'early_stopping': {'monitor': 'loss'},
+                                                                'checkpoint_rotation': {'metric': 'loss'}})
+    (tmp_path / 'pairs').mkdir()
+    result = subprocess.run([sys.executable, '-c', _PROBE, write(tmp_path, data), write(tmp_path / 'pairs', pairs)],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     probe = json.loads(result.stdout.strip().split('\n')[-1])
     assert probe['rc'] == [0, 0, 0], result.stderr

@@ -40,7 +40,7 @@ from transformers import TrainerCallback
 from .. import distributed, protocol
 from ..config import ConfigError, to_mapping
 from ..config.integration import IntegrationConfig
-from ..loader import ElasticDataLoader, dataset_fingerprint, dataset_lengths
+from ..loader import ElasticDataLoader, dataset_fingerprint, dataset_lengths, dataset_real_tokens
 from ..policies.data_plan import steps_to_budget
 from ..policies.length import BatchPlan, padding_fraction
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
@@ -64,6 +64,8 @@ if not logger.handlers:
     logger.propagate = False
 
 SAMPLES_FILE = 'dynamic_samples.rank{rank}.jsonl'
+_PAIRS_WHY = ('a micro-batch of pairs is its chosen rows then its rejected rows (KTO: completions and KL rows) and '
+              'the loss is a mean over pairs, so it cannot be split into smaller forward/backward passes')
 CONFIG_FILE = 'dynamic_callbacks_config.json'
 #: settings that do not change what is trained: a resume may change them without ``allow_config_change``
 LOGGING_SETTINGS = ('integration.record_samples', 'integration.log_values', 'integration.fail_fast',
@@ -195,6 +197,11 @@ class Integration:
         listed = [getattr(cb, 'name', '') for cb in self.trainer.callback_handler.callbacks]
         check_engine(name, self.pack_config, listed)
         self.engine, recovery, why_off = select_engine(self.trainer, self.config.oom_recovery)
+        if recovery and self.pairs:
+            if self.config.oom_recovery is True:
+                raise ConfigError(f'dynamic_callbacks.integration.oom_recovery: true is not supported under swift '
+                                  f'rlhf: {_PAIRS_WHY}; use auto or false')
+            recovery, why_off = False, f'swift rlhf: {_PAIRS_WHY}'
         self.runner = StepRunner(self, self.engine, oom_recovery=recovery,
                                  single_sample_retries=self.config.oom_single_sample_retries)
         facts = {**self.engine.describe(), 'oom_recovery': recovery}
@@ -271,7 +278,8 @@ class Integration:
             batch_size=batch_size,
             entries_per_step=args.gradient_accumulation_steps,
             loader_kwargs=loader_kwargs,
-            lengths=lambda: dataset_lengths(dataset))
+            lengths=lambda: dataset_lengths(dataset),
+            real_tokens=lambda: dataset_real_tokens(dataset))
         self.loader = loader
         self._dataset_fingerprint = dataset_fingerprint(dataset)
         self._restore_loader(loader)
@@ -576,9 +584,17 @@ class Integration:
                              f'(got a {type(dataloader).__name__} over {type(dataset).__name__}); the integration '
                              'only takes its batch size and keeps the epoch order and position')
 
+    @property
+    def pairs(self) -> bool:
+        """Whether a sample is several rows run together (``swift rlhf``: DPO/ORPO/... chosen + rejected, KTO
+        completion + KL row; the template's ``mode`` is ``rlhf`` or ``kto``)."""
+        return getattr(getattr(self.trainer, 'template', None), 'mode', None) in ('rlhf', 'kto')
+
     def check_splittable(self, setting: str) -> None:
-        """Raise when a micro-batch cannot run as several passes: packed rows, or an engine whose passes hold
-        collectives (``config.engines``)."""
+        """Raise when a micro-batch cannot run as several passes: packed rows, pairs (``swift rlhf``), or an engine
+        whose passes hold collectives (``config.engines``)."""
+        if self.pairs:
+            raise ConfigError(f'{setting}: not supported under swift rlhf: {_PAIRS_WHY}')
         args = self.trainer.args
         template = getattr(self.trainer, 'template', None)
         if getattr(template, 'padding_free', False) or getattr(args, 'padding_free', False) or getattr(
