@@ -343,9 +343,7 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
     configs = {n: pack.callback_config(n) for n in pack_listed}
     uses = ', '.join(pack_listed)
     if _flag(settings, 'streaming'):
-        raise ConfigError(f'streaming: true is not supported by swift-dynamic-callbacks yet (callbacks: {uses}): batch '
-                          'size changes and exactly-once epochs need a map-style dataset with a length; set '
-                          'streaming: false')
+        check_stream(pack, settings, uses)
     sp = _number(settings, 'sequence_parallel_size', 1)
     if sp is not None and sp > 1:
         raise ConfigError(f'sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism '
@@ -408,6 +406,18 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
         raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs:g}')
     _check_rlhf(pack, settings, configs, uses)
     return notes
+
+
+def check_stream(pack: PackConfig, settings: Mapping[str, Any], uses: str) -> None:
+    """``streaming: true``: what needs the dataset's length is refused (a stream has none)."""
+    steps = _number(settings, 'max_steps', -1)
+    if steps is None or steps <= 0:
+        raise ConfigError(f'max_steps: streaming: true needs max_steps > 0 (callbacks: {uses}): a stream has no length, '
+                          f'so num_train_epochs cannot be turned into steps; got {steps if steps is not None else "unset"}')
+    if pack.integration.max_steps_unit != 'steps':
+        raise ConfigError(f'{SECTION}.integration.max_steps_unit: {pack.integration.max_steps_unit} is not supported '
+                          'with streaming: true: a sample budget is counted in epochs of a dataset whose length a '
+                          'stream does not have; use steps')
 
 
 #: ``swift rlhf`` types the pack runs: one sample is a chosen/rejected pair (two padded rows) or, under KTO, a

@@ -43,6 +43,7 @@ from ..config.integration import IntegrationConfig
 from ..loader import ElasticDataLoader, dataset_fingerprint, dataset_lengths, dataset_real_tokens
 from ..policies.data_plan import steps_to_budget
 from ..policies.length import BatchPlan, padding_fraction
+from ..stream_loader import StreamLoader, stream_fingerprint
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
 from ..state import (BINDING_KEY, StateError, binding_entry, build_payload, check_binding, file_digest, new_run_id,
                      read_state, restore_components, settings_changes, stateful_components, write_state)
@@ -253,11 +254,11 @@ class Integration:
     def build_loader(self, host_loader: Any) -> ElasticDataLoader:
         """Make the elastic loader from the host's loader (its dataset, collate function, workers and order)."""
         trainer, args = self.trainer, self.trainer.args
+        # a stream: ms-swift wraps a plain DataLoader in its DataLoaderDispatcher (rank 0 reads, then scatters)
+        host_loader = getattr(host_loader, 'base_dataloader', host_loader)
         dataset = getattr(host_loader, 'dataset', None)
-        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(
-                dataset, '__len__'):
-            raise ConfigError('streaming / iterable training datasets are not supported by swift-dynamic-callbacks: '
-                              'the batch size changes need a map-style dataset with a length (set streaming: false)')
+        if dataset is None:
+            raise ConfigError('swift-dynamic-callbacks: the trainer\'s training loader has no dataset')
         loader_kwargs: dict[str, Any] = {
             'num_workers': host_loader.num_workers,
             'pin_memory': host_loader.pin_memory,
@@ -269,8 +270,10 @@ class Integration:
             loader_kwargs['prefetch_factor'] = host_loader.prefetch_factor
             if host_loader.multiprocessing_context is not None:
                 loader_kwargs['multiprocessing_context'] = host_loader.multiprocessing_context
-        order = _epoch_order_fn(host_loader, dataset, args)
         batch_size = int(trainer._train_batch_size)
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, '__len__'):
+            return self._build_stream_loader(host_loader, dataset, loader_kwargs, batch_size)
+        order = _epoch_order_fn(host_loader, dataset, args)
         loader = ElasticDataLoader(
             dataset,
             host_loader.collate_fn,
@@ -282,6 +285,28 @@ class Integration:
             real_tokens=lambda: dataset_real_tokens(dataset))
         self.loader = loader
         self._dataset_fingerprint = dataset_fingerprint(dataset)
+        self._restore_loader(loader)
+        self._samples_at_start = loader.samples_seen
+        self._derive_max_steps(loader, batch_size)
+        return loader
+
+    def _build_stream_loader(self, host_loader: Any, dataset: Any, loader_kwargs: dict[str, Any],
+                             batch_size: int) -> StreamLoader:
+        """``streaming: true``: a :class:`~..stream_loader.StreamLoader` over this rank's shard of the stream."""
+        args = self.trainer.args
+        if args.max_steps <= 0:
+            raise ConfigError(f'max_steps: streaming: true needs max_steps > 0 (a stream has no length, so '
+                              f'num_train_epochs cannot be turned into steps); got {args.max_steps}')
+        if self.config.max_steps_unit != 'steps':
+            raise ConfigError(f'dynamic_callbacks.integration.max_steps_unit: {self.config.max_steps_unit} is not '
+                              'supported with streaming: true (a sample budget needs the dataset length); use steps')
+        if host_loader.num_workers > 0:
+            loader_kwargs['prefetch_factor'] = host_loader.prefetch_factor
+        loader = StreamLoader(dataset, host_loader.collate_fn, batch_size=batch_size,
+                              entries_per_step=args.gradient_accumulation_steps, loader_kwargs=loader_kwargs,
+                              window=self.config.stream_window)
+        self.loader = loader
+        self._dataset_fingerprint = stream_fingerprint(dataset)
         self._restore_loader(loader)
         self._samples_at_start = loader.samples_seen
         self._derive_max_steps(loader, batch_size)
@@ -314,7 +339,7 @@ class Integration:
         with open(state_file, encoding='utf-8') as f:
             global_step = int(json.load(f).get('global_step', 0))
         consumed = global_step * loader.batch_size * loader.entries_per_step
-        epoch_size = max(loader.epoch_size, 1)
+        epoch_size = max(loader.epoch_size, 1) if not getattr(loader, 'streaming', False) else consumed + 1
         epoch, position = divmod(consumed, epoch_size)
         for _ in range(epoch):
             loader.start_next_epoch()
@@ -332,7 +357,8 @@ class Integration:
         saved = (self._binding or {}).get('dataset')
         if not saved:
             return
-        now = self._dataset_fingerprint or dataset_fingerprint(loader.dataset)
+        now = self._dataset_fingerprint or (stream_fingerprint if getattr(loader, 'streaming', False) else
+                                            dataset_fingerprint)(loader.dataset)
         if saved.get('size') != now['size'] or (saved.get('sha256') and now['sha256']
                                                   and saved['sha256'] != now['sha256']):
             what = (f'{saved.get("size")} samples then, {now["size"]} now' if saved.get('size') != now['size'] else
@@ -415,6 +441,8 @@ class Integration:
         if loader.epoch_complete:
             loader.start_next_epoch()
         pairs = loader.next_step(num_batches)
+        if getattr(loader, 'streaming', False) and loader.plan is not None:
+            self._stream_over_budget(loader)
         real = [batch for indices, batch in pairs if indices]
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
         counted = real or ([{'labels': torch.full((1, 1), -100)}] if distributed.world_size() > 1 else [])
@@ -566,6 +594,21 @@ class Integration:
             self._held.append(DecisionRecord('integration', 'over_budget', 'warning', {
                 'samples': len(over), 'indices': sorted(over)[:32], 'longest': longest, 'max_tokens': plan.max_tokens
             }, message))
+
+    def _stream_over_budget(self, loader: StreamLoader) -> None:
+        """On a stream, rows over the token budget are met window by window: one ``over_budget`` record each time
+        (collective: every rank calls it at the same step boundary)."""
+        rows, loader.over_budget_rows = loader.over_budget_rows, []
+        over = sum(distributed.gather_objects(rows), [])
+        if not over:
+            return
+        longest = max(cost for _, cost in over)
+        message = (f'{len(over)} stream row(s) are longer than max_tokens={loader.plan.max_tokens} (longest {longest} '
+                   'tokens); each runs alone in its micro-batch, over the token budget')
+        logger.warning(message)
+        self._record(DecisionRecord('integration', 'over_budget', 'warning', {
+            'samples': len(over), 'indices': sorted(k for k, _ in over)[:32], 'longest': longest,
+            'max_tokens': loader.plan.max_tokens, 'epoch': loader.epoch}, message))
 
     def token_values(self) -> dict[str, float]:
         """Padded tokens per micro-batch and padding fraction of the micro-batches drawn since the last log line
@@ -744,6 +787,9 @@ class Integration:
                 'dynamic/pass_size': self.runner.max_pass,
                 'dynamic/oom_count': self.runner.oom_count,
             })
+            if getattr(loader, 'streaming', False):  # no length: no coverage, the rows of the epoch so far instead
+                del values['dynamic/epoch_coverage']
+                values['dynamic/stream_position'] = distributed.sum_ints([loader.position])[0]
         if loader is not None and self.config.log_values and loader.plan is not None:
             values.update(self.token_values())
         values.update(protocol.current_metrics(control))
