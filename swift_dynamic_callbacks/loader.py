@@ -59,8 +59,14 @@ class _IndexedCollate:
     def __init__(self, collate_fn: Callable[[list], Any]) -> None:
         self.collate_fn = collate_fn
 
-    def __call__(self, items: list[tuple[int, Any]]) -> tuple[list[int], Any]:
-        return [i for i, _ in items], self.collate_fn([x for _, x in items])
+    def __call__(self, items: list[tuple[int, Any]]) -> tuple[list[int], Any, list[int | None]]:
+        costs = []
+        for i, x in items:  # the real costs of the encoded rows (they refine estimated lengths)
+            try:
+                costs.append(row_cost(item_lengths(x, i)))
+            except (ValueError, TypeError):
+                costs.append(None)
+        return [i for i, _ in items], self.collate_fn([x for _, x in items]), costs
 
 
 class _PlannedBatchSampler:
@@ -153,6 +159,10 @@ class ElasticDataLoader:
         self._lengths: list[int] | None = None
         self._real_fn = real_tokens
         self._real: list[int] | None = None
+        #: the lengths are estimates (a lazy dataset): each drawn row's real cost replaces its estimate
+        self.lengths_estimated = False
+        #: micro-batches drawn whose real padded tokens exceed the budget (estimates were low), taken by the integration
+        self.over_estimates: list[dict[str, Any]] = []
         self.plan: length_policy.BatchPlan | None = None
         self._order_plan: length_policy.BatchPlan | None = None  # the plan that laid out this epoch's order
         self._chunks: list[int] | None = None  # chunk sizes of this epoch's bucketed order
@@ -334,6 +344,19 @@ class ElasticDataLoader:
         real = sum(real_tokens[i] for i in self._order[self.position:start])
         return real, padded, len(batches)
 
+    def _refine(self, indices: list[int], costs: list[int | None]) -> None:
+        """Replace estimated lengths by the real costs of rows just encoded; note a micro-batch over the budget."""
+        for i, cost in zip(indices, costs):
+            if cost is not None:
+                self._lengths[i] = cost
+                if self._real is not self._lengths and self._real is not None:
+                    self._real[i] = cost
+        known = [c for c in costs if c is not None]
+        if known and self.plan.mode == 'token_budget' and len(indices) > 1:
+            padded = len(indices) * max(known)
+            if padded > self.plan.max_tokens:
+                self.over_estimates.append({'indices': list(indices), 'padded': padded})
+
     def take_token_stats(self) -> tuple[int, int, int]:
         """``(real, padded, micro_batches)`` drawn since the last call (with a plan), and reset them."""
         stats, self.token_stats = tuple(self.token_stats), [0, 0, 0]
@@ -410,13 +433,15 @@ class ElasticDataLoader:
             if size == 0:
                 out.append(([], EmptyMicroBatch()))
                 continue
-            indices, batch = next(self._iterator)
+            indices, batch, costs = next(self._iterator)
             expected = self._order[self.position:self.position + size]
             if list(indices) != expected:
                 raise RuntimeError(f'elastic loader out of step: drew indices {indices[:8]}... but the plan expected '
                                    f'{expected[:8]}... (epoch {self.epoch}, position {self.position})')
             self.position += size
             self.samples_seen += size
+            if self.plan is not None and self.lengths_estimated:
+                self._refine(indices, costs)
             if self.plan is not None:
                 lengths = [self.lengths[i] for i in indices]
                 self.token_stats[0] += sum(self.real_tokens[i] for i in indices)

@@ -40,7 +40,9 @@ from transformers import TrainerCallback
 from .. import distributed, protocol
 from ..config import ConfigError, to_mapping
 from ..config.integration import IntegrationConfig
-from ..loader import ElasticDataLoader, dataset_fingerprint, dataset_lengths, dataset_real_tokens
+from ..lengths import cache_dir, estimate_lengths, is_lazy, mean_ratio
+from ..loader import (ElasticDataLoader, dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths,
+                      row_cost)
 from ..policies.data_plan import steps_to_budget
 from ..policies.length import BatchPlan, padding_fraction
 from ..stream_loader import StreamLoader, stream_fingerprint
@@ -103,6 +105,8 @@ class Integration:
         self.horizon: int | None = None  # the LR schedule's length in optimizer steps (before any stretch)
         self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
         self.pass_limit: dict[str, Any] | None = None  # the cap on samples per forward/backward pass
+        self._can_split: bool | None = None  # whether a micro-batch may run as several passes (checked once)
+        self.estimate_overruns = 0  # micro-batches over the token budget because length estimates were low
         self.engine: Engine = Engine(trainer)  # the engine adapter, chosen in begin_train
         self.runner = StepRunner(self, self.engine, oom_recovery=False, single_sample_retries=0)
         self._held: list[DecisionRecord] = []  # callbacks' records, written at the next step boundary
@@ -281,7 +285,7 @@ class Integration:
             batch_size=batch_size,
             entries_per_step=args.gradient_accumulation_steps,
             loader_kwargs=loader_kwargs,
-            lengths=lambda: dataset_lengths(dataset),
+            lengths=lambda: self._dataset_lengths(dataset),
             real_tokens=lambda: dataset_real_tokens(dataset))
         self.loader = loader
         self._dataset_fingerprint = dataset_fingerprint(dataset)
@@ -311,6 +315,64 @@ class Integration:
         self._samples_at_start = loader.samples_seen
         self._derive_max_steps(loader, batch_size)
         return loader
+
+    def _dataset_lengths(self, dataset: Any) -> list[int]:
+        """Every sample's cost for a batch plan: the dataset's own lengths, or, for a lazily tokenised dataset, cheap
+        estimates (:mod:`..lengths`; cached beside the dataset, shared by the ranks, refined as rows are encoded),
+        with one ``length_estimate`` record."""
+        if not is_lazy(dataset):
+            return dataset_lengths(dataset)
+        import time
+        start = time.perf_counter()
+        lengths, info = estimate_lengths(
+            dataset, lambda item, i: row_cost(item_lengths(item, i)),
+            cache=cache_dir(dataset.dataset, os.path.join(self.trainer.args.output_dir, '.sdc_cache')),
+            is_main=distributed.is_main_process(), wait=lambda: distributed.gather_objects(0))
+        if self.loader is not None:
+            self.loader.lengths_estimated = True
+        seconds = round(time.perf_counter() - start, 3)
+        self._held.append(DecisionRecord('integration', 'length_estimate', 'lazy_tokenize', {
+            **info, 'seconds': seconds, 'tokens_per_1000_chars': mean_ratio(info) if 'b' in info else None},
+            f'lazy dataset: lengths of {info["rows"]} rows estimated from their characters ({info["sampled"]} rows '
+            f'encoded{", read from the cache" if info["cached"] else ""}) in {seconds} s; refined as rows are encoded'))
+        return lengths
+
+    def effective_pass_limit(self) -> dict[str, Any] | None:
+        """The pass limit, with the token budget added while lengths are estimates: a micro-batch whose real padded
+        tokens exceed ``max_tokens`` then runs as several passes within it (when passes can split, same gradient)."""
+        loader = self.loader
+        if loader is None or not getattr(loader, 'lengths_estimated', False) or loader.plan is None or \
+                loader.plan.mode != 'token_budget' or not self._splittable():
+            return self.pass_limit
+        limit = dict(self.pass_limit or {})
+        tokens = limit.get('tokens')
+        limit['tokens'] = loader.plan.max_tokens if tokens is None else min(tokens, loader.plan.max_tokens)
+        return limit
+
+    def _splittable(self) -> bool:
+        if self._can_split is None:
+            try:
+                self.check_splittable('length estimates')
+                self._can_split = True
+            except ConfigError:
+                self._can_split = False
+        return self._can_split
+
+    def _over_estimates(self, loader: ElasticDataLoader) -> None:
+        """Record the micro-batches of this step whose real padded tokens exceeded the budget (rank 0 writes; no
+        collective: each rank records its own, under several processes the console log names them)."""
+        over, loader.over_estimates = loader.over_estimates, []
+        split = self._splittable()
+        for entry in over:
+            message = (f'micro-batch of {len(entry["indices"])} samples has {entry["padded"]} padded tokens, over '
+                       f'max_tokens={loader.plan.max_tokens} (the length estimates were low); '
+                       + ('it runs as several passes within the budget' if split else
+                          'it runs in one pass, over the budget (passes cannot be split here)'))
+            logger.warning(message)
+            self.estimate_overruns += 1
+            self._held.append(DecisionRecord('integration', 'over_estimate', 'split' if split else 'warning', {
+                'indices': entry['indices'][:32], 'padded': entry['padded'], 'max_tokens': loader.plan.max_tokens,
+                'rank': distributed.rank()}, message))
 
     def _restore_loader(self, loader: ElasticDataLoader) -> None:
         checkpoint = self._resume_checkpoint
@@ -441,6 +503,8 @@ class Integration:
         if loader.epoch_complete:
             loader.start_next_epoch()
         pairs = loader.next_step(num_batches)
+        if getattr(loader, 'over_estimates', None):
+            self._over_estimates(loader)
         if getattr(loader, 'streaming', False) and loader.plan is not None:
             self._stream_over_budget(loader)
         real = [batch for indices, batch in pairs if indices]
@@ -792,6 +856,8 @@ class Integration:
                 values['dynamic/stream_position'] = distributed.sum_ints([loader.position])[0]
         if loader is not None and self.config.log_values and loader.plan is not None:
             values.update(self.token_values())
+            if getattr(loader, 'lengths_estimated', False):
+                values['dynamic/estimate_overruns'] = self.estimate_overruns
         values.update(protocol.current_metrics(control))
         return values
 
