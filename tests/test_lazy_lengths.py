@@ -46,6 +46,19 @@ def test_char_counts_of_messages_and_strings_by_arrow():
     assert char_counts(shuffled).tolist() == [expected[i] for i in shuffled._indices.column(0).to_pylist()]
 
 
+def test_char_counts_of_json_messages_as_ms_swift_stores_them():
+    import pyarrow as pa
+
+    class Raw:  # ms-swift keeps ``messages`` as a list of JSON texts (an Arrow extension type)
+        def __init__(self, table):
+            self.data = table
+
+    texts = [['{"role":"user","content":"ab"}', '{"role":"assistant","content":"abcd"}'], ['{"c":"x"}']]
+    flat = pa.ExtensionArray.from_storage(pa.json_(), pa.array([x for t in texts for x in t]))
+    column = pa.ListArray.from_arrays(pa.array([0, 2, 3], type=pa.int32()), flat)
+    assert char_counts(Raw(pa.table({'messages': column}))).tolist() == [sum(map(len, t)) for t in texts]
+
+
 def test_fit_never_under_estimates_the_sample():
     chars = np.array([10, 20, 40, 80])
     costs = [17, 30, 45, 90]
