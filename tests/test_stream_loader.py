@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from torch.utils.data import IterableDataset
 
@@ -205,3 +207,22 @@ def test_swift_sft_streaming_batch_growth(_register, tmp_path, tiny_qwen, fixtur
     logs = train_logs(out)
     assert len(logs) == 7 and all('dynamic/tokens_per_batch' in row for row in logs)
     assert [d['values']['new'] for d in decisions(out) if d['kind'] == 'batch_size' and d['reason'] == 'interval'] == [2, 4]
+
+
+@pytest.mark.e2e
+def test_swift_sft_streaming_resume_continues_at_the_next_unseen_row(_register, tmp_path, tiny_qwen, fixture_dir):
+    """A stream run checkpointed at step 3 and resumed to step 6 draws the rows the uninterrupted run draws."""
+    from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
+    from swift_runs import decisions, run_sft, sample_trace
+    data = str(write_gsm8k_dataset(fixture_dir / 'gsm8k-10.jsonl', 10))
+    _register.register(batch_growth={'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4},
+                       integration={'record_samples': True})
+    common = dict(callbacks=['batch_growth'], streaming=True, dataset_shuffle=False, save_steps=3)
+    straight = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'straight'), max_steps=6, **common)
+    first = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'resumed'), max_steps=3, **common)
+    resumed = run_sft(tiny_qwen, 'qwen2', data, first, max_steps=6, fresh=False,
+                      resume_from_checkpoint=os.path.join(first, 'checkpoint-3'), **common)
+    rows = lambda out: [(r['step'], r['epoch'], r['batches']) for r in sample_trace(out)]  # noqa: E731
+    assert rows(straight)[3:] == rows(resumed)[-3:] and rows(straight)[:3] == rows(resumed)[:3]
+    (resume, ) = [d for d in decisions(resumed) if d['kind'] == 'resume']
+    assert resume['values']['position'] == 4  # 1 + 1 + 2 rows of the stream consumed

@@ -1076,7 +1076,7 @@ def _skip_first_batches_patch() -> None:
         return
 
     def skip_first_batches(dataloader, num_batches=0):
-        if isinstance(dataloader, ElasticDataLoader):
+        if isinstance(dataloader, (ElasticDataLoader, StreamLoader)):
             return dataloader
         return original(dataloader, num_batches)
 
