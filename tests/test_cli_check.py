@@ -134,6 +134,8 @@ GOOD = [
                                         lr_scheduler_type='reduce_lr_on_plateau'), []),
     ('noise_scale_default_accumulation', case(['batch_growth'], {'batch_growth': {'policy': 'noise_scale'}},
                                               per_device_train_batch_size=2), []),
+    ('streaming_with_max_steps', case(['batch_growth', 'length_batching'], GROWTH, streaming=True, max_steps=100), []),
+    ('rlhf_dpo_growth', case(['batch_growth', 'length_batching'], GROWTH, rlhf_type='dpo'), []),
     ('flag_overrides_file', case(['batch_growth'], GROWTH, streaming=True), ['--streaming', 'false']),
 ]
 
