@@ -113,8 +113,9 @@ def main() -> None:
                 spec = {'model': model, 'data': data, 'out': os.path.join(args.work, f'out-{n}-{name}-{lazy}'),
                         'callbacks': callbacks, 'section': section, 'lazy': lazy}
                 if name == 'length_batching' and lazy:
-                    for stale in glob.glob(os.path.join(os.path.expanduser('~'), '.cache', 'huggingface', 'datasets',
-                                                        '**', 'sdc_lengths-*.npy'), recursive=True):
+                    # the cache lies beside the dataset's Arrow files (datasets' or modelscope's cache folder)
+                    for stale in glob.glob(os.path.join(os.path.expanduser('~'), '.cache', '**', 'sdc_lengths-*.npy'),
+                                           recursive=True):
                         os.remove(stale)
                     for stale in glob.glob(os.path.join(spec['out'], '.sdc_cache', '*.npy')):
                         os.remove(stale)

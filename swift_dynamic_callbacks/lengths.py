@@ -29,6 +29,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 CACHE_PREFIX = 'sdc_lengths-'
+#: part of the cache key: a file written by another version of the estimate is not read
+ESTIMATE_VERSION = 2
 
 
 def is_lazy(dataset: Any) -> bool:
@@ -139,7 +141,8 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
     k = min(sample, n)
     picked = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)}) if n else []
     costs = [int(measure(dataset[i], i)) for i in picked]
-    key = hashlib.sha256(repr((getattr(raw, '_fingerprint', None), n, picked, costs)).encode()).hexdigest()[:20]
+    key = hashlib.sha256(repr((ESTIMATE_VERSION, getattr(raw, '_fingerprint', None), n, picked,
+                               costs)).encode()).hexdigest()[:20]
     path = os.path.join(cache, f'{CACHE_PREFIX}{key}.npy') if cache else None
     info: dict[str, Any] = {'rows': n, 'sampled': len(picked), 'cache': path, 'cached': False}
     if not is_main:  # the main process writes the cache first
