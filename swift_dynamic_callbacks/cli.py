@@ -51,8 +51,9 @@ def load_yaml(path: str) -> dict[str, Any]:
     return config
 
 
-def prepare(path: str, extra: Sequence[str]) -> tuple[dict[str, Any], PackConfig]:
-    """Read and validate ``path`` with the flags ``extra`` after it, as ``swift-dynamic sft`` does before launching.
+def prepare(path: str, extra: Sequence[str], command: str = 'sft') -> tuple[dict[str, Any], PackConfig]:
+    """Read and validate ``path`` with the flags ``extra`` after it, as ``swift-dynamic sft`` does before launching
+    (``command`` ``rlhf``: an ``rlhf_type`` left out is ms-swift's default, ``dpo``; ``check`` reads it from the file).
 
     Returns the ms-swift settings to launch with (the ``dynamic_callbacks:`` section taken out, the pack's plugin
     added to ``external_plugins``) and the validated pack settings; ``pack.notes`` holds warnings.
@@ -63,6 +64,8 @@ def prepare(path: str, extra: Sequence[str]) -> tuple[dict[str, Any], PackConfig
     config = load_yaml(path)
     section = config.pop(SECTION, None)
     settings = merged_settings(config, extra)  # flags after the file override it, as in swift
+    if command == 'rlhf' and settings.get('rlhf_type') is None:
+        settings = {**settings, 'rlhf_type': 'dpo'}
     listed = listed_callbacks(settings)
     pack = parse_section(section, listed)
     notes = check_run(pack, settings, listed)
@@ -95,7 +98,7 @@ def write_launch_file(path: str, config: dict[str, Any]) -> str:
 
 def launch(command: str, path: str, extra: Sequence[str]) -> int:
     """Validate ``path``, then run ``swift <command>`` on the rest of it with the pack settings in the environment."""
-    config, pack = prepare(path, extra)
+    config, pack = prepare(path, extra, command)
     _print_notes(pack)
     sanitized = write_launch_file(path, config)
     env = dict(os.environ)

@@ -59,8 +59,14 @@ class _IndexedCollate:
     def __init__(self, collate_fn: Callable[[list], Any]) -> None:
         self.collate_fn = collate_fn
 
-    def __call__(self, items: list[tuple[int, Any]]) -> tuple[list[int], Any]:
-        return [i for i, _ in items], self.collate_fn([x for _, x in items])
+    def __call__(self, items: list[tuple[int, Any]]) -> tuple[list[int], Any, list[int | None]]:
+        costs = []
+        for i, x in items:  # the real costs of the encoded rows (they refine estimated lengths)
+            try:
+                costs.append(row_cost(item_lengths(x, i)))
+            except (ValueError, TypeError):
+                costs.append(None)
+        return [i for i, _ in items], self.collate_fn([x for _, x in items]), costs
 
 
 class _PlannedBatchSampler:
@@ -108,7 +114,10 @@ class ElasticDataLoader:
         batch_size: initial per-device micro-batch size.
         entries_per_step: micro-batches per optimizer step (HF's ``gradient_accumulation_steps``).
         loader_kwargs: extra ``torch.utils.data.DataLoader`` settings (workers, pin memory, prefetch ...).
-        lengths: ``() -> tokens of every dataset index``, called once, when a batch plan first needs them.
+        lengths: ``() -> tokens of every dataset index``, called once, when a batch plan first needs them: the padded
+            tokens a sample costs in a micro-batch (:func:`row_cost`: a DPO pair counts both its rows).
+        real_tokens: ``() -> real tokens of every index, or None`` (samples of several rows: the sum of their rows),
+            called once after ``lengths``; only for the logged padding. ``None``: the lengths.
 
     State (``state_dict``): ``epoch``, ``position`` (samples of this rank's epoch shard consumed),
     ``batch_size``, ``num_pieces``, ``samples_seen`` (this rank, all epochs); with a batch plan also ``plan``,
@@ -126,7 +135,8 @@ class ElasticDataLoader:
                  batch_size: int,
                  entries_per_step: int,
                  loader_kwargs: Mapping[str, Any] | None = None,
-                 lengths: Callable[[], Sequence[int]] | None = None) -> None:
+                 lengths: Callable[[], Sequence[int]] | None = None,
+                 real_tokens: Callable[[], Sequence[int] | None] | None = None) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self._epoch_order = epoch_order
@@ -147,6 +157,12 @@ class ElasticDataLoader:
         self._padding = 0
         self._lengths_fn = lengths
         self._lengths: list[int] | None = None
+        self._real_fn = real_tokens
+        self._real: list[int] | None = None
+        #: the lengths are estimates (a lazy dataset): each drawn row's real cost replaces its estimate
+        self.lengths_estimated = False
+        #: micro-batches drawn whose real padded tokens exceed the budget (estimates were low), taken by the integration
+        self.over_estimates: list[dict[str, Any]] = []
         self.plan: length_policy.BatchPlan | None = None
         self._order_plan: length_policy.BatchPlan | None = None  # the plan that laid out this epoch's order
         self._chunks: list[int] | None = None  # chunk sizes of this epoch's bucketed order
@@ -257,7 +273,15 @@ class ElasticDataLoader:
             if len(lengths) != len(self.dataset):
                 raise ValueError(f'got {len(lengths)} lengths for a dataset of {len(self.dataset)} samples')
             self._lengths = lengths
+            real = self._real_fn() if self._real_fn is not None else None
+            self._real = [int(x) for x in real] if real is not None else lengths
         return self._lengths
+
+    @property
+    def real_tokens(self) -> list[int]:
+        """Real tokens of every dataset index (the lengths, unless a sample is several rows)."""
+        self.lengths  # noqa: B018
+        return self._real if self._real is not None else self._lengths
 
     def set_plan(self, plan: length_policy.BatchPlan) -> bool:
         """Use ``plan`` from now on; returns False when it is the current plan already.
@@ -315,8 +339,23 @@ class ElasticDataLoader:
         for size in self._sizes:
             batches.append([lengths[i] for i in self._order[start:start + size]])
             start += size
-        real, padded = length_policy.padding(batches)
+        _, padded = length_policy.padding(batches)
+        real_tokens = self.real_tokens
+        real = sum(real_tokens[i] for i in self._order[self.position:start])
         return real, padded, len(batches)
+
+    def _refine(self, indices: list[int], costs: list[int | None]) -> None:
+        """Replace estimated lengths by the real costs of rows just encoded; note a micro-batch over the budget."""
+        for i, cost in zip(indices, costs):
+            if cost is not None:
+                self._lengths[i] = cost
+                if self._real is not self._lengths and self._real is not None:
+                    self._real[i] = cost
+        known = [c for c in costs if c is not None]
+        if known and self.plan.mode == 'token_budget' and len(indices) > 1:
+            padded = len(indices) * max(known)
+            if padded > self.plan.max_tokens:
+                self.over_estimates.append({'indices': list(indices), 'padded': padded})
 
     def take_token_stats(self) -> tuple[int, int, int]:
         """``(real, padded, micro_batches)`` drawn since the last call (with a plan), and reset them."""
@@ -394,16 +433,18 @@ class ElasticDataLoader:
             if size == 0:
                 out.append(([], EmptyMicroBatch()))
                 continue
-            indices, batch = next(self._iterator)
+            indices, batch, costs = next(self._iterator)
             expected = self._order[self.position:self.position + size]
             if list(indices) != expected:
                 raise RuntimeError(f'elastic loader out of step: drew indices {indices[:8]}... but the plan expected '
                                    f'{expected[:8]}... (epoch {self.epoch}, position {self.position})')
             self.position += size
             self.samples_seen += size
+            if self.plan is not None and self.lengths_estimated:
+                self._refine(indices, costs)
             if self.plan is not None:
                 lengths = [self.lengths[i] for i in indices]
-                self.token_stats[0] += sum(lengths)
+                self.token_stats[0] += sum(self.real_tokens[i] for i in indices)
                 self.token_stats[1] += len(lengths) * max(lengths)
                 self.token_stats[2] += 1
             out.append((list(indices), batch))
@@ -460,52 +501,93 @@ class ElasticDataLoader:
 
 
 _LENGTHS_ATTR = '_sdc_lengths'
+_REAL_ATTR = '_sdc_real_tokens'
+#: prefixes of the rows ``swift rlhf`` encodes per sample (DPO/ORPO/SimPO/CPO/RM: chosen + rejected, run as two
+#: padded rows of one batch; KTO: the completion + its KL row, run as two batches of the same size)
+MEMBER_PREFIXES = ('chosen_', 'rejected_')
 
 
-def _normalise(value: Any) -> int:
+def row_cost(value: Any) -> int:
+    """Padded tokens one sample costs in a micro-batch, per sample, as the collator runs it.
+
+    ``value`` is an int (one row) or the sample's ``lengths`` list, one entry per row the collator makes from it
+    (``swift rlhf``: ``[chosen, rejected]``). A micro-batch of ``n`` such samples runs ``n * len(lengths)`` rows
+    padded to the longest, so a sample costs ``len(lengths) * max(lengths)``: exact for DPO/ORPO (both rows in one
+    padded batch), an upper bound for KTO (completion and KL rows padded as two batches). An int or a one-entry list
+    (``swift sft``) is the row's length.
+    """
     if isinstance(value, (list, tuple)):
-        return int(max(value)) if value else 0
+        return len(value) * int(max(value)) if value else 0
     return int(value)
 
 
-def dataset_lengths(dataset: Any) -> list[int]:
-    """Tokens of every sample of ``dataset``, computed once and cached with the dataset.
+def row_tokens(value: Any) -> int:
+    """Real (unpadded) tokens of one sample: the sum of its rows' lengths."""
+    if isinstance(value, (list, tuple)):
+        return int(sum(value))
+    return int(value)
 
-    Read, in this order: the ``lengths`` (ms-swift's encoded datasets: an int or a list per row, its maximum is
-    taken, as ms-swift's ``group_by_length`` does) or ``length`` column of a ``datasets.Dataset``, of the
-    ``dataset`` attribute of a lazy wrapper (ms-swift's ``LazyLLMDataset``), or a ``lengths`` attribute. Otherwise
-    every sample is read once and measured (``max(len(input_ids), len(labels))``); the result is kept on the dataset
-    object (``_sdc_lengths``), so later epochs, plan changes and resumes do not encode anything again.
+
+def item_lengths(item: Any, index: int = -1) -> list[int]:
+    """The rows' lengths of one encoded sample: its ``lengths`` field (ms-swift's ``return_length``), else
+    ``max(len(input_ids), len(labels))`` of the row, or of each ``chosen_`` / ``rejected_`` row (``swift rlhf``)."""
+    fields = item if isinstance(item, Mapping) else {}
+    given = fields.get('lengths')
+    if given is not None:
+        return [int(x) for x in given] if isinstance(given, (list, tuple)) else [int(given)]
+    rows = []
+    for prefix in ('', ) + MEMBER_PREFIXES:
+        sizes = [len(fields[prefix + k]) for k in ('input_ids', 'labels') if fields.get(prefix + k) is not None]
+        if sizes:
+            rows.append(max(sizes))
+    if not rows:
+        raise ValueError(f'cannot measure sample {index}: no input_ids/labels (a lengths column would do)')
+    return rows
+
+
+def dataset_lengths(dataset: Any) -> list[int]:
+    """Padded-token cost of every sample of ``dataset`` (:func:`row_cost`), computed once and cached with it.
+
+    Read, in this order: the ``lengths`` (ms-swift's encoded datasets: an int or a list per row, one entry per row
+    the collator makes: ``[chosen, rejected]`` under ``swift rlhf``) or ``length`` column of a ``datasets.Dataset``,
+    of the ``dataset`` attribute of a lazy wrapper (ms-swift's ``LazyLLMDataset``), or a ``lengths`` attribute.
+    Otherwise every sample is read once and measured (:func:`item_lengths`); the result is kept on the dataset object
+    (``_sdc_lengths``), so later epochs, plan changes and resumes do not encode anything again. Where a sample is
+    several rows, its real tokens (:func:`row_tokens`) are kept too (``_sdc_real_tokens``,
+    :func:`dataset_real_tokens`), for the logged padding.
     """
     cached = getattr(dataset, _LENGTHS_ATTR, None)
     if cached is not None and len(cached) == len(dataset):
         return cached
-    lengths: list[int] | None = None
+    values: list[Any] | None = None
     for source in (dataset, getattr(dataset, 'dataset', None)):
         columns = getattr(source, 'column_names', None) or ()
         if source is not None and len(source) == len(dataset):
             for column in ('lengths', 'length'):
                 if column in columns:
-                    lengths = [_normalise(v) for v in source[column]]
+                    values = list(source[column])
                     break
-        if lengths is not None:
+        if values is not None:
             break
-    if lengths is None and isinstance(getattr(dataset, 'lengths', None), (list, tuple)):
-        lengths = [_normalise(v) for v in dataset.lengths]
-    if lengths is None:
-        lengths = []
-        for i in range(len(dataset)):
-            item = dataset[i]
-            fields = item if isinstance(item, Mapping) else {}
-            sizes = [len(fields[k]) for k in ('input_ids', 'labels') if fields.get(k) is not None]
-            if not sizes:
-                raise ValueError(f'cannot measure sample {i}: no input_ids/labels (a lengths column would do)')
-            lengths.append(max(sizes))
-    try:
-        setattr(dataset, _LENGTHS_ATTR, lengths)
-    except (AttributeError, TypeError):
-        pass
+    if values is None and isinstance(getattr(dataset, 'lengths', None), (list, tuple)):
+        values = list(dataset.lengths)
+    if values is None:
+        values = [item_lengths(dataset[i], i) for i in range(len(dataset))]
+    lengths = [row_cost(v) for v in values]
+    real = [row_tokens(v) for v in values]
+    for attr, value in ((_LENGTHS_ATTR, lengths), (_REAL_ATTR, real if real != lengths else None)):
+        try:
+            setattr(dataset, attr, value)
+        except (AttributeError, TypeError):
+            pass
     return lengths
+
+
+def dataset_real_tokens(dataset: Any) -> list[int] | None:
+    """Real tokens of every sample where they differ from :func:`dataset_lengths` (samples of several rows), else
+    ``None``. Call after :func:`dataset_lengths`."""
+    real = getattr(dataset, _REAL_ATTR, None)
+    return real if real is not None and len(real) == len(dataset) else None
 
 
 def dataset_fingerprint(dataset: Any, samples: int = 8) -> dict[str, Any]:

@@ -54,8 +54,10 @@ BAD = [
      [], ["dynamic_callbacks.batch_growth.function: cannot import 'no_such_mod:f'"]),
     ('rules_int', case(['length_batching'], {'length_batching': {'mode': 'rules', 'rules': 1}}), [],
      ['dynamic_callbacks.length_batching.rules: expected a mapping {longer_than: samples}', 'got 1']),
-    ('streaming', case(['batch_growth'], GROWTH, streaming=True), [], ['streaming: true is not supported']),
-    ('streaming_flag', case(['batch_growth'], GROWTH), ['--streaming', 'true'], ['streaming: true is not supported']),
+    ('streaming', case(['batch_growth'], GROWTH, streaming=True), [], ['max_steps: streaming: true needs max_steps > 0']),
+    ('streaming_flag', case(['batch_growth'], GROWTH), ['--streaming', 'true'], ['max_steps: streaming: true needs']),
+    ('streaming_samples', case(['batch_growth'], {**GROWTH, 'integration': {'max_steps_unit': 'samples'}}, streaming=True,
+                               max_steps=5), [], ['max_steps_unit: samples is not supported with streaming']),
     ('packing_cap', case(['batch_growth'], {'batch_growth': {'micro_batch_cap': 2}}, packing=True), [],
      ['packing: true cannot be combined with dynamic_callbacks.batch_growth.micro_batch_cap']),
     ('padding_free_backoff', case(['memory_backoff'], {}, padding_free=True), [],
@@ -132,6 +134,8 @@ GOOD = [
                                         lr_scheduler_type='reduce_lr_on_plateau'), []),
     ('noise_scale_default_accumulation', case(['batch_growth'], {'batch_growth': {'policy': 'noise_scale'}},
                                               per_device_train_batch_size=2), []),
+    ('streaming_with_max_steps', case(['batch_growth', 'length_batching'], GROWTH, streaming=True, max_steps=100), []),
+    ('rlhf_dpo_growth', case(['batch_growth', 'length_batching'], GROWTH, rlhf_type='dpo'), []),
     ('flag_overrides_file', case(['batch_growth'], GROWTH, streaming=True), ['--streaming', 'false']),
 ]
 
@@ -264,7 +268,7 @@ from swift_dynamic_callbacks import cli
 rc_check = cli.main(['check', sys.argv[1]])
 subprocess.run = lambda cmd, env=None, **kw: subprocess.CompletedProcess(cmd, 0)  # launch nothing
 rc_sft = cli.main(['sft', sys.argv[1]])
-rc_rlhf = cli.main(['rlhf', sys.argv[1]])
+rc_rlhf = cli.main(['rlhf', sys.argv[2]])  # swift rlhf: nothing that splits a micro-batch of pairs
 heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'peft', 'swift'))
 print(json.dumps({'rc': [rc_check, rc_sft, rc_rlhf], 'heavy': heavy}))
 '''
@@ -275,8 +279,11 @@ def test_check_and_launch_import_no_torch_transformers_peft_or_swift(tmp_path):
              'checkpoint_rotation', 'training_log']
     data = case(every, {'batch_growth': {'micro_batch_cap': 4}, 'early_stopping': {'monitor': 'loss'},
                         'checkpoint_rotation': {'metric': 'loss'}, 'integration': {'record_samples': True}})
-    result = subprocess.run([sys.executable, '-c', _PROBE, write(tmp_path, data)], capture_output=True, text=True,
-                            timeout=120)
+    pairs = case([n for n in every if n != 'memory_backoff'], {'early_stopping': {'monitor': 'loss'},
+                                                                'checkpoint_rotation': {'metric': 'loss'}})
+    (tmp_path / 'pairs').mkdir()
+    result = subprocess.run([sys.executable, '-c', _PROBE, write(tmp_path, data), write(tmp_path / 'pairs', pairs)],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     probe = json.loads(result.stdout.strip().split('\n')[-1])
     assert probe['rc'] == [0, 0, 0], result.stderr

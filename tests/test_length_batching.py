@@ -392,7 +392,7 @@ def test_dataset_lengths_from_columns_or_measured_once():
         def __getitem__(self, key):
             return [[3, 9], 4, 7] if key == 'lengths' else super().__getitem__(key)
 
-    assert dataset_lengths(Columns([0, 1, 2])) == [9, 4, 7]  # a list per row: its maximum (as ms-swift)
+    assert dataset_lengths(Columns([0, 1, 2])) == [18, 4, 7]  # a list per row: one entry a row, each padded to the longest
 
     class Counting(LengthDataset):
         reads = 0

@@ -42,6 +42,10 @@ class IntegrationConfig(Settings):
             applies the batch and LR requests recorded there (``applied_request`` records) at the same step
             boundaries and ignores the callbacks' own requests, so the run repeats the recorded one. That it exists
             is checked when the ``dynamic_callbacks:`` section is parsed (``config.pack.parse_section``).
+        stream_window: with ``streaming: true`` and ``length_batching``, how many rows of the stream (per rank) are
+            read ahead and laid out at once: sorted into length buckets and cut by the token budget or rules
+            (default 1024; larger: less padding, more rows held in memory). Rows never leave their window, so the
+            stream order is kept across windows. Read only on a stream.
     """
 
     record_samples: bool = setting(Flag(), False)
@@ -53,6 +57,7 @@ class IntegrationConfig(Settings):
     fail_fast: bool = setting(Flag(), False)
     replay: str | None = setting(Text('output/first_run/dynamic_decisions.jsonl', optional=True), None)
     allow_config_change: bool = setting(Flag(), False)
+    stream_window: int = setting(Int(1, 10_000_000), 1024)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None) -> 'IntegrationConfig':

@@ -7,7 +7,8 @@ swift), and what the training processes use to read the settings handed over in 
   names, settings of callbacks that are not listed, two listed callbacks that drive the same control, and a replay
   file that does not exist are refused);
 - :func:`check_run`: the pack against the rest of the ms-swift settings (unknown names in ``callbacks:``, the
-  engine's refusals, streaming, packing with split micro-batches, settings the integration refuses at start-up,
+  engine's refusals, streaming, packing with split micro-batches, ``swift rlhf`` types and split passes of pairs,
+  settings the integration refuses at start-up,
   monitors of evaluation metrics in a run that never evaluates, ...) — everything that would otherwise only fail
   after the model has loaded;
 - :func:`load_env_config`: the settings in :data:`ENV_CONFIG` (inline JSON, or a YAML / JSON file).
@@ -342,9 +343,7 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
     configs = {n: pack.callback_config(n) for n in pack_listed}
     uses = ', '.join(pack_listed)
     if _flag(settings, 'streaming'):
-        raise ConfigError(f'streaming: true is not supported by swift-dynamic-callbacks yet (callbacks: {uses}): batch '
-                          'size changes and exactly-once epochs need a map-style dataset with a length; set '
-                          'streaming: false')
+        check_stream(pack, settings, uses)
     sp = _number(settings, 'sequence_parallel_size', 1)
     if sp is not None and sp > 1:
         raise ConfigError(f'sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism '
@@ -405,7 +404,45 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
     epochs, steps = _number(settings, 'num_train_epochs', 3), _number(settings, 'max_steps', -1)
     if (steps is None or steps <= 0) and epochs is not None and epochs <= 0:
         raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs:g}')
+    _check_rlhf(pack, settings, configs, uses)
     return notes
+
+
+def check_stream(pack: PackConfig, settings: Mapping[str, Any], uses: str) -> None:
+    """``streaming: true``: what needs the dataset's length is refused (a stream has none)."""
+    steps = _number(settings, 'max_steps', -1)
+    if steps is None or steps <= 0:
+        raise ConfigError(f'max_steps: streaming: true needs max_steps > 0 (callbacks: {uses}): a stream has no length, '
+                          f'so num_train_epochs cannot be turned into steps; got {steps if steps is not None else "unset"}')
+    if pack.integration.max_steps_unit != 'steps':
+        raise ConfigError(f'{SECTION}.integration.max_steps_unit: {pack.integration.max_steps_unit} is not supported '
+                          'with streaming: true: a sample budget is counted in epochs of a dataset whose length a '
+                          'stream does not have; use steps')
+
+
+#: ``swift rlhf`` types the pack runs: one sample is a chosen/rejected pair (two padded rows) or, under KTO, a
+#: completion with its KL row; their batches and token budgets count both rows (``loader.row_cost``)
+RLHF_TYPES = ('dpo', 'orpo', 'simpo', 'cpo', 'rm', 'kto')
+
+
+def _check_rlhf(pack: PackConfig, settings: Mapping[str, Any], configs: Mapping[str, Any], uses: str) -> None:
+    """``rlhf_type`` (``swift rlhf``): a type the pack runs, and nothing that splits a micro-batch into passes."""
+    rlhf = settings.get('rlhf_type')
+    if rlhf is None:
+        return
+    rlhf = str(rlhf).strip().lower()
+    if rlhf not in RLHF_TYPES:
+        raise ConfigError(f'rlhf_type: {rlhf} is not supported by swift-dynamic-callbacks (callbacks: {uses}): its '
+                          'trainer generates rollouts with its own sampler; allowed: ' + ', '.join(RLHF_TYPES))
+    splitters = _splitters(configs)
+    why = ('a micro-batch of pairs is its chosen rows then its rejected rows (KTO: completions and KL rows) and the '
+           'loss is a mean over pairs, so it cannot be split into smaller forward/backward passes')
+    if splitters:
+        raise ConfigError(f'rlhf_type: {rlhf} cannot be combined with {splitters[0]}: {why}; remove it (batch '
+                          'growth, schedules, length_batching and early stopping work)')
+    if pack.integration.oom_recovery is True:
+        raise ConfigError(f'{SECTION}.integration.oom_recovery: true is not supported with rlhf_type: {rlhf}: {why}; '
+                          'use auto (off under swift rlhf) or false')
 
 
 def _splitters(configs: Mapping[str, Any]) -> list[str]:

@@ -143,7 +143,7 @@ class StepRunner:
         """One micro-batch as ``pieces`` passes. ``final``: the step's last micro-batch (its last pass syncs)."""
         rows, length = batch_shape(inputs)
         requested = self.integration.loader.num_pieces if self.integration.loader is not None else 1
-        pieces = pieces_needed(rows, requested, pass_cap(length, self.integration.pass_limit))
+        pieces = pieces_needed(rows, requested, pass_cap(length, self.integration.effective_pass_limit()))
         probe = self.probe
         if pieces > 1 and num_items_in_batch is None:
             raise RuntimeError('splitting a micro-batch into passes (num_pieces > 1, a pass limit or OOM recovery) '

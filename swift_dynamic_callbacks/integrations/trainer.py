@@ -40,9 +40,12 @@ from transformers import TrainerCallback
 from .. import distributed, protocol
 from ..config import ConfigError, to_mapping
 from ..config.integration import IntegrationConfig
-from ..loader import ElasticDataLoader, dataset_fingerprint, dataset_lengths
+from ..lengths import cache_dir, estimate_lengths, is_lazy, mean_ratio
+from ..loader import (ElasticDataLoader, dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths,
+                      row_cost)
 from ..policies.data_plan import steps_to_budget
 from ..policies.length import BatchPlan, padding_fraction
+from ..stream_loader import StreamLoader, stream_fingerprint
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
 from ..state import (BINDING_KEY, StateError, binding_entry, build_payload, check_binding, file_digest, new_run_id,
                      read_state, restore_components, settings_changes, stateful_components, write_state)
@@ -64,6 +67,8 @@ if not logger.handlers:
     logger.propagate = False
 
 SAMPLES_FILE = 'dynamic_samples.rank{rank}.jsonl'
+_PAIRS_WHY = ('a micro-batch of pairs is its chosen rows then its rejected rows (KTO: completions and KL rows) and '
+              'the loss is a mean over pairs, so it cannot be split into smaller forward/backward passes')
 CONFIG_FILE = 'dynamic_callbacks_config.json'
 #: settings that do not change what is trained: a resume may change them without ``allow_config_change``
 LOGGING_SETTINGS = ('integration.record_samples', 'integration.log_values', 'integration.fail_fast',
@@ -100,6 +105,8 @@ class Integration:
         self.horizon: int | None = None  # the LR schedule's length in optimizer steps (before any stretch)
         self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
         self.pass_limit: dict[str, Any] | None = None  # the cap on samples per forward/backward pass
+        self._can_split: bool | None = None  # whether a micro-batch may run as several passes (checked once)
+        self.estimate_overruns = 0  # micro-batches over the token budget because length estimates were low
         self.engine: Engine = Engine(trainer)  # the engine adapter, chosen in begin_train
         self.runner = StepRunner(self, self.engine, oom_recovery=False, single_sample_retries=0)
         self._held: list[DecisionRecord] = []  # callbacks' records, written at the next step boundary
@@ -195,6 +202,11 @@ class Integration:
         listed = [getattr(cb, 'name', '') for cb in self.trainer.callback_handler.callbacks]
         check_engine(name, self.pack_config, listed)
         self.engine, recovery, why_off = select_engine(self.trainer, self.config.oom_recovery)
+        if recovery and self.pairs:
+            if self.config.oom_recovery is True:
+                raise ConfigError(f'dynamic_callbacks.integration.oom_recovery: true is not supported under swift '
+                                  f'rlhf: {_PAIRS_WHY}; use auto or false')
+            recovery, why_off = False, f'swift rlhf: {_PAIRS_WHY}'
         self.runner = StepRunner(self, self.engine, oom_recovery=recovery,
                                  single_sample_retries=self.config.oom_single_sample_retries)
         facts = {**self.engine.describe(), 'oom_recovery': recovery}
@@ -246,11 +258,11 @@ class Integration:
     def build_loader(self, host_loader: Any) -> ElasticDataLoader:
         """Make the elastic loader from the host's loader (its dataset, collate function, workers and order)."""
         trainer, args = self.trainer, self.trainer.args
+        # a stream: ms-swift wraps a plain DataLoader in its DataLoaderDispatcher (rank 0 reads, then scatters)
+        host_loader = getattr(host_loader, 'base_dataloader', host_loader)
         dataset = getattr(host_loader, 'dataset', None)
-        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(
-                dataset, '__len__'):
-            raise ConfigError('streaming / iterable training datasets are not supported by swift-dynamic-callbacks: '
-                              'the batch size changes need a map-style dataset with a length (set streaming: false)')
+        if dataset is None:
+            raise ConfigError('swift-dynamic-callbacks: the trainer\'s training loader has no dataset')
         loader_kwargs: dict[str, Any] = {
             'num_workers': host_loader.num_workers,
             'pin_memory': host_loader.pin_memory,
@@ -262,8 +274,10 @@ class Integration:
             loader_kwargs['prefetch_factor'] = host_loader.prefetch_factor
             if host_loader.multiprocessing_context is not None:
                 loader_kwargs['multiprocessing_context'] = host_loader.multiprocessing_context
-        order = _epoch_order_fn(host_loader, dataset, args)
         batch_size = int(trainer._train_batch_size)
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, '__len__'):
+            return self._build_stream_loader(host_loader, dataset, loader_kwargs, batch_size)
+        order = _epoch_order_fn(host_loader, dataset, args)
         loader = ElasticDataLoader(
             dataset,
             host_loader.collate_fn,
@@ -271,13 +285,94 @@ class Integration:
             batch_size=batch_size,
             entries_per_step=args.gradient_accumulation_steps,
             loader_kwargs=loader_kwargs,
-            lengths=lambda: dataset_lengths(dataset))
+            lengths=lambda: self._dataset_lengths(dataset),
+            real_tokens=lambda: dataset_real_tokens(dataset))
         self.loader = loader
         self._dataset_fingerprint = dataset_fingerprint(dataset)
         self._restore_loader(loader)
         self._samples_at_start = loader.samples_seen
         self._derive_max_steps(loader, batch_size)
         return loader
+
+    def _build_stream_loader(self, host_loader: Any, dataset: Any, loader_kwargs: dict[str, Any],
+                             batch_size: int) -> StreamLoader:
+        """``streaming: true``: a :class:`~..stream_loader.StreamLoader` over this rank's shard of the stream."""
+        args = self.trainer.args
+        if args.max_steps <= 0:
+            raise ConfigError(f'max_steps: streaming: true needs max_steps > 0 (a stream has no length, so '
+                              f'num_train_epochs cannot be turned into steps); got {args.max_steps}')
+        if self.config.max_steps_unit != 'steps':
+            raise ConfigError(f'dynamic_callbacks.integration.max_steps_unit: {self.config.max_steps_unit} is not '
+                              'supported with streaming: true (a sample budget needs the dataset length); use steps')
+        if host_loader.num_workers > 0:
+            loader_kwargs['prefetch_factor'] = host_loader.prefetch_factor
+        loader = StreamLoader(dataset, host_loader.collate_fn, batch_size=batch_size,
+                              entries_per_step=args.gradient_accumulation_steps, loader_kwargs=loader_kwargs,
+                              window=self.config.stream_window)
+        self.loader = loader
+        self._dataset_fingerprint = stream_fingerprint(dataset)
+        self._restore_loader(loader)
+        self._samples_at_start = loader.samples_seen
+        self._derive_max_steps(loader, batch_size)
+        return loader
+
+    def _dataset_lengths(self, dataset: Any) -> list[int]:
+        """Every sample's cost for a batch plan: the dataset's own lengths, or, for a lazily tokenised dataset, cheap
+        estimates (:mod:`..lengths`; cached beside the dataset, shared by the ranks, refined as rows are encoded),
+        with one ``length_estimate`` record."""
+        if not is_lazy(dataset):
+            return dataset_lengths(dataset)
+        import time
+        start = time.perf_counter()
+        lengths, info = estimate_lengths(
+            dataset, lambda item, i: row_cost(item_lengths(item, i)),
+            cache=cache_dir(dataset.dataset, os.path.join(self.trainer.args.output_dir, '.sdc_cache')),
+            is_main=distributed.is_main_process(), wait=lambda: distributed.gather_objects(0))
+        if self.loader is not None:
+            self.loader.lengths_estimated = True
+        seconds = round(time.perf_counter() - start, 3)
+        self._held.append(DecisionRecord('integration', 'length_estimate', 'lazy_tokenize', {
+            **info, 'seconds': seconds, 'tokens_per_1000_chars': mean_ratio(info) if 'b' in info else None},
+            f'lazy dataset: lengths of {info["rows"]} rows estimated from their characters ({info["sampled"]} rows '
+            f'encoded{", read from the cache" if info["cached"] else ""}) in {seconds} s; refined as rows are encoded'))
+        return lengths
+
+    def effective_pass_limit(self) -> dict[str, Any] | None:
+        """The pass limit, with the token budget added while lengths are estimates: a micro-batch whose real padded
+        tokens exceed ``max_tokens`` then runs as several passes within it (when passes can split, same gradient)."""
+        loader = self.loader
+        if loader is None or not getattr(loader, 'lengths_estimated', False) or loader.plan is None or \
+                loader.plan.mode != 'token_budget' or not self._splittable():
+            return self.pass_limit
+        limit = dict(self.pass_limit or {})
+        tokens = limit.get('tokens')
+        limit['tokens'] = loader.plan.max_tokens if tokens is None else min(tokens, loader.plan.max_tokens)
+        return limit
+
+    def _splittable(self) -> bool:
+        if self._can_split is None:
+            try:
+                self.check_splittable('length estimates')
+                self._can_split = True
+            except ConfigError:
+                self._can_split = False
+        return self._can_split
+
+    def _over_estimates(self, loader: ElasticDataLoader) -> None:
+        """Record the micro-batches of this step whose real padded tokens exceeded the budget (rank 0 writes; no
+        collective: each rank records its own, under several processes the console log names them)."""
+        over, loader.over_estimates = loader.over_estimates, []
+        split = self._splittable()
+        for entry in over:
+            message = (f'micro-batch of {len(entry["indices"])} samples has {entry["padded"]} padded tokens, over '
+                       f'max_tokens={loader.plan.max_tokens} (the length estimates were low); '
+                       + ('it runs as several passes within the budget' if split else
+                          'it runs in one pass, over the budget (passes cannot be split here)'))
+            logger.warning(message)
+            self.estimate_overruns += 1
+            self._held.append(DecisionRecord('integration', 'over_estimate', 'split' if split else 'warning', {
+                'indices': entry['indices'][:32], 'padded': entry['padded'], 'max_tokens': loader.plan.max_tokens,
+                'rank': distributed.rank()}, message))
 
     def _restore_loader(self, loader: ElasticDataLoader) -> None:
         checkpoint = self._resume_checkpoint
@@ -306,7 +401,7 @@ class Integration:
         with open(state_file, encoding='utf-8') as f:
             global_step = int(json.load(f).get('global_step', 0))
         consumed = global_step * loader.batch_size * loader.entries_per_step
-        epoch_size = max(loader.epoch_size, 1)
+        epoch_size = max(loader.epoch_size, 1) if not getattr(loader, 'streaming', False) else consumed + 1
         epoch, position = divmod(consumed, epoch_size)
         for _ in range(epoch):
             loader.start_next_epoch()
@@ -324,7 +419,8 @@ class Integration:
         saved = (self._binding or {}).get('dataset')
         if not saved:
             return
-        now = self._dataset_fingerprint or dataset_fingerprint(loader.dataset)
+        now = self._dataset_fingerprint or (stream_fingerprint if getattr(loader, 'streaming', False) else
+                                            dataset_fingerprint)(loader.dataset)
         if saved.get('size') != now['size'] or (saved.get('sha256') and now['sha256']
                                                   and saved['sha256'] != now['sha256']):
             what = (f'{saved.get("size")} samples then, {now["size"]} now' if saved.get('size') != now['size'] else
@@ -407,6 +503,10 @@ class Integration:
         if loader.epoch_complete:
             loader.start_next_epoch()
         pairs = loader.next_step(num_batches)
+        if getattr(loader, 'over_estimates', None):
+            self._over_estimates(loader)
+        if getattr(loader, 'streaming', False) and loader.plan is not None:
+            self._stream_over_budget(loader)
         real = [batch for indices, batch in pairs if indices]
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
         counted = real or ([{'labels': torch.full((1, 1), -100)}] if distributed.world_size() > 1 else [])
@@ -559,6 +659,21 @@ class Integration:
                 'samples': len(over), 'indices': sorted(over)[:32], 'longest': longest, 'max_tokens': plan.max_tokens
             }, message))
 
+    def _stream_over_budget(self, loader: StreamLoader) -> None:
+        """On a stream, rows over the token budget are met window by window: one ``over_budget`` record each time
+        (collective: every rank calls it at the same step boundary)."""
+        rows, loader.over_budget_rows = loader.over_budget_rows, []
+        over = sum(distributed.gather_objects(rows), [])
+        if not over:
+            return
+        longest = max(cost for _, cost in over)
+        message = (f'{len(over)} stream row(s) are longer than max_tokens={loader.plan.max_tokens} (longest {longest} '
+                   'tokens); each runs alone in its micro-batch, over the token budget')
+        logger.warning(message)
+        self._record(DecisionRecord('integration', 'over_budget', 'warning', {
+            'samples': len(over), 'indices': sorted(k for k, _ in over)[:32], 'longest': longest,
+            'max_tokens': loader.plan.max_tokens, 'epoch': loader.epoch}, message))
+
     def token_values(self) -> dict[str, float]:
         """Padded tokens per micro-batch and padding fraction of the micro-batches drawn since the last log line
         (all ranks), from the samples' lengths (a batch plan is set)."""
@@ -576,9 +691,17 @@ class Integration:
                              f'(got a {type(dataloader).__name__} over {type(dataset).__name__}); the integration '
                              'only takes its batch size and keeps the epoch order and position')
 
+    @property
+    def pairs(self) -> bool:
+        """Whether a sample is several rows run together (``swift rlhf``: DPO/ORPO/... chosen + rejected, KTO
+        completion + KL row; the template's ``mode`` is ``rlhf`` or ``kto``)."""
+        return getattr(getattr(self.trainer, 'template', None), 'mode', None) in ('rlhf', 'kto')
+
     def check_splittable(self, setting: str) -> None:
-        """Raise when a micro-batch cannot run as several passes: packed rows, or an engine whose passes hold
-        collectives (``config.engines``)."""
+        """Raise when a micro-batch cannot run as several passes: packed rows, pairs (``swift rlhf``), or an engine
+        whose passes hold collectives (``config.engines``)."""
+        if self.pairs:
+            raise ConfigError(f'{setting}: not supported under swift rlhf: {_PAIRS_WHY}')
         args = self.trainer.args
         template = getattr(self.trainer, 'template', None)
         if getattr(template, 'padding_free', False) or getattr(args, 'padding_free', False) or getattr(
@@ -728,8 +851,13 @@ class Integration:
                 'dynamic/pass_size': self.runner.max_pass,
                 'dynamic/oom_count': self.runner.oom_count,
             })
+            if getattr(loader, 'streaming', False):  # no length: no coverage, the rows of the epoch so far instead
+                del values['dynamic/epoch_coverage']
+                values['dynamic/stream_position'] = distributed.sum_ints([loader.position])[0]
         if loader is not None and self.config.log_values and loader.plan is not None:
             values.update(self.token_values())
+            if getattr(loader, 'lengths_estimated', False):
+                values['dynamic/estimate_overruns'] = self.estimate_overruns
         values.update(protocol.current_metrics(control))
         return values
 
@@ -948,7 +1076,7 @@ def _skip_first_batches_patch() -> None:
         return
 
     def skip_first_batches(dataloader, num_batches=0):
-        if isinstance(dataloader, ElasticDataLoader):
+        if isinstance(dataloader, (ElasticDataLoader, StreamLoader)):
             return dataloader
         return original(dataloader, num_batches)
 

@@ -1,0 +1,133 @@
+"""Lazy datasets at scale: length estimates from characters (Arrow), cached and refined; the budget holds on real
+rows (an over-budget micro-batch runs as passes within it)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from swift_dynamic_callbacks.lengths import apply, char_counts, estimate_lengths, fit, is_lazy
+from swift_dynamic_callbacks.loader import ElasticDataLoader, item_lengths, row_cost
+from swift_dynamic_callbacks.policies.length import BatchPlan
+
+
+def raw_rows(n=40):
+    import datasets
+    rows = [{'messages': [{'role': 'user', 'content': 'q' * (3 + i)}, {'role': 'assistant', 'content': 'a' * (5 * i)}],
+             'rejected_response': 'r' * (i % 4)} for i in range(n)]
+    return datasets.Dataset.from_list(rows)
+
+
+class Lazy:
+    """A stand-in for ms-swift's ``LazyLLMDataset``: ``encode_func`` on raw rows when read (1 token a character + 7)."""
+
+    def __init__(self, raw, extra=0):
+        self.dataset, self.extra, self.reads = raw, extra, 0
+
+    def encode_func(self, row, return_length=True):
+        chars = sum(len(m['content']) for m in row['messages']) + len(row.get('rejected_response') or '')
+        return {'input_ids': [1] * (chars + 7 + self.extra)}
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.encode_func(self.dataset[i])
+
+
+def test_char_counts_of_messages_and_strings_by_arrow():
+    raw = raw_rows()
+    expected = [(3 + i) + 5 * i + (i % 4) + len('user') + len('assistant') for i in range(40)]
+    assert char_counts(raw).tolist() == expected
+    shuffled = raw.shuffle(seed=1)  # an indices mapping: the rows of the view
+    assert char_counts(shuffled).tolist() == [expected[i] for i in shuffled._indices.column(0).to_pylist()]
+
+
+def test_char_counts_of_json_messages_as_ms_swift_stores_them():
+    import pyarrow as pa
+
+    class Raw:  # ms-swift keeps ``messages`` as a list of JSON texts (an Arrow extension type)
+        def __init__(self, table):
+            self.data = table
+
+    texts = [['{"role":"user","content":"ab"}', '{"role":"assistant","content":"abcd"}'], ['{"c":"x"}']]
+    flat = pa.ExtensionArray.from_storage(pa.json_(), pa.array([x for t in texts for x in t]))
+    column = pa.ListArray.from_arrays(pa.array([0, 2, 3], type=pa.int32()), flat)
+    assert char_counts(Raw(pa.table({'messages': column}))).tolist() == [sum(map(len, t)) for t in texts]
+
+
+def test_fit_never_under_estimates_the_sample():
+    chars = np.array([10, 20, 40, 80])
+    costs = [17, 30, 45, 90]
+    a, b, scale = fit(chars, costs)
+    assert all(apply(chars, a, b, scale) >= costs)
+    assert fit([5], [9])[2] >= 1.0
+
+
+def test_estimates_read_only_a_sample_and_are_cached(tmp_path):
+    raw = raw_rows(200)
+    lazy = Lazy(raw)
+    assert is_lazy(lazy) and not is_lazy(raw)
+    measure = lambda item, i: row_cost(item_lengths(item, i))  # noqa: E731
+    lengths, info = estimate_lengths(lazy, measure, sample=16, cache=str(tmp_path))
+    assert lazy.reads == 16 and info['sampled'] == 16 and not info['cached']
+    true = [measure(lazy.encode_func(raw[i]), i) for i in range(200)]
+    assert all(e >= t for e, t in zip(lengths, true))  # linear data: the fit covers every row
+    assert max(e / t for e, t in zip(lengths, true)) < 1.3
+    again, info2 = estimate_lengths(Lazy(raw), measure, sample=16, cache=str(tmp_path))
+    assert info2['cached'] and again == lengths and os.path.exists(info2['cache'])
+    other, info3 = estimate_lengths(Lazy(raw, extra=50), measure, sample=16, cache=str(tmp_path))
+    assert not info3['cached']  # another encoding (template, max_length): another key
+
+
+def test_loader_refines_estimates_and_notes_micro_batches_over_the_budget():
+    raw = raw_rows(24)
+    lazy = Lazy(raw)
+    low = [5] * 24  # far too low: every real row is longer
+    loader = ElasticDataLoader(lazy, lambda items: items, lambda epoch: list(range(24)), batch_size=8,
+                               entries_per_step=1, lengths=lambda: list(low))
+    loader.lengths_estimated = True
+    loader.set_plan(BatchPlan(max_tokens=200, bucketing=False))
+    seen = []
+    while not loader.epoch_complete:
+        for indices, _ in loader.next_step(1):
+            seen.extend(indices)
+    assert sorted(seen) == list(range(24))
+    real = [row_cost(item_lengths(lazy.encode_func(raw[i]))) for i in range(24)]
+    assert loader.lengths == real  # every estimate replaced by the real cost once encoded
+    assert loader.over_estimates and all(e['padded'] > 200 for e in loader.over_estimates)
+    loader.start_next_epoch()  # the next epoch is planned from the real lengths: within the budget
+    loader.over_estimates.clear()
+    while not loader.epoch_complete:
+        loader.next_step(1)
+    assert loader.over_estimates == []
+
+
+@pytest.mark.e2e
+def test_swift_sft_lazy_length_batching(tmp_path, tiny_qwen, fixture_dir):
+    """``lazy_tokenize: true`` + length_batching: one ``length_estimate`` record, a sample encoded (not every row),
+    every row once, and no micro-batch over the budget on real tokens unless an ``over_estimate`` record says it ran
+    as passes within it."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
+    from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
+    data = str(write_gsm8k_dataset(fixture_dir / 'gsm8k-24.jsonl', 24))
+    try:
+        sdc.register(length_batching={'max_tokens': 600}, integration={'record_samples': True})
+        out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'out'), callbacks=['length_batching'],
+                      lazy_tokenize=True, num_train_epochs=1, max_steps=-1, per_device_train_batch_size=8)
+    finally:
+        plugin._configured = None
+    records = decisions(out)
+    (estimate, ) = [d for d in records if d['kind'] == 'length_estimate']
+    assert estimate['values']['rows'] == 24 and estimate['values']['sampled'] <= 24
+    assert sorted(indices_by_epoch(sample_trace(out))[0]) == list(range(24))
+    logs = train_logs(out)
+    assert all('dynamic/estimate_overruns' in row for row in logs)
+    overruns = [d for d in records if d['kind'] == 'over_estimate']
+    assert logs[-1]['dynamic/estimate_overruns'] == len(overruns)
+    assert all(d['reason'] == 'split' for d in overruns)
