@@ -332,7 +332,8 @@ def draw_report(run: RunData) -> Any:
             ax.plot(steps, values, style, label=key, drawstyle='steps-pre' if title == 'batch size' else 'default')
         ax.set_ylabel(title)
         ax.grid(True, alpha=0.3)
-        ax.legend(loc='upper left', fontsize=7)
+        # the top panel carries the decision labels along its upper edge: its legend goes to the lower right
+        ax.legend(loc='lower right' if ax is axes[0] and run.decisions else 'upper left', fontsize=7)
     colours = source_colours(run.decisions)
     placed = [d for d in run.decisions
               if isinstance(d.get('step'), (int, float)) and not isinstance(d.get('step'), bool)]

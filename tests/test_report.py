@@ -186,5 +186,7 @@ def test_labels_of_decisions_at_the_same_step_do_not_overlap(tmp_path):
         for i, a in enumerate(boxes):
             for b in boxes[i + 1:]:
                 assert not a.overlaps(b), (a, b)
+        legend = fig.axes[0].get_legend().get_window_extent(renderer)
+        assert not any(box.overlaps(legend) for box in boxes)  # the top panel's legend is out of the labels' way
     finally:
         plt.close(fig)

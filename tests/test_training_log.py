@@ -176,6 +176,8 @@ def test_growth_run_with_training_log_feeds_the_report(tmp_path, tiny_qwen, gsm8
     assert [line['samples_seen'] for line in steps] == [2, 6, 14]
     # tokens: counted by the pack (no include_num_input_tokens_seen in this run), every line, rising
     assert all(row['dynamic/tokens_seen'] > 0 and row['dynamic/tokens_per_s'] > 0 for row in logs)
+    assert all(row['dynamic/padded_tokens_seen'] >= row['dynamic/tokens_seen'] for row in logs)
+    assert logs[-1]['dynamic/padded_tokens_seen'] > logs[-1]['dynamic/tokens_seen']  # batches of 2 and 4 pad
     assert [line['tokens_seen'] for line in steps] == [logs[i]['dynamic/tokens_seen'] for i in (1, 3, 5)]
     assert steps[0]['tokens_seen'] < steps[1]['tokens_seen'] < steps[2]['tokens_seen']
     assert all(line['tokens_per_s'] > 0 for line in steps)

@@ -98,6 +98,7 @@ class Integration:
         self._resume_checkpoint: str | None = None
         self._samples_at_start = 0
         self.tokens_seen = 0  # this rank's input tokens (non-padding) of the micro-batches drawn so far
+        self.padded_tokens_seen = 0  # the same micro-batches' tokens with padding (rows x padded length)
         self._token_mark: tuple[float, int] | None = None  # (time, all ranks' tokens) at the last log line
         self._scheduler: Any = None
         self.horizon: int | None = None  # the LR schedule's length in optimizer steps (before any stretch)
@@ -425,6 +426,7 @@ class Integration:
         pairs = loader.next_step(num_batches)
         real = [batch for indices, batch in pairs if indices]
         self.tokens_seen += sum(count_tokens(batch) for batch in real)
+        self.padded_tokens_seen += sum(count_tokens(batch, padded=True) for batch in real)
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
         counted = real or ([{'labels': torch.full((1, 1), -100)}] if distributed.world_size() > 1 else [])
         _, num_items_in_batch = original(iter(counted), len(counted), device)
@@ -735,8 +737,10 @@ class Integration:
         loader = self.loader
         values: dict[str, float] = {}
         if loader is not None and self.config.log_values:
-            samples, tokens = distributed.sum_ints([loader.samples_seen, self.tokens_seen])
+            samples, tokens, padded = distributed.sum_ints([loader.samples_seen, self.tokens_seen,
+                                                             self.padded_tokens_seen])
             values.update(self.throughput_values(tokens))
+            values['dynamic/padded_tokens_seen'] = padded
             values.update({
                 'dynamic/batch_size': loader.batch_size,
                 'dynamic/num_pieces': loader.num_pieces,
@@ -766,6 +770,7 @@ class Integration:
         request = protocol.pending_request(self.trainer.control)
         return {
             'tokens_seen': self.tokens_seen,
+            'padded_tokens_seen': self.padded_tokens_seen,
             'pending_request': None if request.empty else asdict(request),
             'held_decisions': [r.to_json() for r in self._held],
             'pass_limit': self.pass_limit,
@@ -777,6 +782,7 @@ class Integration:
         self.pass_limit = state.get('pass_limit')
         self.runner.oom_count = int(state.get('oom_count', 0))
         self.tokens_seen = int(state.get('tokens_seen', 0))
+        self.padded_tokens_seen = int(state.get('padded_tokens_seen', 0))
         pending = state.get('pending_request')
         if not pending:
             return
@@ -811,13 +817,13 @@ class Integration:
         self.trainer.state.stateful_callbacks[BINDING_KEY] = binding_entry(payload, file_digest(path))
 
 
-def count_tokens(batch: Any) -> int:
+def count_tokens(batch: Any, *, padded: bool = False) -> int:
     """Input tokens of one collated micro-batch without padding: ``attention_mask``'s ones, else every
-    ``input_ids`` entry (packed / padding-free rows have no padding), else 0."""
+    ``input_ids`` entry (packed / padding-free rows have no padding), else 0. ``padded``: every position."""
     if not isinstance(batch, Mapping):
         return 0
     mask = batch.get('attention_mask')
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not padded:
         return int(mask.sum().item())
     ids = batch.get('input_ids')
     return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
