@@ -109,13 +109,15 @@ def run_sft(path: str, extra: Sequence[str]) -> int:
 
 def _prepare_demo(root: str, model_name: str, rows: int, eval_rows: int) -> int:
     """``prepare-demo``: the model folder (built once) and the GSM8K train / held-out test files."""
-    from .tiny import write_gsm8k_dataset
-    try:
-        data = write_gsm8k_dataset(os.path.join(root, 'gsm8k-train.jsonl'), rows)
-        test = write_gsm8k_dataset(os.path.join(root, 'gsm8k-test.jsonl'), eval_rows, split='test')
-    except ValueError as e:
-        print(f'swift-dynamic prepare-demo: {e}', file=sys.stderr)
-        return 2
+    from .tiny import GSM8K_ROWS, GSM8K_TEST_ROWS, write_gsm8k_dataset
+    for option, value, limit, what in (('--rows', rows, GSM8K_ROWS, 'train'), ('--eval-rows', eval_rows,
+                                                                             GSM8K_TEST_ROWS, 'held-out test')):
+        if not 1 <= value <= limit:
+            print(f'swift-dynamic prepare-demo: {option}: between 1 and {limit} (the GSM8K {what} rows vendored), '
+                  f'got {value}', file=sys.stderr)
+            return 2
+    data = write_gsm8k_dataset(os.path.join(root, 'gsm8k-train.jsonl'), rows)
+    test = write_gsm8k_dataset(os.path.join(root, 'gsm8k-test.jsonl'), eval_rows, split='test')
     if model_name == 'smollm2':
         from .demo import prepare_smollm2
         try:

@@ -161,3 +161,12 @@ def test_write_mixed_length_dataset(tmp_path: Path) -> None:
     assert len(_read_jsonl(tiny.write_mixed_length_dataset(tmp_path / 'three.jsonl', n=3))) == 3
     with pytest.raises(ValueError, match=r'\bn\b.*0'):
         tiny.write_mixed_length_dataset(tmp_path / 'bad.jsonl', n=0)
+
+
+def test_prepare_demo_names_the_option_it_refuses(tmp_path: Path, capsys) -> None:
+    from swift_dynamic_callbacks import cli
+    assert cli.main(['prepare-demo', str(tmp_path / 'd'), '--rows', '600']) == 2
+    assert "--rows: between 1 and 500 (the GSM8K train rows vendored), got 600" in capsys.readouterr().err
+    assert cli.main(['prepare-demo', str(tmp_path / 'd'), '--rows', '4', '--eval-rows', '0']) == 2
+    assert '--eval-rows: between 1 and 100 (the GSM8K held-out test rows vendored), got 0' in capsys.readouterr().err
+    assert not (tmp_path / 'd').exists()  # nothing written
