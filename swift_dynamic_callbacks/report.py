@@ -192,6 +192,24 @@ def decision_label(decision: Mapping[str, Any]) -> str:
     return kind
 
 
+def spread_labels(positions: Sequence[float], width: float) -> list[float]:
+    """Where to put labels wanted at ``positions`` (one axis, any unit) so that no two are closer than ``width``.
+
+    Labels keep their order along the axis (ties in input order) and each is pushed right just enough: in that
+    order, label ``i`` goes to ``max(positions[i], placed[previous] + width)``. Pure; the returned values are in
+    the order of ``positions``.
+    """
+    order = sorted(range(len(positions)), key=lambda i: (positions[i], i))
+    placed: dict[int, float] = {}
+    last: float | None = None
+    for i in order:
+        x = positions[i] if last is None else max(positions[i], last + width)
+        placed[i] = last = x
+    if not placed:
+        return []
+    return [placed[i] for i in range(len(positions))]
+
+
 def train_steps(run: RunData) -> int:
     """Optimizer steps of the run: the summary's ``global_step``, else the last logged step."""
     if run.summary and isinstance(run.summary.get('global_step'), int):
@@ -227,7 +245,8 @@ def build_markdown(run: RunData, png_name: str | None = REPORT_PNG) -> str:
         lines.append(f'- Final loss: {_fmt(losses[-1])} (step {loss_steps[-1]}; first {_fmt(losses[0])})')
     eval_steps, eval_losses = series(rows, 'eval_loss')
     if eval_losses:
-        lines.append(f'- Final eval_loss: {_fmt(eval_losses[-1])} (step {eval_steps[-1]})')
+        first = f'; first {_fmt(eval_losses[0])} at step {eval_steps[0]}' if len(eval_losses) > 1 else ''
+        lines.append(f'- Final eval_loss: {_fmt(eval_losses[-1])} (step {eval_steps[-1]}{first})')
     for key, label in (('dynamic/batch_size', 'Per-device batch size'), ('dynamic/global_batch_size', 'Global batch size'),
                        ('learning_rate', 'Learning rate')):
         _, values = series(rows, key)
@@ -270,8 +289,28 @@ def source_colours(decisions: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     return {name: palette[i % len(palette)] for i, name in enumerate(names)}
 
 
+#: Font size (points) of the decision labels, and the room one rotated label takes across the x axis.
+LABEL_FONT_PT = 6.0
+LABEL_WIDTH_PT = LABEL_FONT_PT + 2.0
+
+
 def plot_report(run: RunData, path: str | os.PathLike) -> str:
     """Draw the stacked panels with the decision lines into ``path`` (PNG, Agg backend); returns the path."""
+    import matplotlib.pyplot as plt
+    fig = draw_report(run)
+    path = os.fspath(path)
+    fig.savefig(path, dpi=REPORT_DPI)
+    plt.close(fig)
+    return path
+
+
+REPORT_DPI = 110
+
+
+def draw_report(run: RunData) -> Any:
+    """The report's matplotlib figure (Agg backend): the panels, a dashed line per decision, and one label per
+    decision along the top panel, spread so that labels of one step (or of close steps) never overlap
+    (:func:`spread_labels`, in points once the layout is final)."""
     import matplotlib
     matplotlib.use('Agg', force=True)
     import matplotlib.pyplot as plt
@@ -279,7 +318,7 @@ def plot_report(run: RunData, path: str | os.PathLike) -> str:
 
     chosen = panels(run.rows)
     n = max(len(chosen), 1)
-    fig, axes = plt.subplots(n, 1, figsize=(10, 2.4 * n + 1.0), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(n, 1, figsize=(10, 2.4 * n + 1.0), sharex=True, squeeze=False, dpi=REPORT_DPI)
     axes = [row[0] for row in axes]
     if not chosen:
         axes[0].text(0.5, 0.5, 'no numeric training values in logging.jsonl', ha='center', va='center',
@@ -293,19 +332,14 @@ def plot_report(run: RunData, path: str | os.PathLike) -> str:
             ax.plot(steps, values, style, label=key, drawstyle='steps-pre' if title == 'batch size' else 'default')
         ax.set_ylabel(title)
         ax.grid(True, alpha=0.3)
-        ax.legend(loc='upper left', fontsize=7)
+        # the top panel carries the decision labels along its upper edge: its legend goes to the lower right
+        ax.legend(loc='lower right' if ax is axes[0] and run.decisions else 'upper left', fontsize=7)
     colours = source_colours(run.decisions)
-    at_step: dict[float, int] = {}
-    for d in run.decisions:
-        if not isinstance(d.get('step'), (int, float)) or isinstance(d.get('step'), bool):
-            continue
-        colour = colours[str(d.get('source'))]
+    placed = [d for d in run.decisions
+              if isinstance(d.get('step'), (int, float)) and not isinstance(d.get('step'), bool)]
+    for d in placed:
         for ax in axes:
-            ax.axvline(d['step'], color=colour, linestyle='--', linewidth=0.9, alpha=0.7)
-        nth = at_step[d['step']] = at_step.get(d['step'], -1) + 1  # labels of one step side by side
-        axes[0].annotate(decision_label(d), xy=(d['step'], 1.0), xycoords=('data', 'axes fraction'), rotation=90,
-                         fontsize=6, color=colour, va='top', ha='right', xytext=(-1 + 7 * nth, -2),
-                         textcoords='offset points')
+            ax.axvline(d['step'], color=colours[str(d.get('source'))], linestyle='--', linewidth=0.9, alpha=0.7)
     if colours:
         handles = [Line2D([0], [0], color=c, linestyle='--', label=name) for name, c in colours.items()]
         fig.legend(handles=handles, loc='upper right', fontsize=7, title='decisions by', title_fontsize=7)
@@ -314,10 +348,15 @@ def plot_report(run: RunData, path: str | os.PathLike) -> str:
     fig.suptitle(f'{name}: {train_steps(run)} steps, {len(run.decisions)} decisions', fontsize=10, x=0.01,
                  ha='left')
     fig.tight_layout(rect=(0, 0, 0.86 if colours else 1, 0.97))
-    path = os.fspath(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    # labels after the layout is final: the line positions in points, spread one label width apart
+    to_pt = 72.0 / fig.dpi
+    wanted = [axes[0].transData.transform((float(d['step']), 0.0))[0] * to_pt for d in placed]
+    for d, want, at in zip(placed, wanted, spread_labels(wanted, LABEL_WIDTH_PT)):
+        axes[0].annotate(decision_label(d), xy=(d['step'], 1.0), xycoords=('data', 'axes fraction'), rotation=90,
+                         fontsize=LABEL_FONT_PT, color=colours[str(d.get('source'))], va='top', ha='center',
+                         xytext=(at - want + LABEL_WIDTH_PT / 2, -2), textcoords='offset points',
+                         annotation_clip=False)
+    return fig
 
 
 def write_report(output_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> tuple[str, str]:

@@ -45,8 +45,12 @@ ARCHS: tuple[str, ...] = ('qwen2', 'llama')
 GSM8K_ROWS: int = 500
 """Number of GSM8K rows vendored in ``assets/gsm8k/train-500.jsonl.gz``."""
 
+GSM8K_TEST_ROWS: int = 100
+"""Number of held-out GSM8K test rows vendored in ``assets/gsm8k/test-100.jsonl.gz``."""
+
 _TOKENIZER_DIR = ASSETS / 'qwen2.5-tokenizer'
 _GSM8K_FILE = ASSETS / 'gsm8k' / 'train-500.jsonl.gz'
+_GSM8K_TEST_FILE = ASSETS / 'gsm8k' / 'test-100.jsonl.gz'
 _QWEN2_VOCAB_SIZE = 151936  # real Qwen2.5 embedding rows (len(tokenizer) is 151665)
 _NUM_HEADS = 4
 _NUM_KV_HEADS = 2
@@ -204,9 +208,9 @@ def build_tiny_model(
     return dest
 
 
-def _gsm8k_rows() -> list[dict[str, str]]:
-    """Reads the vendored GSM8K rows (``question``/``answer``)."""
-    with gzip.open(_GSM8K_FILE, 'rt', encoding='utf-8') as f:
+def _gsm8k_rows(split: str = 'train') -> list[dict[str, str]]:
+    """Reads the vendored GSM8K rows (``question``/``answer``) of ``split`` (``train`` or ``test``)."""
+    with gzip.open(_GSM8K_TEST_FILE if split == 'test' else _GSM8K_FILE, 'rt', encoding='utf-8') as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -224,22 +228,26 @@ def _messages(user: str, assistant: str) -> dict[str, Any]:
     return {'messages': [{'role': 'user', 'content': user}, {'role': 'assistant', 'content': assistant}]}
 
 
-def write_gsm8k_dataset(dest_file: str | Path, n: int | None = None) -> Path:
+def write_gsm8k_dataset(dest_file: str | Path, n: int | None = None, split: str = 'train') -> Path:
     """Writes GSM8K rows as a ``messages``-format JSONL file for ``swift sft --dataset``.
 
     Args:
         dest_file: Output ``.jsonl`` path; parent directories are created.
-        n: Number of rows (the first ``n`` of the 500 vendored ones); all 500 if None.
+        n: Number of rows (the first ``n`` of the vendored ones: 500 train, 100 test); all if None.
+        split: ``'train'`` (GSM8K train rows) or ``'test'`` (held-out GSM8K test rows, for evaluation).
 
     Returns:
         ``dest_file`` as a :class:`~pathlib.Path`.
 
     Raises:
-        ValueError: If ``n`` is outside 1..500.
+        ValueError: If ``split`` is unknown or ``n`` is outside 1..rows of the split.
     """
-    if n is not None and not 1 <= n <= GSM8K_ROWS:
-        raise ValueError(f'n must be between 1 and {GSM8K_ROWS} (or None for all), got n={n!r}')
-    rows = _gsm8k_rows()[:n]
+    if split not in ('train', 'test'):
+        raise ValueError(f"split must be 'train' or 'test', got split={split!r}")
+    limit = GSM8K_ROWS if split == 'train' else GSM8K_TEST_ROWS
+    if n is not None and not 1 <= n <= limit:
+        raise ValueError(f'n must be between 1 and {limit} for split={split!r} (or None for all), got n={n!r}')
+    rows = _gsm8k_rows(split)[:n]
     return _write_jsonl(dest_file, [_messages(r['question'], r['answer']) for r in rows])
 
 

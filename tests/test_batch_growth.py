@@ -261,3 +261,103 @@ def test_sample_budget_max_steps_counts_samples(tmp_path, tiny_qwen, gsm8k_16):
         assert [d['reason'] for d in stops] == ['sample_budget']
     finally:
         plugin._configured = None
+
+
+# ---- seesaw (arXiv 2510.14717) ---------------------------------------------------------------------------------
+def test_seesaw_cuts_table():
+    from swift_dynamic_callbacks.policies.growth import seesaw_cuts
+    assert seesaw_cuts(1.0, 1.0, 2) == 0  # at the peak
+    assert seesaw_cuts(0.3, 0.3, 2) == 0  # warmup: the factor is its own peak
+    assert seesaw_cuts(0.0, 0.0, 2) == 0  # step 0 of a warmup: no peak yet
+    assert seesaw_cuts(0.51, 1.0, 2) == 0
+    assert seesaw_cuts(0.5, 1.0, 2) == 1  # exactly one cut by alpha
+    assert seesaw_cuts(0.26, 1.0, 2) == 1
+    assert seesaw_cuts(0.25, 1.0, 2) == 2
+    assert seesaw_cuts(0.1, 1.0, 3) == 2  # log3(10) = 2.1
+
+
+def test_seesaw_size_grows_once_per_cut_up_to_the_cap():
+    from swift_dynamic_callbacks.policies.growth import seesaw_size
+    assert [seesaw_size(k, initial=1, factor=2, maximum=4) for k in range(5)] == [1, 2, 4, 4, 4]
+    assert [seesaw_size(k, initial=2, factor=1.5, maximum=16) for k in range(4)] == [2, 3, 5, 8]
+
+
+@given(peak=st.floats(0.1, 10), ratio=st.floats(1e-4, 1), alpha=st.sampled_from([1.5, 2.0, 4.0]),
+       maximum=st.integers(1, 64))
+def test_seesaw_turns_each_cut_into_sqrt_alpha_lr_and_alpha_batch(peak, ratio, alpha, maximum):
+    """Below the cap, the LR seesaw uses is the schedule's times sqrt(B_k / B_0): per cut by alpha, sqrt(alpha)."""
+    from swift_dynamic_callbacks.policies.growth import seesaw_cuts, seesaw_size
+    factor = peak * ratio
+    k = seesaw_cuts(factor, peak, alpha)
+    assert peak / alpha ** (k + 1) < factor * (1 + 1e-9) and factor <= peak / alpha ** k * (1 + 1e-9)
+    size = seesaw_size(k, initial=1, factor=alpha, maximum=maximum)
+    used_lr = factor * lr_scale(size, 1, 'sqrt')
+    assert used_lr >= factor and size <= maximum
+    if alpha == 2.0 and 2 ** k <= maximum:  # an exact doubling per cut: the LR fell by sqrt(2) per cut
+        assert size == 2 ** k
+        assert used_lr == pytest.approx(factor * math.sqrt(2) ** k)
+
+
+def test_seesaw_settings_are_checked():
+    with pytest.raises(ConfigError, match='lr_scaling: policy seesaw .* got .none.'):
+        BatchGrowthConfig(policy='seesaw', lr_scaling='none')
+    with pytest.raises(ConfigError, match='interval'):
+        BatchGrowthConfig(policy='seesaw', interval=5)  # seesaw does not read interval: refused, named
+    assert BatchGrowthConfig(policy='seesaw', factor=2, maximum=8).policy == 'seesaw'
+
+
+class _Sched:
+    def __init__(self, lr):
+        self.lr = lr
+
+    def get_last_lr(self):
+        return [self.lr]
+
+
+def test_seesaw_callback_follows_the_schedule_cuts():
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from swift_dynamic_callbacks import protocol
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    cb = BatchGrowthCallback(BatchGrowthConfig(policy='seesaw', initial=1, factor=2, maximum=4))
+    args = TrainingArguments(output_dir='unused', learning_rate=1e-3, gradient_accumulation_steps=1, report_to=[])
+    control = TrainerControl()
+    cb.on_train_begin(args, TrainerState(global_step=0), control)
+    assert control.new_batch_size == 1
+    records, decided = [], list(protocol.drain_decisions(control))
+    # the schedule's factor (warmup, peak, then a decay); the LR the scheduler reports includes the scale in effect
+    for step, factor in enumerate([0.5, 1.0, 0.9, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05], start=1):
+        protocol.clear_requests(control)
+        scale = cb.seesaw['scale']
+        cb.on_step_end(args, TrainerState(global_step=step), control, lr_scheduler=_Sched(1e-3 * factor * scale))
+        if control.new_batch_size is not None:
+            records.append((step, control.new_batch_size, control.new_lr_scale))
+        decided += protocol.drain_decisions(control)
+    assert records == [(5, 2, pytest.approx(math.sqrt(2))), (7, 4, pytest.approx(2.0))]  # at 0.45 and 0.2 of peak
+    assert [(r.reason, r.values['new'], r.values['lr_cuts']) for r in decided] == [
+        ('start', 1, 0), ('seesaw', 2, 1), ('seesaw', 4, 2)]
+    restored = BatchGrowthCallback(cb.config)
+    restored.load_state_dict(cb.state_dict())
+    assert restored.seesaw == cb.seesaw and restored.seesaw['cuts'] == 4
+
+
+@pytest.mark.e2e
+def test_seesaw_with_lr_schedule_cosine_in_swift(tmp_path, tiny_qwen, gsm8k_16):
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    try:
+        sdc.register(batch_growth={'policy': 'seesaw', 'initial': 1, 'factor': 2, 'maximum': 4},
+                     lr_schedule={'warmup': 1, 'hold': 1, 'min_ratio': 0.05})
+        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'lr_schedule'],
+                      max_steps=-1, num_train_epochs=1, learning_rate=1e-3, per_device_train_batch_size=1)
+    finally:
+        plugin._configured = None
+    logs = train_logs(out)
+    sizes = [row['dynamic/batch_size'] for row in logs]
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] > 1
+    assert logs[-1]['dynamic/samples_seen'] == 16 and logs[-1]['learning_rate'] > 0  # one epoch, every sample
+    growths = [d for d in decisions(out) if d['source'] == 'batch_growth' and d['reason'] == 'seesaw']
+    assert growths and all(d['values']['lr_cuts'] >= 1 for d in growths)
+    for d in growths:  # each growth by 2 came with the schedule at or below 1/2^k of its peak, LR x sqrt(2)^k
+        k = int(round(math.log2(d['values']['new'])))
+        assert d['values']['schedule_factor'] <= 0.5 ** k + 1e-6
+        assert d['values']['lr_scale'] == pytest.approx(math.sqrt(2) ** k)

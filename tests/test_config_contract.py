@@ -39,6 +39,7 @@ COMPANIONS = {
     ('batch_growth', 'policy', 'table'): {'table': {0: 2}},
     ('batch_growth', 'policy', 'callable'): {'function': FUNCTION},
     ('memory_backoff', 'probe', 'cpu'): {'cpu_budget_gib': 8.0},
+    ('length_batching', 'split', 'passes'): {'bucketing': False},
 }
 #: Settings a class always needs (no useful default).
 BASE = {'batch_schedule': {'schedule': {0: 2}}}

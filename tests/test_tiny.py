@@ -47,6 +47,19 @@ def test_assets_are_small_and_documented() -> None:
     assert all(set(r) == {'question', 'answer'} for r in rows)
 
 
+def test_held_out_test_rows_are_vendored_and_disjoint_from_train(tmp_path: Path) -> None:
+    test = _read_jsonl(tiny.write_gsm8k_dataset(tmp_path / 'test.jsonl', split='test'))
+    train = _read_jsonl(tiny.write_gsm8k_dataset(tmp_path / 'train.jsonl'))
+    assert len(test) == tiny.GSM8K_TEST_ROWS == 100
+    assert test[0]['messages'][0]['content'].startswith('Janet')  # the first GSM8K test row
+    questions = {row['messages'][0]['content'] for row in train}
+    assert not any(row['messages'][0]['content'] in questions for row in test)  # held out
+    with pytest.raises(ValueError, match=r"split must be 'train' or 'test', got split='dev'"):
+        tiny.write_gsm8k_dataset(tmp_path / 'dev.jsonl', split='dev')
+    with pytest.raises(ValueError, match=r'between 1 and 100 .*test.*got n=101'):
+        tiny.write_gsm8k_dataset(tmp_path / 'big.jsonl', n=101, split='test')
+
+
 def test_tokenizer_round_trip_and_idempotence(tmp_path: Path) -> None:
     dest = tiny.materialize_tokenizer(tmp_path / 'tok')
     assert dest == tmp_path / 'tok'
@@ -148,3 +161,12 @@ def test_write_mixed_length_dataset(tmp_path: Path) -> None:
     assert len(_read_jsonl(tiny.write_mixed_length_dataset(tmp_path / 'three.jsonl', n=3))) == 3
     with pytest.raises(ValueError, match=r'\bn\b.*0'):
         tiny.write_mixed_length_dataset(tmp_path / 'bad.jsonl', n=0)
+
+
+def test_prepare_demo_names_the_option_it_refuses(tmp_path: Path, capsys) -> None:
+    from swift_dynamic_callbacks import cli
+    assert cli.main(['prepare-demo', str(tmp_path / 'd'), '--rows', '600']) == 2
+    assert "--rows: between 1 and 500 (the GSM8K train rows vendored), got 600" in capsys.readouterr().err
+    assert cli.main(['prepare-demo', str(tmp_path / 'd'), '--rows', '4', '--eval-rows', '0']) == 2
+    assert '--eval-rows: between 1 and 100 (the GSM8K held-out test rows vendored), got 0' in capsys.readouterr().err
+    assert not (tmp_path / 'd').exists()  # nothing written

@@ -96,6 +96,19 @@ def test_step_lines_every_n_events_and_an_epoch_summary(tmp_path):
     assert set(lines[0]) == set(lines[1])  # a stable schema: every key in every step line
 
 
+def test_tokens_come_from_the_pack_when_it_logs_them(tmp_path):
+    cb = TrainingLogCallback(TrainingLogConfig(every=1))
+    args, state, control = _objects(tmp_path)
+    control._sdc_integration = True  # the integration's callback runs first and marks control
+    cb.on_train_begin(args, state, control)
+    for tokens in (100, 300):
+        state.global_step += 1
+        cb.on_log(args, state, control, logs={'loss': 1.0, 'dynamic/tokens_seen': tokens, 'dynamic/tokens_per_s': 50.0})
+    first, second = read_jsonl(str(tmp_path / LOG_FILE))
+    assert (first['tokens_seen'], first['tokens_per_s']) == (100, 50.0)  # the integration's own first rate
+    assert second['tokens_seen'] == 300 and second['tokens_per_s'] > 0  # 200 tokens over the time between lines
+
+
 def test_samples_without_logged_values(tmp_path):
     cb = TrainingLogCallback()
     args, state, control = _objects(tmp_path, global_step=3)
@@ -161,6 +174,13 @@ def test_growth_run_with_training_log_feeds_the_report(tmp_path, tiny_qwen, gsm8
     assert [line['dynamic']['dynamic/batch_size'] for line in steps] == [1, 2, 4]
     assert [line['loss'] for line in steps] == pytest.approx([logs[i]['loss'] for i in (1, 3, 5)], rel=1e-7)
     assert [line['samples_seen'] for line in steps] == [2, 6, 14]
+    # tokens: counted by the pack (no include_num_input_tokens_seen in this run), every line, rising
+    assert all(row['dynamic/tokens_seen'] > 0 and row['dynamic/tokens_per_s'] > 0 for row in logs)
+    assert all(row['dynamic/padded_tokens_seen'] >= row['dynamic/tokens_seen'] for row in logs)
+    assert logs[-1]['dynamic/padded_tokens_seen'] > logs[-1]['dynamic/tokens_seen']  # batches of 2 and 4 pad
+    assert [line['tokens_seen'] for line in steps] == [logs[i]['dynamic/tokens_seen'] for i in (1, 3, 5)]
+    assert steps[0]['tokens_seen'] < steps[1]['tokens_seen'] < steps[2]['tokens_seen']
+    assert all(line['tokens_per_s'] > 0 for line in steps)
     assert len(epochs) == 1 and (epochs[0]['steps'], epochs[0]['samples'], epochs[0]['logged_losses']) == (7, 16, 7)
     assert epochs[0]['mean_loss'] == pytest.approx(sum(row['loss'] for row in logs) / 7, rel=1e-7)
     assert epochs[0]['memory']['dynamic/memory_peak_gib'] > 0

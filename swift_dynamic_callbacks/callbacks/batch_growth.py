@@ -10,7 +10,7 @@ from ..config import ConfigError
 from ..config.batch_growth import (POLICIES, RANK_LOCAL_POLICIES, BatchGrowthConfig, checked_size,  # noqa: F401
                                    import_callable)
 from ..policies.growth import (critical_batch, ema, interval_size, loss_variability_size, lr_scale, noise_scale_size,
-                               noise_scale_terms, pieces_for_cap)
+                               noise_scale_terms, pieces_for_cap, seesaw_cuts, seesaw_size)
 from ..policies.schedule import scheduled_value
 from ..records import DecisionRecord
 from .base import DynamicCallback
@@ -24,9 +24,12 @@ class BatchGrowthCallback(DynamicCallback):
     Hooks also: ``on_log`` (collects training losses for the loss_variability policy).
     Flags also: ``measure_grad_noise`` (noise_scale policy); reads ``grad_noise_sample`` in ``on_step_end`` and
     publishes ``dynamic/grad_noise_scale`` (critical global batch, samples) in ``dynamic_metrics``.
+    Seesaw: ``on_step_end`` reads the next step's LR from ``lr_scheduler.get_last_lr()`` (the schedule's factor is
+    that LR over ``learning_rate`` and the LR scale this callback has in effect) and grows once per cut by
+    ``factor`` since the schedule's peak.
     State: ``batch_size`` (last requested), ``pending`` (held for the epoch end), ``losses`` (loss_variability
-    window), ``noise`` (noise_scale EMAs and sample count); the loader's position and the LR scale are restored by
-    the integration.
+    window), ``noise`` (noise_scale EMAs and sample count), ``seesaw`` (schedule peak, cuts so far, LR scale in
+    effect); the loader's position and the LR scale are restored by the integration.
     """
 
     name = 'batch_growth'
@@ -39,6 +42,7 @@ class BatchGrowthCallback(DynamicCallback):
         self.losses: list[float] = []
         self.noise: dict[str, Any] = {'g2': None, 'trace': None, 'tokens_per_sample': None, 'count': 0}
         self.critical_per_device: float | None = None
+        self.seesaw: dict[str, Any] = {'peak': 0.0, 'cuts': 0, 'scale': 1.0, 'factor': None}
         self._fn = self.config.resolved_function() if self.config.policy == 'callable' else None
 
     # ---- policy ----------------------------------------------------------------------------------------
@@ -59,9 +63,21 @@ class BatchGrowthCallback(DynamicCallback):
             warm = self.noise['count'] >= c.window
             size = noise_scale_size(self.critical_per_device, current, factor=c.factor,
                                     maximum=c.maximum) if due and warm else current
+        elif c.policy == 'seesaw':
+            size = seesaw_size(self.seesaw['cuts'], initial=c.initial, factor=c.factor, maximum=c.maximum)
         else:
             size = checked_size(self._fn(step, current), f'for (step={step}, batch_size={current})')
         return min(size, c.maximum)
+
+    def observe_lr(self, lr: float, base_lr: float) -> None:
+        """Seesaw: fold the next step's LR in (its schedule factor, the peak so far, the cuts since; never fewer)."""
+        s = self.seesaw
+        if not (base_lr > 0 and s['scale'] > 0 and math.isfinite(lr)):
+            return
+        factor = lr / (base_lr * s['scale'])
+        s['factor'] = factor
+        s['peak'] = max(s['peak'], factor)
+        s['cuts'] = max(s['cuts'], seesaw_cuts(factor, s['peak'], self.config.factor))
 
     def observe_noise(self, sample: protocol.GradNoiseSample, passes_per_step: int) -> float | None:
         """Fold one step's gradient norms into the EMAs; returns the critical global batch in samples."""
@@ -100,7 +116,9 @@ class BatchGrowthCallback(DynamicCallback):
             self._request(args, control, self.target(state.global_step, self.config.initial), state.global_step,
                           reason='start')
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        if self.config.policy == 'seesaw' and lr_scheduler is not None:
+            self.observe_lr(float(lr_scheduler.get_last_lr()[0]), float(args.learning_rate))
         sample = protocol.grad_noise_sample(control) if self.config.policy == 'noise_scale' else None
         if sample is not None:
             passes = args.gradient_accumulation_steps * max(getattr(args, 'world_size', 1), 1)
@@ -139,6 +157,11 @@ class BatchGrowthCallback(DynamicCallback):
         extra = {}
         if c.policy == 'noise_scale' and self.critical_per_device is not None:
             extra = {'critical_global_batch': round(self.critical_per_device * per_step, 3)}
+        if c.policy == 'seesaw':
+            factor = self.seesaw['factor']
+            extra = {'lr_cuts': self.seesaw['cuts'],
+                     'schedule_factor': None if factor is None else round(factor / (self.seesaw['peak'] or 1.0), 6)}
+            self.seesaw['scale'] = scale
         protocol.record_decision(
             control,
             DecisionRecord(
@@ -164,7 +187,8 @@ class BatchGrowthCallback(DynamicCallback):
             'pending': self.pending,
             'losses': list(self.losses),
             'noise': dict(self.noise),
-            'critical_per_device': self.critical_per_device
+            'critical_per_device': self.critical_per_device,
+            'seesaw': dict(self.seesaw),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -173,3 +197,4 @@ class BatchGrowthCallback(DynamicCallback):
         self.losses = [float(x) for x in state.get('losses', [])]
         self.noise = {**self.noise, **state.get('noise', {})}
         self.critical_per_device = state.get('critical_per_device')
+        self.seesaw = {**self.seesaw, **state.get('seesaw', {})}

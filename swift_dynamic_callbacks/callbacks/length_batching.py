@@ -19,9 +19,14 @@ class LengthBatchingCallback(DynamicCallback):
     ``dynamic/padding_fraction``. Lengths come from the dataset's ``lengths`` column (ms-swift's encoded
     datasets) or are measured once and cached with the dataset.
 
-    Hooks: ``on_train_begin`` (requests the plan, unless a resumed run already has it).
-    Flags set: ``new_batch_plan``, ``dynamic_decisions`` (one ``batch_plan`` record per plan change).
-    State: ``plan`` (the plan last requested, as a mapping).
+    With ``split: passes`` the micro-batches are left as they are (the samples per optimizer step stay what was
+    configured) and a pass limit is requested instead: the integration runs each micro-batch as as many passes as
+    the budget needs (same ``num_items_in_batch``, same gradient).
+
+    Hooks: ``on_train_begin`` (requests the plan or the pass limit, unless a resumed run already has it).
+    Flags set: ``new_batch_plan`` (split: micro_batches) or ``new_pass_limit`` (split: passes),
+    ``dynamic_decisions`` (one ``batch_plan`` / ``pass_limit`` record per change).
+    State: ``plan`` (the plan or pass limit last requested, as a mapping).
     """
 
     name = 'length_batching'
@@ -32,6 +37,9 @@ class LengthBatchingCallback(DynamicCallback):
         self.plan: dict[str, Any] | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if self.config.split == 'passes':
+            self._request_pass_limit(state, control)
+            return
         seed = getattr(args, 'data_seed', None)
         seed = seed if seed is not None else getattr(args, 'seed', 0)
         plan = self.config.plan(int(seed or 0)).to_json()
@@ -48,6 +56,23 @@ class LengthBatchingCallback(DynamicCallback):
                            f'{"on (width " + str(plan["bucket_width"]) + ")" if plan["bucketing"] else "off"}',
                            step=state.global_step))
         self.plan = plan
+
+    def _request_pass_limit(self, state: Any, control: Any) -> None:
+        # the pass limit is also memory_backoff's control: refuse the pair at start rather than let one win
+        protocol.claim_controls(self, self.name, ('pass_limit', ), state)
+        limit = {'split': 'passes', **self.config.pass_limit()}
+        if limit == self.plan:
+            return  # resumed with the same settings: the integration's state already holds the limit
+        reason = 'start' if self.plan is None else 'settings_changed'
+        protocol.request_pass_limit(control, {k: v for k, v in limit.items() if k != 'split'})
+        what = (f'at most {limit["tokens"]} padded tokens a pass' if limit['tokens'] is not None else
+                f'at most {limit["samples"]} samples a pass, ' + ', '.join(f'>{t}: {n}' for t, n in limit['rules']))
+        protocol.record_decision(
+            control,
+            DecisionRecord(self.name, 'pass_limit', reason, {'old': self.plan, 'new': limit},
+                           message=f'split passes: {what}; micro-batches (samples a step) unchanged',
+                           step=state.global_step))
+        self.plan = limit
 
     def state_dict(self) -> dict[str, Any]:
         return {'plan': self.plan}

@@ -5,10 +5,14 @@ lack: device memory, epoch summaries, throughput over the dynamic batch, and one
 field, in ``<output_dir>/dynamic_training_log.jsonl``::
 
     {"type": "step", "step": 12, "epoch": 0.19, "time": ..., "loss": 2.1, "grad_norm": 0.8, "learning_rate": 1e-3,
-     "samples_seen": 48, "samples_per_s": 3.9, "tokens_seen": null, "tokens_per_s": null,
+     "samples_seen": 48, "samples_per_s": 3.9, "tokens_seen": 9120, "tokens_per_s": 741.2,
      "dynamic": {"dynamic/batch_size": 2, ...}, "memory": {"dynamic/memory_peak_gib": 1.2, ...}}
     {"type": "epoch", "epoch_index": 0, "epoch": 1.0, "step": 26, "steps": 26, "samples": 128, "mean_loss": 2.3,
      "logged_losses": 26, "runtime_s": 34.5, "samples_per_s": 3.7, "memory": {...}}
+
+Tokens seen and tokens/s are the integration's count (``dynamic/tokens_seen``: non-padding input tokens of every
+micro-batch drawn, all ranks, kept across a resume), whatever HF's ``include_num_input_tokens_seen``; without the
+integration, HF's ``num_input_tokens_seen`` when it counts.
 
 The memory figures are also put into every training log line (``dynamic/memory_*`` keys, through
 ``protocol.publish_metrics``), so they reach ``logging.jsonl``, TensorBoard and ``swift-dynamic report``.
@@ -107,7 +111,7 @@ class TrainingLogCallback(DynamicCallback):
         self.epoch_loss_count = 0
         self.memory: dict[str, float] = {}
         self._last_samples: tuple[int, int] | None = None  # (step, dynamic/samples_seen) of the last log event
-        self._mark: tuple[float, int, int] | None = None  # (time, samples, tokens) of the last step line
+        self._mark: tuple[float, int, int | None] | None = None  # (time, samples, tokens) of the last step line
         self._epoch_time: float | None = None
 
     # ---- helpers ---------------------------------------------------------------------------------------
@@ -136,12 +140,15 @@ class TrainingLogCallback(DynamicCallback):
     # ---- hooks -----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         now = time.time()
+        # with the integration, tokens are its count (restored on resume): the first line takes its own rate
+        hf_tokens = None if getattr(control, '_sdc_integration', False) else int(
+            getattr(state, 'num_input_tokens_seen', 0) or 0)
         samples = self.samples_seen(args, state, train_dataloader)
         if self.epoch_start_step is None:  # fresh start (a resume restores the running epoch)
             self.epoch_start_step = state.global_step
             self.epoch_start_samples = samples
         self._epoch_time = now
-        self._mark = (now, samples, int(getattr(state, 'num_input_tokens_seen', 0) or 0))
+        self._mark = (now, samples, hf_tokens)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.config.memory:
@@ -163,17 +170,21 @@ class TrainingLogCallback(DynamicCallback):
             return
         now = time.time()
         samples = self.samples_seen(args, state, train_dataloader)
-        tokens = int(getattr(state, 'num_input_tokens_seen', 0) or 0)
+        pack_tokens = _number(logs.get('dynamic/tokens_seen'))  # counted by the integration, always
+        tokens = int(pack_tokens) if pack_tokens is not None else int(getattr(state, 'num_input_tokens_seen', 0) or 0)
         line: dict[str, Any] = {'type': 'step', 'step': state.global_step, 'epoch': state.epoch, 'time': now}
         line.update({key: _number(logs.get(key)) for key in _STEP_KEYS})
         line['samples_seen'] = samples
         line['samples_per_s'] = line['tokens_seen'] = line['tokens_per_s'] = None
+        if tokens > 0:  # the pack's count; without the integration, HF's (include_num_input_tokens_seen)
+            line['tokens_seen'] = tokens
         if self._mark is not None and now > self._mark[0]:
             elapsed = now - self._mark[0]
             line['samples_per_s'] = round((samples - self._mark[1]) / elapsed, 4)
-            if tokens > 0:  # HF counts tokens only with include_num_input_tokens_seen
-                line['tokens_seen'] = tokens
+            if tokens > 0 and self._mark[2] is not None:
                 line['tokens_per_s'] = round((tokens - self._mark[2]) / elapsed, 2)
+            elif tokens > 0:  # first line after the start: the integration's rate since its previous log line
+                line['tokens_per_s'] = _number(logs.get('dynamic/tokens_per_s'))
         line['dynamic'] = {k: v for k, v in logs.items()
                            if k.startswith('dynamic/') and not k.startswith('dynamic/memory_') and _number(v) is not None}
         line['memory'] = dict(self.memory)

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 
 from . import (Check, Choice, ConfigError, Int, IntTable, Number, Reads, Settings, setting)
 
-POLICIES = ('interval', 'table', 'callable', 'loss_variability', 'noise_scale')
+POLICIES = ('interval', 'table', 'callable', 'loss_variability', 'noise_scale', 'seesaw')
 #: Policies that decide from values of this rank (losses, gradients, a user function): rank 0 decides for all.
 RANK_LOCAL_POLICIES = ('callable', 'loss_variability', 'noise_scale')
 #: Modules the command line never imports (they cost seconds): a ``function`` whose module needs one of them is
@@ -107,9 +107,12 @@ class BatchGrowthConfig(Settings):
             ``loss_variability`` (every ``interval`` steps, grow by ``factor`` while the coefficient of variation
             of the last ``window`` logged training losses is above ``threshold``) or ``noise_scale`` (every
             ``interval`` steps, grow toward the critical batch size estimated from the gradient noise scale, see
-            below).
+            below) or ``seesaw`` (Seesaw, arXiv 2510.14717: whenever the LR schedule has cut the LR by another
+            ``factor`` since its peak, grow the batch by ``factor`` and cut the LR by only ``sqrt(factor)``, up to
+            ``maximum``; needs ``lr_scaling: sqrt``; see ``policies.growth.seesaw_size``).
         initial: per-device batch size at the start (and before the first ``table`` key).
-        factor: growth factor, in (1, 8]; fractional factors round up and every growth adds >= 1.
+        factor: growth factor, in (1, 8]; fractional factors round up and every growth adds >= 1. For
+            ``seesaw`` it is also the LR cut (``alpha``) that triggers one growth.
         interval: optimizer steps between growths (interval policy) or between checks (loss_variability,
             noise_scale).
         maximum: largest per-device batch size (all policies are clamped to it).
@@ -170,6 +173,7 @@ class BatchGrowthConfig(Settings):
             'callable': ('function', ),
             'loss_variability': ('factor', 'interval', 'delay', 'window', 'threshold'),
             'noise_scale': ('factor', 'interval', 'delay', 'window', 'noise_decay'),
+            'seesaw': ('factor', ),
         }),
         Reads('lr_scaling', {'sqrt': ('reference_batch', ), 'linear': ('reference_batch', ), 'none': ()}),
     )
@@ -178,6 +182,9 @@ class BatchGrowthConfig(Settings):
     def cross_checks(self) -> None:
         if self.maximum < self.initial:
             raise ConfigError(f'maximum: must be >= initial ({self.initial}), got {self.maximum}')
+        if self.policy == 'seesaw' and self.lr_scaling != 'sqrt':
+            raise ConfigError(f'lr_scaling: policy seesaw cuts the LR by sqrt(factor) for every batch x factor, so it '
+                              f'needs lr_scaling: sqrt, got {self.lr_scaling!r}')
         if self.policy == 'table' and not self.table:
             raise ConfigError('table: the table policy needs at least one {step: batch_size} entry, got none')
         if self.policy == 'callable':

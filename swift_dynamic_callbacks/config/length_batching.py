@@ -8,6 +8,9 @@ from typing import Any, Mapping
 from ..policies.length import DEFAULT_RULES, MODES, BatchPlan, check_rules
 from . import Check, Choice, ConfigError, Flag, Int, Number, Reads, Settings, setting
 
+#: How a length budget is enforced: by cutting micro-batches (fewer samples a step for long rows) or passes.
+SPLITS = ('micro_batches', 'passes')
+
 
 @dataclass(frozen=True)
 class LengthRules(Check):
@@ -31,6 +34,13 @@ class LengthBatchingConfig(Settings):
     """Settings of :class:`LengthBatchingCallback` (YAML key ``dynamic_callbacks.length_batching``).
 
     Attributes:
+        split: ``micro_batches`` (default: the budget cuts the micro-batches themselves, so a step with long rows
+            takes fewer samples and an epoch more optimizer steps; bucketing makes the batches dense) or ``passes``
+            (the micro-batches keep the configured size, so every optimizer step takes the samples you configured,
+            and each micro-batch runs as as many forward/backward passes as the budget needs, with the same
+            loss normalisation: the same gradient, verl's dynamic batch size). ``passes`` asks for a pass limit,
+            refused under FSDP2 and DeepSpeed like every pass limit, and cannot be combined with
+            ``memory_backoff`` (both set the pass limit).
         mode: ``token_budget`` (a micro-batch holds as many samples as fit in ``max_tokens`` padded tokens,
             ``samples x longest``) or ``rules`` (the longest sample picks the size from ``rules``).
         max_tokens: padded-token budget of one micro-batch (token_budget). A sample longer than this runs alone
@@ -54,6 +64,7 @@ class LengthBatchingConfig(Settings):
     settings and ``seed`` only with ``bucketing: true`` (the ``reads`` table).
     """
 
+    split: str = setting(Choice(SPLITS), 'micro_batches')
     mode: str = setting(Choice(MODES), 'token_budget')
     max_tokens: int = setting(Int(1), 16384)
     rules: Mapping[int, int] = setting(LengthRules(), default_factory=lambda: dict(DEFAULT_RULES))
@@ -66,6 +77,20 @@ class LengthBatchingConfig(Settings):
         Reads('mode', {'token_budget': ('max_tokens', ), 'rules': ('rules', )}),
         Reads('bucketing', {True: ('bucket_width', 'bucket_fill', 'seed'), False: ()}),
     )
+
+    def cross_checks(self) -> None:
+        if self.split == 'passes' and self.bucketing:
+            raise ConfigError('bucketing: split: passes keeps the micro-batches as the host draws them (only the passes '
+                              'are cut), so bucketing does not apply; set bucketing: false, or split: micro_batches')
+
+    def pass_limit(self) -> dict[str, Any]:
+        """The pass limit ``split: passes`` requests: ``{'tokens': max_tokens}`` (token_budget) or, for rules,
+        ``{'samples': rules[0], 'rules': [[longer_than, samples], ...]}`` (a pass of rows longer than
+        ``longer_than`` tokens holds at most ``samples``)."""
+        if self.mode == 'token_budget':
+            return {'samples': None, 'tokens': self.max_tokens, 'rules': []}
+        rules = sorted(self.rules.items())
+        return {'samples': rules[0][1], 'tokens': None, 'rules': [[t, n] for t, n in rules if t > 0]}
     controls = ('batch_plan', )  # composes with batch_size: the plan cuts micro-batches at most the current size
 
     def plan(self, default_seed: int) -> BatchPlan:

@@ -342,6 +342,11 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
         return notes
     configs = {n: pack.callback_config(n) for n in pack_listed}
     uses = ', '.join(pack_listed)
+    length = configs.get('length_batching')
+    if length is not None and getattr(length, 'split', None) == 'passes' and 'memory_backoff' in configs:
+        raise ConfigError('dynamic_callbacks.length_batching.split: passes sets the pass limit, which memory_backoff '
+                          'also sets (the last request would silently win); use split: micro_batches with '
+                          'memory_backoff, or leave memory_backoff out')
     if _flag(settings, 'streaming'):
         check_stream(pack, settings, uses)
     sp = _number(settings, 'sequence_parallel_size', 1)

