@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -71,6 +69,8 @@ def prepare_smollm2(dest: str | Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+    from .tiny import move_model_into_place
+
     folder = gguf_folder()
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
@@ -91,13 +91,5 @@ def prepare_smollm2(dest: str | Path) -> Path:
         tmp = Path(tmp_name)
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        dest.mkdir(exist_ok=True)
-        (dest / 'config.json').unlink(missing_ok=True)
-        for item in sorted(tmp.iterdir(), key=lambda p: p.name == 'config.json'):
-            target = dest / item.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            if item.is_file():
-                os.chmod(item, 0o644)
-            os.replace(item, target)
+        move_model_into_place(tmp, dest)
     return dest

@@ -196,16 +196,22 @@ def build_tiny_model(
         model.generation_config = GenerationConfig(
             bos_token_id=bos_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=False)
         model.save_pretrained(tmp)
-        # Move into place with config.json last: its presence marks a complete model.
-        (dest / 'config.json').unlink(missing_ok=True)
-        for item in sorted(tmp.iterdir(), key=lambda p: p.name == 'config.json'):
-            target = dest / item.name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            if item.is_file():
-                os.chmod(item, 0o644)
-            os.replace(item, target)
+        move_model_into_place(tmp, dest)
     return dest
+
+
+def move_model_into_place(built: Path, dest: Path) -> None:
+    """Move every file of a model folder built in ``built`` into ``dest`` (same file system), ``config.json`` last:
+    its presence marks a complete model, so an interrupted build is never taken for one."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / 'config.json').unlink(missing_ok=True)
+    for item in sorted(built.iterdir(), key=lambda p: p.name == 'config.json'):
+        target = dest / item.name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        if item.is_file():
+            os.chmod(item, 0o644)
+        os.replace(item, target)
 
 
 def _gsm8k_rows(split: str = 'train') -> list[dict[str, str]]:

@@ -291,12 +291,7 @@ class Integration:
             loader_kwargs=loader_kwargs,
             lengths=lambda: self._dataset_lengths(dataset),
             real_tokens=lambda: dataset_real_tokens(dataset))
-        self.loader = loader
-        self._dataset_fingerprint = dataset_fingerprint(dataset)
-        self._restore_loader(loader)
-        self._samples_at_start = loader.samples_seen
-        self._derive_max_steps(loader, batch_size)
-        return loader
+        return self._adopt_loader(loader, dataset_fingerprint(dataset), batch_size)
 
     def _build_stream_loader(self, host_loader: Any, dataset: Any, loader_kwargs: dict[str, Any],
                              batch_size: int) -> StreamLoader:
@@ -313,8 +308,13 @@ class Integration:
         loader = StreamLoader(dataset, host_loader.collate_fn, batch_size=batch_size,
                               entries_per_step=args.gradient_accumulation_steps, loader_kwargs=loader_kwargs,
                               window=self.config.stream_window)
+        return self._adopt_loader(loader, stream_fingerprint(dataset), batch_size)
+
+    def _adopt_loader(self, loader: Any, fingerprint: dict[str, Any], batch_size: int) -> Any:
+        """Make ``loader`` the training loader: note the dataset's fingerprint (checked against a checkpoint's), restore
+        its position from a checkpoint, and derive ``max_steps`` from it."""
         self.loader = loader
-        self._dataset_fingerprint = stream_fingerprint(dataset)
+        self._dataset_fingerprint = fingerprint
         self._restore_loader(loader)
         self._samples_at_start = loader.samples_seen
         self._derive_max_steps(loader, batch_size)

@@ -98,6 +98,16 @@ class Engine:
         was run, or ``None`` when nothing needs to run (no collectives to join)."""
         return None
 
+    def zero_weight_pass(self, model: Any, run: Callable[[Mapping[str, Any]], torch.Tensor],
+                         template: Mapping[str, Any] | None, *, sync: bool) -> torch.Tensor:
+        """Run :func:`zero_weight_batch` of ``template`` (this rank's last real micro-batch) as one pass: what an
+        engine whose passes communicate runs for a micro-batch without samples."""
+        if template is None:
+            raise RuntimeError('a placeholder micro-batch before any real one on this rank: no template to run a '
+                               'zero-weight pass with (a rank with no sample at all in its shard?)')
+        with self.pass_context(model, sync=sync):
+            return run(zero_weight_batch(template))
+
     def after_oom(self, model: Any) -> None:
         """Repair the engine's state after an out-of-memory error, before passes are run again."""
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Mapping
 import torch
 
 from ...config import ConfigError
-from .base import Engine, zero_weight_batch
+from .base import Engine
 
 #: bytes of gradients reduced in one all-reduce (DDP's own default bucket size)
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -81,11 +81,7 @@ class DDPEngine(Engine):
                          template: Mapping[str, Any] | None, *, sync: bool) -> torch.Tensor | None:
         if self.sync == 'deferred' or not sync:
             return None  # no collective inside a pass: nothing to join (deferred: finish_step reduces)
-        if template is None:
-            raise RuntimeError('a placeholder step before any real micro-batch: no template to run a zero-weight '
-                               'pass with (a rank with no sample at all in its shard?)')
-        with self.pass_context(model, sync=True):
-            return run(zero_weight_batch(template))
+        return self.zero_weight_pass(model, run, template, sync=True)
 
     def after_oom(self, model: Any) -> None:
         """A forward that failed inside the wrapped module had already broadcast the buffers (DDP does that before

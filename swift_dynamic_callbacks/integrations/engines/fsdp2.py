@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator, Mapping
 import torch
 
 from ...config import ConfigError
-from .base import Engine, zero_weight_batch
+from .base import Engine
 
 
 class FSDP2Engine(Engine):
@@ -40,11 +40,7 @@ class FSDP2Engine(Engine):
 
     def placeholder_pass(self, model: Any, run: Callable[[Mapping[str, Any]], torch.Tensor],
                          template: Mapping[str, Any] | None, *, sync: bool) -> torch.Tensor | None:
-        if template is None:
-            raise RuntimeError('a placeholder micro-batch before any real one on this rank: no template to run a '
-                               'zero-weight pass with (a rank with no sample at all in its shard?)')
-        with self.pass_context(model, sync=sync):
-            return run(zero_weight_batch(template))
+        return self.zero_weight_pass(model, run, template, sync=sync)
 
 
 @contextlib.contextmanager
