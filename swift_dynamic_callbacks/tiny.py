@@ -1,9 +1,9 @@
 """Offline fixtures: tiny random-weight causal LMs and small chat datasets.
 
 Everything is built from package data under :data:`ASSETS` (the real Qwen2.5
-tokenizer and the first 500 GSM8K training rows), so tests and demos run without
-network access or a model hub. Licences and provenance are in the ``NOTICE.md``
-files next to the assets.
+tokenizer for the tiny Qwen2, the real SmolLM2 tokenizer for the tiny LLaMA, and
+GSM8K rows), so tests and demos run without network access or a model hub.
+Licences and provenance are in the ``NOTICE.md`` files next to the assets.
 
 Example:
     >>> model_dir = build_tiny_model('tiny-qwen', 'qwen2')          # doctest: +SKIP
@@ -48,7 +48,7 @@ GSM8K_ROWS: int = 500
 GSM8K_TEST_ROWS: int = 100
 """Number of held-out GSM8K test rows vendored in ``assets/gsm8k/test-100.jsonl.gz``."""
 
-_TOKENIZER_DIR = ASSETS / 'qwen2.5-tokenizer'
+_TOKENIZER_DIRS: dict[str, Path] = {'qwen2': ASSETS / 'qwen2.5-tokenizer', 'llama': ASSETS / 'smollm2-tokenizer'}
 _GSM8K_FILE = ASSETS / 'gsm8k' / 'train-500.jsonl.gz'
 _GSM8K_TEST_FILE = ASSETS / 'gsm8k' / 'test-100.jsonl.gz'
 _QWEN2_VOCAB_SIZE = 151936  # real Qwen2.5 embedding rows (len(tokenizer) is 151665)
@@ -76,27 +76,36 @@ def _atomic_write(target: Path, data: bytes) -> None:
         raise
 
 
-def materialize_tokenizer(dest: str | Path) -> Path:
-    """Writes the Qwen2.5 tokenizer files into a directory.
+def materialize_tokenizer(dest: str | Path, arch: str = 'qwen2') -> Path:
+    """Writes the tokenizer files of an architecture's tiny model into a directory.
 
-    ``tokenizer.json`` is decompressed from the vendored gzip and
-    ``tokenizer_config.json`` is copied. A file that already exists with the
-    expected size is left untouched.
+    ``qwen2``: the Qwen2.5 tokenizer (151,665 tokens). ``llama``: the SmolLM2-135M-Instruct tokenizer (49,152 tokens,
+    ChatML special tokens) -- the tokenizer of the main job's LLaMA-architecture model; its smaller vocabulary makes a
+    tiny LLaMA step about 2.5 times cheaper than a tiny Qwen2 step (the output layer and the loss dominate).
+    ``tokenizer.json`` is decompressed from the vendored gzip and ``tokenizer_config.json`` is copied. A file that
+    already exists with the expected size is left untouched.
 
     Args:
         dest: Target directory; created if missing.
+        arch: ``'qwen2'`` or ``'llama'``.
 
     Returns:
         ``dest`` as a :class:`~pathlib.Path`, loadable with ``AutoTokenizer.from_pretrained``.
+
+    Raises:
+        ValueError: If ``arch`` is not one of :data:`ARCHS`.
     """
+    if arch not in ARCHS:
+        raise ValueError(f'arch must be one of {list(ARCHS)}, got arch={arch!r}')
+    source = _TOKENIZER_DIRS[arch]
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     tok_json = dest / 'tokenizer.json'
-    src_json = _TOKENIZER_DIR / 'tokenizer.json.gz'
+    src_json = source / 'tokenizer.json.gz'
     if not tok_json.is_file() or tok_json.stat().st_size != _gzip_size(src_json):
         with gzip.open(src_json, 'rb') as f:
             _atomic_write(tok_json, f.read())
-    src_cfg = _TOKENIZER_DIR / 'tokenizer_config.json'
+    src_cfg = source / 'tokenizer_config.json'
     tok_cfg = dest / 'tokenizer_config.json'
     if not tok_cfg.is_file() or tok_cfg.stat().st_size != src_cfg.stat().st_size:
         _atomic_write(tok_cfg, src_cfg.read_bytes())
@@ -111,8 +120,10 @@ def _existing_matches(config_file: Path, arch: str, hidden_size: int, num_layers
         cfg: dict[str, Any] = json.loads(config_file.read_text(encoding='utf-8'))
     except (OSError, ValueError):
         return False
+    tokenizer_file = config_file.parent / 'tokenizer.json'
     return (cfg.get('model_type') == arch and cfg.get('hidden_size') == hidden_size
-            and cfg.get('num_hidden_layers') == num_layers)
+            and cfg.get('num_hidden_layers') == num_layers and tokenizer_file.is_file()
+            and tokenizer_file.stat().st_size == _gzip_size(_TOKENIZER_DIRS[arch] / 'tokenizer.json.gz'))
 
 
 def build_tiny_model(
@@ -123,15 +134,16 @@ def build_tiny_model(
     hidden_size: int = 64,
     num_layers: int = 2,
 ) -> Path:
-    """Builds and saves a tiny random-weight causal LM with the real Qwen2.5 tokenizer.
+    """Builds and saves a tiny random-weight causal LM with a real tokenizer.
 
     The model has 4 attention heads, 2 key/value heads, ``intermediate_size =
     4 * hidden_size``, 2048 positions, tied embeddings and float32 weights.
-    ``qwen2`` uses the real Qwen2.5 vocabulary size (151936); ``llama`` uses
-    ``len(tokenizer)`` rounded up to a multiple of 64. Both use the tokenizer's
-    special ids (eos ``<|im_end|>`` = 151645, pad ``<|endoftext|>`` = 151643, no
-    bos). Weights depend only on ``seed`` and the shape arguments; the global
-    torch RNG state is left as it was.
+    ``qwen2`` has the real Qwen2.5 tokenizer and vocabulary size (151936; eos
+    ``<|im_end|>`` = 151645, pad ``<|endoftext|>`` = 151643, no bos); ``llama``
+    has the real SmolLM2 tokenizer and ``len(tokenizer)`` rounded up to a
+    multiple of 64 (49152; bos ``<|im_start|>`` = 1, eos and pad ``<|im_end|>``
+    = 2), a tiny SmolLM2. Weights depend only on ``seed`` and the shape
+    arguments; the global torch RNG state is left as it was.
 
     The directory gets ``config.json`` (written last), ``model.safetensors``,
     ``generation_config.json`` and the tokenizer files. If ``dest/config.json``
@@ -164,7 +176,7 @@ def build_tiny_model(
 
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f'.{dest.name}.build-') as tmp_name:
         tmp = Path(tmp_name)
-        materialize_tokenizer(tmp)
+        materialize_tokenizer(tmp, arch)
         tokenizer = AutoTokenizer.from_pretrained(tmp)
         eos_id = tokenizer.convert_tokens_to_ids('<|im_end|>')
         pad_id = tokenizer.pad_token_id
@@ -194,7 +206,7 @@ def build_tiny_model(
             torch.manual_seed(seed)
             model = model_cls(config).to(torch.float32).eval()
         model.generation_config = GenerationConfig(
-            bos_token_id=bos_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id, do_sample=False)
+            bos_token_id=bos_id, eos_token_id=list(dict.fromkeys([eos_id, pad_id])), pad_token_id=pad_id, do_sample=False)
         model.save_pretrained(tmp)
         move_model_into_place(tmp, dest)
     return dest
@@ -298,7 +310,7 @@ def write_mixed_length_dataset(dest_file: str | Path, n: int = 64, seed: int = 0
 #: ms-swift flags of each tiny architecture (a local model directory needs model_type and template).
 MODEL_FLAGS: dict[str, dict[str, str]] = {
     'qwen2': {'model_type': 'qwen2', 'template': 'qwen2_5'},
-    'llama': {'model_type': 'llama', 'template': 'llama', 'system': 'You are a tiny assistant.'},
+    'llama': {'model_type': 'llama', 'template': 'chatml'},  # as the main job trains SmolLM2
 }
 
 

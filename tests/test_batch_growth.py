@@ -94,12 +94,12 @@ RUN = dict(callbacks=['batch_growth'], lr_scheduler_type='constant', warmup_rati
 
 
 @pytest.mark.e2e
-def test_growth_run_exactly_once_lr_scaled_and_resumable(tmp_path, tiny_qwen, gsm8k_16):
+def test_growth_run_exactly_once_lr_scaled_and_resumable(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
         sdc.register(batch_growth=GROWTH, integration={'record_samples': True})
-        full = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'full'), max_steps=8, save_steps=4, **RUN)
+        full = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'full'), max_steps=8, save_steps=4, **RUN)
         trace = sample_trace(full)
         assert [row['batch_size'] for row in trace] == [1, 1, 2, 2, 4, 4, 8, 8]
         # 1+1+2+2+4+4 = 14 samples, then the last 2 of epoch 0 form a short step; epoch 1 starts with 8
@@ -119,8 +119,8 @@ def test_growth_run_exactly_once_lr_scaled_and_resumable(tmp_path, tiny_qwen, gs
         assert [d['values']['new_lr'] for d in growths] == pytest.approx([2e-3, 4e-3, 8e-3])
         assert not [d for d in decisions(full) if d['kind'] == 'lr_scale']
         # resume in the middle of the growth: the same sizes at the same steps, the same LR and samples
-        part = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'part'), max_steps=4, save_steps=4, **RUN)
-        resumed = run_sft(tiny_qwen, 'qwen2', gsm8k_16, part, max_steps=8, save_steps=4, fresh=False,
+        part = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'part'), max_steps=4, save_steps=4, **RUN)
+        resumed = run_sft(tiny_llama, 'llama', gsm8k_16, part, max_steps=8, save_steps=4, fresh=False,
                           resume_from_checkpoint=os.path.join(part, 'checkpoint-4'), **RUN)
         assert [row['batches'] for row in sample_trace(resumed)] == [row['batches'] for row in trace]
         resumed_growths = [d for d in decisions(resumed) if d['source'] == 'batch_growth' and d['reason'] == 'interval']
@@ -211,13 +211,13 @@ def test_apply_at_epoch_holds_a_change_until_the_epoch_ends():
 
 
 @pytest.mark.e2e
-def test_epoch_budget_growth_runs_the_whole_lr_schedule(tmp_path, tiny_qwen, gsm8k_16):
+def test_epoch_budget_growth_runs_the_whole_lr_schedule(tmp_path, tiny_llama, gsm8k_16):
     """With num_train_epochs, growth shortens the run; the LR decay is stretched to end when the data does."""
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
         sdc.register(batch_growth={'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4, 'lr_scaling': 'none'})
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth'], max_steps=-1,
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth'], max_steps=-1,
                       num_train_epochs=1, lr_scheduler_type='linear', warmup_ratio=0.0, learning_rate=1e-3)
         logs = train_logs(out)
         assert [row['dynamic/batch_size'] for row in logs] == [1, 1, 2, 2, 4, 4, 4]  # 16 samples in 7 steps, not 16
@@ -234,14 +234,14 @@ def test_epoch_budget_growth_runs_the_whole_lr_schedule(tmp_path, tiny_qwen, gsm
 
 
 @pytest.mark.e2e
-def test_sample_budget_max_steps_counts_samples(tmp_path, tiny_qwen, gsm8k_16):
+def test_sample_budget_max_steps_counts_samples(tmp_path, tiny_llama, gsm8k_16):
     """max_steps_unit: samples -- max_steps 12 at batch 2 is 24 samples; growing the batch means fewer steps."""
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
         sdc.register(batch_growth={'initial': 2, 'factor': 2, 'interval': 2, 'maximum': 8, 'lr_scaling': 'none'},
                      integration={'max_steps_unit': 'samples', 'record_samples': True})
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth'], max_steps=12,
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth'], max_steps=12,
                       per_device_train_batch_size=2, lr_scheduler_type='linear', warmup_ratio=0.0,
                       learning_rate=1e-3)
         trace = sample_trace(out)
@@ -341,13 +341,13 @@ def test_seesaw_callback_follows_the_schedule_cuts():
 
 
 @pytest.mark.e2e
-def test_seesaw_with_lr_schedule_cosine_in_swift(tmp_path, tiny_qwen, gsm8k_16):
+def test_seesaw_with_lr_schedule_cosine_in_swift(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
         sdc.register(batch_growth={'policy': 'seesaw', 'initial': 1, 'factor': 2, 'maximum': 4},
                      lr_schedule={'warmup': 1, 'hold': 1, 'min_ratio': 0.05})
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'lr_schedule'],
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'lr_schedule'],
                       max_steps=-1, num_train_epochs=1, learning_rate=1e-3, per_device_train_batch_size=1)
     finally:
         plugin._configured = None

@@ -244,12 +244,12 @@ def deleted(out):
 
 
 @pytest.mark.e2e
-def test_rotation_with_save_steps_not_eval_steps_then_resume(tmp_path, tiny_qwen, gsm8k_16):
+def test_rotation_with_save_steps_not_eval_steps_then_resume(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
         sdc.register(checkpoint_rotation=ROTATION)
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'rot'), max_steps=8, **RUN)
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'rot'), max_steps=8, **RUN)
         losses = eval_losses(out)
         assert sorted(losses, key=int) == ['4', '8']  # saved at 2, 4, 6, 8; evaluated at 4 and 8 only
         best = max(('4', '8'), key=lambda s: (losses[s], int(s)))
@@ -266,7 +266,7 @@ def test_rotation_with_save_steps_not_eval_steps_then_resume(tmp_path, tiny_qwen
         assert pack_state['config']['checkpoint_rotation'] == ROTATION and 'checkpoint_rotation' in pack_state[
             'components']
         # resume from the rotated run: checkpoint-8 is protected while the run that resumed from it goes on
-        run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, fresh=False, max_steps=12,
+        run_sft(tiny_llama, 'llama', gsm8k_16, out, fresh=False, max_steps=12,
                 resume_from_checkpoint=os.path.join(out, 'checkpoint-8'), **RUN)
         losses = eval_losses(out)
         scored = {s: losses[s] for s in {best, '8', '12'}}
@@ -280,7 +280,7 @@ def test_rotation_with_save_steps_not_eval_steps_then_resume(tmp_path, tiny_qwen
 
 
 @pytest.mark.e2e
-def test_a_crash_during_save_leaves_a_loadable_checkpoint(tmp_path, tiny_qwen, gsm8k_16, monkeypatch):
+def test_a_crash_during_save_leaves_a_loadable_checkpoint(tmp_path, tiny_llama, gsm8k_16, monkeypatch):
     import transformers
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
@@ -297,12 +297,12 @@ def test_a_crash_during_save_leaves_a_loadable_checkpoint(tmp_path, tiny_qwen, g
         out = str(tmp_path / 'crash')
         monkeypatch.setattr(transformers.Trainer, '_save_rng_state', crash_at_6)
         with pytest.raises(RuntimeError, match='simulated crash'):
-            run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, max_steps=8, **run)
+            run_sft(tiny_llama, 'llama', gsm8k_16, out, max_steps=8, **run)
         monkeypatch.undo()
         assert listing(out) == names(4, 6)
         assert not os.path.exists(os.path.join(out, 'checkpoint-6', 'trainer_state.json'))
         assert os.readlink(os.path.join(out, 'last-checkpoint')) == 'checkpoint-4'
-        run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, fresh=False, max_steps=8,
+        run_sft(tiny_llama, 'llama', gsm8k_16, out, fresh=False, max_steps=8,
                 resume_from_checkpoint=os.path.join(out, 'checkpoint-4'), **run)
         assert read_jsonl(os.path.join(out, 'logging.jsonl'))[-1]['global_step'] == 8
         # checkpoint-4 is what this run resumed from; the rewritten checkpoint-6 went at step 8

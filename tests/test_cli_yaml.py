@@ -34,8 +34,10 @@ def _base_config(model, gsm8k_16, output_dir, arch='qwen2'):
 def test_yaml_run_through_launcher(tmp_path, tiny_qwen, tiny_llama, gsm8k_16, arch):
     out = str(tmp_path / 'out')
     config = _base_config(tiny_qwen if arch == 'qwen2' else tiny_llama, gsm8k_16, out, arch)
+    from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
+    held_out = str(write_gsm8k_dataset(tmp_path / 'eval.jsonl', 4, split='test'))
     config.update(
-        val_dataset=[gsm8k_16],  # evaluation every 2 steps runs beside the changes
+        val_dataset=[held_out],  # evaluation every 2 steps runs beside the changes
         eval_steps=2,
         callbacks=['batch_schedule'],
         dynamic_callbacks={
@@ -89,12 +91,12 @@ def test_bad_yaml_fails_before_training(tmp_path, section, callbacks, expected):
 
 
 @pytest.mark.e2e
-def test_plain_swift_sft_with_plugin_path_and_env_config(tmp_path, tiny_qwen, gsm8k_16):
+def test_plain_swift_sft_with_plugin_path_and_env_config(tmp_path, tiny_llama, gsm8k_16):
     """Without the launcher: ``--external_plugins $(swift-dynamic plugin-path)`` and the settings file in the env."""
     plugin = _launch('plugin-path').stdout.strip()
     assert os.path.isfile(plugin)
     bad = _yaml(tmp_path / 'pack.yaml', dynamic_callbacks={'batch_schedule': {'schedule': {0: -3}}})
-    config = _base_config(tiny_qwen, gsm8k_16, str(tmp_path / 'out'))
+    config = _base_config(tiny_llama, gsm8k_16, str(tmp_path / 'out'), 'llama')
     config.update(callbacks=['batch_schedule'], external_plugins=[plugin])
     env = dict(os.environ, SWIFT_DYNAMIC_CALLBACKS_CONFIG=bad)
     cmd = [sys.executable, '-c', 'from swift.cli.main import cli_main; cli_main()', 'sft', _yaml(tmp_path / 'r.yaml', **config)]

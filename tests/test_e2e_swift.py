@@ -115,22 +115,22 @@ def test_no_change_matches_plain_ms_swift(_register, tmp_path, tiny_qwen, gsm8k_
         assert seen == expected[:len(seen)]
 
 
-def test_resume_after_change_continues_with_unseen_samples(_register, tmp_path, tiny_qwen, gsm8k_16):
+def test_resume_after_change_continues_with_unseen_samples(_register, tmp_path, tiny_llama, gsm8k_16):
     schedule = {0: 2, 2: 3, 4: 1}
     _register.register(batch_schedule={'schedule': schedule}, integration={'record_samples': True})
     # a constant LR makes the 3-step run an exact prefix of the 7-step one (the decay depends on max_steps)
     lr = dict(lr_scheduler_type='constant', warmup_ratio=0.0)
     full = run_sft(
-        tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'full'), callbacks=['batch_schedule'], max_steps=7, save_steps=3,
+        tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'full'), callbacks=['batch_schedule'], max_steps=7, save_steps=3,
         **lr)
     first = run_sft(
-        tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'part'), callbacks=['batch_schedule'], max_steps=3, save_steps=3,
+        tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'part'), callbacks=['batch_schedule'], max_steps=3, save_steps=3,
         **lr)
     checkpoint = os.path.join(first, 'checkpoint-3')
     assert os.path.exists(os.path.join(checkpoint, 'dynamic_callbacks_state.json'))
     resumed = run_sft(
-        tiny_qwen,
-        'qwen2',
+        tiny_llama,
+        'llama',
         gsm8k_16,
         first,
         callbacks=['batch_schedule'],
@@ -150,14 +150,14 @@ def test_resume_after_change_continues_with_unseen_samples(_register, tmp_path, 
     assert resumed_loss == full_loss  # same samples, same RNG (dropout), same LR: the same run
 
 
-def test_pieces_give_the_same_update(_register, tmp_path, tiny_qwen, gsm8k_16):
+def test_pieces_give_the_same_update(_register, tmp_path, tiny_llama, gsm8k_16):
     """A micro-batch run as 3 pieces gives the same LoRA weights as the unsplit micro-batch (fp32)."""
     from safetensors.torch import load_file
     common = dict(callbacks=['batch_schedule'], max_steps=3, save_steps=3, lora_dropout=0.0)  # dropout masks differ
     _register.register(batch_schedule={'schedule': {0: 4}})
-    whole = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'whole'), **common)
+    whole = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'whole'), **common)
     _register.register(batch_schedule={'schedule': {0: 4}, 'pieces': {0: 3}})
-    split = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'split'), **common)
+    split = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'split'), **common)
     a = load_file(os.path.join(whole, 'checkpoint-3', 'adapter_model.safetensors'))
     b = load_file(os.path.join(split, 'checkpoint-3', 'adapter_model.safetensors'))
     assert a.keys() == b.keys() and a

@@ -320,18 +320,18 @@ def _summary(out):
 
 
 @pytest.mark.e2e
-def test_plateau_stop_keeps_patience_across_resume_and_a_stopped_run_stays_stopped(tmp_path, tiny_qwen, gsm8k_16):
+def test_plateau_stop_keeps_patience_across_resume_and_a_stopped_run_stays_stopped(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
         sdc.register(early_stopping=PLATEAU)
         out = str(tmp_path / 'run')
-        run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, **{**RUN, 'max_steps': 4})
+        run_sft(tiny_llama, 'llama', gsm8k_16, out, **{**RUN, 'max_steps': 4})
         saved = read_state(os.path.join(out, 'checkpoint-4'))['components']['early_stopping']
         assert (saved['wait'], saved['checks'], saved['stopped']) == (1, 2, False)  # evaluations at 2 (best) and 4
         # resumed: evaluations 6 (wait 2) and 8 (wait 3 = patience) -> stop after step 8; patience starting over
         # would stop at 10. The soft stop saves checkpoint-8 (save_steps 3 would not).
-        run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, fresh=False,
+        run_sft(tiny_llama, 'llama', gsm8k_16, out, fresh=False,
                 resume_from_checkpoint=os.path.join(out, 'checkpoint-4'), **RUN)
         assert _summary(out)['global_step'] == 8
         assert _dirs(out) == ['checkpoint-3', 'checkpoint-4', 'checkpoint-6', 'checkpoint-8']
@@ -343,7 +343,7 @@ def test_plateau_stop_keeps_patience_across_resume_and_a_stopped_run_stays_stopp
                 for row in train_logs(out)}
         assert [left[f'{s}/20'] for s in (5, 6, 7, 8)] == [2.0, 2.0, 1.0, 1.0]  # restored on resume, in every line
         # resuming the stopped run does not train on silently: it stops at once, with a record saying so
-        run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, fresh=False,
+        run_sft(tiny_llama, 'llama', gsm8k_16, out, fresh=False,
                 resume_from_checkpoint=os.path.join(out, 'checkpoint-8'), **RUN)
         assert _summary(out)['global_step'] == 8  # the integration draws no micro-batches once a stop is set
         assert _dirs(out)[-1] == 'checkpoint-8'

@@ -161,13 +161,13 @@ class ExplodingTrainingLog(TrainingLogCallback):
 
 
 @pytest.mark.e2e
-def test_real_run_survives_a_raising_hook_and_fail_fast_stops_it(tmp_path, tiny_qwen, gsm8k_16, monkeypatch):
+def test_real_run_survives_a_raising_hook_and_fail_fast_stops_it(tmp_path, tiny_llama, gsm8k_16, monkeypatch):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     monkeypatch.setitem(plugin.CALLBACKS, 'training_log', ExplodingTrainingLog)
     try:
         sdc.register(training_log={}, batch_growth={'initial': 1, 'interval': 2, 'maximum': 2})
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'tolerant'),
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'tolerant'),
                       callbacks=['batch_growth', 'training_log'], max_steps=6)
         assert len(train_logs(out)) == 6  # the run finished
         faults = [d for d in decisions(out) if d['kind'] == 'fault']
@@ -178,7 +178,7 @@ def test_real_run_survives_a_raising_hook_and_fail_fast_stops_it(tmp_path, tiny_
 
         sdc.register(training_log={}, integration={'fail_fast': True})
         with pytest.raises(OSError, match='No space left'):
-            run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'strict'), callbacks=['training_log'], max_steps=6)
+            run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'strict'), callbacks=['training_log'], max_steps=6)
         assert len(train_logs(str(tmp_path / 'strict'))) < 6
         assert not os.path.exists(os.path.join(tmp_path, 'strict', 'checkpoint-6'))
     finally:

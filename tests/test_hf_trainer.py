@@ -54,17 +54,17 @@ def _plain_hf_defaults(monkeypatch):
     monkeypatch.setattr(hf_trainer, 'PrinterCallback', PrinterCallback)
 
 
-def _trainer(tiny_qwen, gsm8k_16, output_dir, callbacks, **args):
+def _trainer(tiny_llama, gsm8k_16, output_dir, callbacks, **args):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
-    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     rows = []
     for line in open(gsm8k_16, encoding='utf-8'):
         messages = json.loads(line)['messages']
         rows.append({'input_ids': tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)['input_ids']})
     torch.manual_seed(0)
     model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(tiny_qwen), LoraConfig(r=4, target_modules=['q_proj', 'v_proj']))
+        AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(r=4, target_modules=['q_proj', 'v_proj']))
     targs = TrainingArguments(
         output_dir=output_dir,
         per_device_train_batch_size=2,
@@ -82,9 +82,9 @@ def _trainer(tiny_qwen, gsm8k_16, output_dir, callbacks, **args):
     return trainer
 
 
-def test_plain_trainer_with_install(tmp_path, tiny_qwen, gsm8k_16):
+def test_plain_trainer_with_install(tmp_path, tiny_llama, gsm8k_16):
     callback = sdc.BatchScheduleCallback(sdc.BatchScheduleConfig(schedule={0: 2, 2: 3, 5: 1}))
-    trainer = _trainer(tiny_qwen, gsm8k_16, str(tmp_path / 'hf'), [callback], num_train_epochs=1)
+    trainer = _trainer(tiny_llama, gsm8k_16, str(tmp_path / 'hf'), [callback], num_train_epochs=1)
     sdc.install(trainer, sdc.IntegrationConfig(record_samples=True))
     trainer.train()
     trace = sample_trace(str(tmp_path / 'hf'))
@@ -96,10 +96,10 @@ def test_plain_trainer_with_install(tmp_path, tiny_qwen, gsm8k_16):
     assert [(r['step'], r['values']['new']) for r in records if r['kind'] == 'batch_size'] == [(2, 3), (5, 1)]
 
 
-def test_flags_without_integration_warn_once(tmp_path, tiny_qwen, gsm8k_16, monkeypatch):
+def test_flags_without_integration_warn_once(tmp_path, tiny_llama, gsm8k_16, monkeypatch):
     monkeypatch.setattr(protocol, '_warned_unhonoured', False)
     callback = sdc.BatchScheduleCallback(sdc.BatchScheduleConfig(schedule={0: 2, 1: 4}))
-    trainer = _trainer(tiny_qwen, gsm8k_16, str(tmp_path / 'hf'), [callback], max_steps=3)
+    trainer = _trainer(tiny_llama, gsm8k_16, str(tmp_path / 'hf'), [callback], max_steps=3)
     with pytest.warns(RuntimeWarning, match='not honoured') as caught:
         trainer.train()
     assert sum('not honoured' in str(w.message) for w in caught) == 1

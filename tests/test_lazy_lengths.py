@@ -107,7 +107,7 @@ def test_loader_refines_estimates_and_notes_micro_batches_over_the_budget():
 
 
 @pytest.mark.e2e
-def test_swift_sft_lazy_length_batching(tmp_path, tiny_qwen, fixture_dir):
+def test_swift_sft_lazy_length_batching(tmp_path, tiny_llama, fixture_dir):
     """``lazy_tokenize: true`` + length_batching: one ``length_estimate`` record, a sample encoded (not every row),
     every row once, and no micro-batch over the budget on real tokens unless an ``over_estimate`` record says it ran
     as passes within it."""
@@ -118,7 +118,7 @@ def test_swift_sft_lazy_length_batching(tmp_path, tiny_qwen, fixture_dir):
     data = str(write_gsm8k_dataset(fixture_dir / 'gsm8k-24.jsonl', 24))
     try:
         sdc.register(length_batching={'max_tokens': 600}, integration={'record_samples': True})
-        out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'out'), callbacks=['length_batching'],
+        out = run_sft(tiny_llama, 'llama', data, str(tmp_path / 'out'), callbacks=['length_batching'],
                       lazy_tokenize=True, num_train_epochs=1, max_steps=-1, per_device_train_batch_size=8)
     finally:
         plugin._configured = None

@@ -460,7 +460,7 @@ def test_dataset_lengths_from_columns_or_measured_once():
 
 
 @pytest.mark.e2e
-def test_token_budget_run_covers_every_sample_once_and_logs_padding(tmp_path, tiny_qwen):
+def test_token_budget_run_covers_every_sample_once_and_logs_padding(tmp_path, tiny_llama):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
@@ -469,7 +469,7 @@ def test_token_budget_run_covers_every_sample_once_and_logs_padding(tmp_path, ti
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=n))
     try:
         sdc.register(length_batching={'max_tokens': budget}, integration={'record_samples': True})
-        out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'out'), callbacks=['length_batching'], max_steps=-1,
+        out = run_sft(tiny_llama, 'llama', data, str(tmp_path / 'out'), callbacks=['length_batching'], max_steps=-1,
                       num_train_epochs=1, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                       lr_scheduler_type='linear', max_length=2048)
     finally:
@@ -498,7 +498,7 @@ def test_token_budget_run_covers_every_sample_once_and_logs_padding(tmp_path, ti
 
 
 @pytest.mark.e2e
-def test_split_passes_keeps_the_samples_per_step_and_cuts_passes(tmp_path, tiny_qwen):
+def test_split_passes_keeps_the_samples_per_step_and_cuts_passes(tmp_path, tiny_llama):
     """verl-style dynamic batch size: every optimizer step takes batch x accumulation samples (as without the
     pack), long micro-batches run as several passes under the token budget; the epoch has the same steps."""
     import swift_dynamic_callbacks as sdc
@@ -510,7 +510,7 @@ def test_split_passes_keeps_the_samples_per_step_and_cuts_passes(tmp_path, tiny_
     try:
         sdc.register(length_batching={'split': 'passes', 'bucketing': False, 'max_tokens': budget},
                      integration={'record_samples': True})
-        out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'out'), callbacks=['length_batching'], max_steps=-1,
+        out = run_sft(tiny_llama, 'llama', data, str(tmp_path / 'out'), callbacks=['length_batching'], max_steps=-1,
                       num_train_epochs=1, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
                       max_length=2048)
     finally:

@@ -307,14 +307,14 @@ def test_lr_schedule_run_restart_logged_lr_and_resume(arch, tmp_path, request, g
 
 
 @pytest.mark.e2e
-def test_lr_schedule_with_batch_growth_multiplies(tmp_path, tiny_qwen, gsm8k_16):
+def test_lr_schedule_with_batch_growth_multiplies(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
         no_restarts = {**{k: v for k, v in LR_SETTINGS.items() if k != 'restart_factor'}, 'max_restarts': 0}
         sdc.register(lr_schedule=no_restarts,
                      batch_growth={'initial': 1, 'factor': 2, 'interval': 4, 'maximum': 4, 'lr_scaling': 'linear'})
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'lr_schedule'],
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'lr_schedule'],
                       gradient_accumulation_steps=2, **LR_RUN)  # the schedule counts optimizer steps
         logs = train_logs(out)
         expected = _schedule(warmup=2, hold=2, min_ratio=0.1, total=12)
@@ -327,13 +327,13 @@ def test_lr_schedule_with_batch_growth_multiplies(tmp_path, tiny_qwen, gsm8k_16)
 
 
 @pytest.mark.e2e
-def test_scheduler_the_pack_cannot_take_over_fails_at_start(tmp_path, tiny_qwen, gsm8k_16):
+def test_scheduler_the_pack_cannot_take_over_fails_at_start(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
         sdc.register(lr_schedule={})
         with pytest.raises(ConfigError, match='ReduceLROnPlateau'):
-            run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['lr_schedule'],
+            run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['lr_schedule'],
                     **{**LR_RUN, 'lr_scheduler_type': 'reduce_lr_on_plateau', 'max_steps': 2},
                     eval_strategy='steps', eval_steps=1, split_dataset_ratio=0.25)
     finally:

@@ -177,13 +177,13 @@ def _adapter(out: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope='module')
-def plain_run(tmp_path_factory, tiny_qwen, gsm8k_16):
+def plain_run(tmp_path_factory, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     out = str(tmp_path_factory.mktemp('oom') / 'plain')
     try:
         sdc.register(batch_schedule={'schedule': {0: 4}}, integration={'record_samples': True})
-        run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, callbacks=['batch_schedule'], **OOM_RUN)
+        run_sft(tiny_llama, 'llama', gsm8k_16, out, callbacks=['batch_schedule'], **OOM_RUN)
     finally:
         plugin._configured = None
     return out
@@ -191,7 +191,7 @@ def plain_run(tmp_path_factory, tiny_qwen, gsm8k_16):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize('seed,snapshot', [(1, True), (2, False)])
-def test_injected_ooms_lose_nothing_and_change_nothing(seed, snapshot, plain_run, tmp_path, tiny_qwen, gsm8k_16,
+def test_injected_ooms_lose_nothing_and_change_nothing(seed, snapshot, plain_run, tmp_path, tiny_llama, gsm8k_16,
                                                        monkeypatch):
     """OOMs in forward (over a token budget) and mid-backward (at random): the run finishes, every sample is used
     once, and the final LoRA weights equal those of a run that never ran out of memory. Both ways back to the
@@ -203,7 +203,7 @@ def test_injected_ooms_lose_nothing_and_change_nothing(seed, snapshot, plain_run
     try:
         sdc.register(batch_schedule={'schedule': {0: 4}}, integration={'record_samples': True})
         with OomInjector(token_budget=1000, backward_rate=0.5, seed=seed) as injector:
-            out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'oom'), callbacks=['batch_schedule'], **OOM_RUN)
+            out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'oom'), callbacks=['batch_schedule'], **OOM_RUN)
     finally:
         plugin._configured = None
     assert injector.counts['forward'] > 0 and injector.counts['backward'] > 0, (injector.counts, injector.passes)
@@ -221,14 +221,14 @@ def test_injected_ooms_lose_nothing_and_change_nothing(seed, snapshot, plain_run
 
 
 @pytest.mark.e2e
-def test_a_sample_over_the_budget_stops_with_a_clear_message(tmp_path, tiny_qwen, gsm8k_16):
+def test_a_sample_over_the_budget_stops_with_a_clear_message(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.integrations.trainer import SampleTooLargeError
     try:
         sdc.register(batch_schedule={'schedule': {0: 2}})
         with OomInjector(token_budget=60), pytest.raises(SampleTooLargeError) as e:
-            run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_schedule'],
+            run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_schedule'],
                     **{**OOM_RUN, 'max_steps': 2})
     finally:
         plugin._configured = None

@@ -133,7 +133,7 @@ def test_callback_grows_toward_the_estimate_and_keeps_its_averages_on_resume():
 
 
 @pytest.mark.e2e
-def test_noise_scale_run(tmp_path, tiny_qwen, gsm8k_16):
+def test_noise_scale_run(tmp_path, tiny_llama, gsm8k_16):
     """A real run with gradient accumulation: the estimate is logged, growth follows it, data stays exactly-once."""
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
@@ -141,7 +141,7 @@ def test_noise_scale_run(tmp_path, tiny_qwen, gsm8k_16):
         sdc.register(batch_growth={'policy': 'noise_scale', 'initial': 1, 'interval': 2, 'window': 2, 'maximum': 4,
                                    'noise_decay': 0.5, 'lr_scaling': 'none'},
                      integration={'record_samples': True})
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth'], max_steps=-1,
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth'], max_steps=-1,
                       num_train_epochs=2, per_device_train_batch_size=1, gradient_accumulation_steps=2,
                       learning_rate=1e-3)
         logs = train_logs(out)

@@ -71,7 +71,7 @@ def synthetic_losses(monkeypatch, nan_steps, value=lambda step: 10.0 - 0.1 * ste
 
 
 @pytest.mark.e2e
-def test_nan_steps_neither_restart_the_lr_nor_become_the_best_checkpoint(tmp_path, tiny_qwen, gsm8k_16, monkeypatch):
+def test_nan_steps_neither_restart_the_lr_nor_become_the_best_checkpoint(tmp_path, tiny_llama, gsm8k_16, monkeypatch):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     synthetic_losses(monkeypatch, nan_steps={5, 6})
@@ -79,7 +79,7 @@ def test_nan_steps_neither_restart_the_lr_nor_become_the_best_checkpoint(tmp_pat
         sdc.register(lr_schedule={'warmup': 0, 'hold': 0, 'patience': 2, 'smooth': 1, 'cooldown': 0,
                                   'max_restarts': 1},
                      checkpoint_rotation={'keep_last': 1, 'keep_best': 1, 'metric': 'loss', 'mode': 'min'})
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'),
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'),
                       callbacks=['lr_schedule', 'checkpoint_rotation'], max_steps=10, save_steps=1,
                       lr_scheduler_type='cosine', warmup_ratio=0.0)
     finally:
@@ -96,13 +96,13 @@ def test_nan_steps_neither_restart_the_lr_nor_become_the_best_checkpoint(tmp_pat
 
 
 @pytest.mark.e2e
-def test_nan_step_stops_early_stopping_as_non_finite(tmp_path, tiny_qwen, gsm8k_16, monkeypatch):
+def test_nan_step_stops_early_stopping_as_non_finite(tmp_path, tiny_llama, gsm8k_16, monkeypatch):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     synthetic_losses(monkeypatch, nan_steps={4})
     try:
         sdc.register(early_stopping={'monitor': 'loss', 'patience': 5, 'threshold': 1.0})
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['early_stopping'], max_steps=10)
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['early_stopping'], max_steps=10)
     finally:
         plugin._configured = None
     [stop] = [d for d in decisions(out) if d['source'] == 'early_stopping']

@@ -15,12 +15,12 @@ _BAR = re.compile(r'Train:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[')
 
 
 @pytest.mark.parametrize('schedule, steps', [({0: 1, 2: 4}, 6), ({0: 4, 2: 1}, 10)], ids=['shrinks', 'grows'])
-def test_bar_total_follows_max_steps_and_ends_at_n_of_n(schedule, steps, tmp_path, tiny_qwen, gsm8k_16, capfd):
+def test_bar_total_follows_max_steps_and_ends_at_n_of_n(schedule, steps, tmp_path, tiny_llama, gsm8k_16, capfd):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
         sdc.register(batch_schedule={'schedule': schedule})
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_schedule'],
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_schedule'],
                       max_steps=-1, num_train_epochs=1, per_device_train_batch_size=schedule[0])
     finally:
         plugin._configured = None

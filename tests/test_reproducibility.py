@@ -57,15 +57,15 @@ def test_install_when_off_leaves_the_trainer_alone(tmp_path):
 
 
 @pytest.mark.e2e
-def test_off_switch_gives_plain_ms_swift_losses(tmp_path, tiny_qwen, gsm8k_16):
+def test_off_switch_gives_plain_ms_swift_losses(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     run = dict(max_steps=5, lr_scheduler_type='cosine', warmup_ratio=0.0)
     try:
-        plain = train_logs(run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'plain'), **run))
+        plain = train_logs(run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'plain'), **run))
         sdc.register(batch_growth={'initial': 1, 'interval': 2, 'maximum': 4}, lr_schedule=LR_SETTINGS,
                      integration={'enabled': False})
-        off = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'off'), callbacks=['batch_growth', 'lr_schedule'],
+        off = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'off'), callbacks=['batch_growth', 'lr_schedule'],
                       **run)
         logs = train_logs(off)
         assert [r['loss'] for r in logs] == [r['loss'] for r in plain]
@@ -79,7 +79,7 @@ def test_off_switch_gives_plain_ms_swift_losses(tmp_path, tiny_qwen, gsm8k_16):
         sdc.register(batch_growth={'initial': 1, 'interval': 2, 'maximum': 4})
         # not monkeypatch.setenv: datasets' map replaces os.environ by a copy, so monkeypatch's undo would miss it
         os.environ[DISABLE_ENV] = '1'
-        env_off = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'env'), callbacks=['batch_growth'], **run)
+        env_off = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'env'), callbacks=['batch_growth'], **run)
         del os.environ[DISABLE_ENV]
         assert [r['loss'] for r in train_logs(env_off)] == [r['loss'] for r in plain]
         assert decisions(env_off)[0]['values']['switch'] == f'{DISABLE_ENV}=1'
@@ -124,13 +124,13 @@ def _columns(logs, *keys):
 
 
 @pytest.mark.e2e
-def test_replay_reproduces_growth_and_restart_and_resumes(tmp_path, tiny_qwen, gsm8k_16):
+def test_replay_reproduces_growth_and_restart_and_resumes(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     keys = ('loss', 'learning_rate', 'dynamic/batch_size')
     try:
         sdc.register(lr_schedule=LR_SETTINGS, batch_growth=GROWTH)
-        original = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'original'),
+        original = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'original'),
                            callbacks=['batch_growth', 'lr_schedule'], **LR_RUN)
         recorded = decisions(original)
         assert [d['step'] for d in recorded if d['kind'] == 'lr_restart'] == [6]
@@ -147,7 +147,7 @@ def test_replay_reproduces_growth_and_restart_and_resumes(tmp_path, tiny_qwen, g
         no_restarts = {k: v for k, v in LR_SETTINGS.items() if k != 'restart_factor'}  # not read: it would be refused
         sdc.register(lr_schedule={**no_restarts, 'max_restarts': 0, 'warmup': 0},
                      batch_growth={**GROWTH, 'interval': 1}, integration={'replay': log_file})
-        replayed = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'replay'),
+        replayed = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'replay'),
                            callbacks=['batch_growth', 'lr_schedule'], save_steps=5, **LR_RUN)
         assert _columns(train_logs(replayed), *keys) == expected
         replay_decisions = [d for d in decisions(replayed) if d['kind'] != 'engine']  # the engine record comes first
@@ -162,7 +162,7 @@ def test_replay_reproduces_growth_and_restart_and_resumes(tmp_path, tiny_qwen, g
         assert [d['values']['new'] for d in replay_decisions if d['kind'] == 'batch_size'] == [1, 2, 4]
 
         # resume the replay run: the same numbers from step 6 on
-        resumed = run_sft(tiny_qwen, 'qwen2', gsm8k_16, replayed, callbacks=['batch_growth', 'lr_schedule'],
+        resumed = run_sft(tiny_llama, 'llama', gsm8k_16, replayed, callbacks=['batch_growth', 'lr_schedule'],
                           save_steps=5, fresh=False, resume_from_checkpoint=os.path.join(replayed, 'checkpoint-5'),
                           **LR_RUN)
         tail = train_logs(resumed)[-5:]

@@ -97,34 +97,34 @@ def test_a_wrong_value_in_the_state_names_the_file_and_the_component(state, foun
 
 # ---- real runs -----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope='module')
-def saved_run(tmp_path_factory, tiny_qwen, gsm8k_16):
+def saved_run(tmp_path_factory, tiny_llama, gsm8k_16):
     """8 steps of batch growth with checkpoints at 4 and 8."""
     import swift_dynamic_callbacks as sdc
     out = str(tmp_path_factory.mktemp('bound') / 'run')
     try:
         sdc.register(batch_growth=GROWTH, integration={'record_samples': True})
-        run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, callbacks=['batch_growth'], **RUN)
+        run_sft(tiny_llama, 'llama', gsm8k_16, out, callbacks=['batch_growth'], **RUN)
     finally:
         plugin._configured = None
     return out
 
 
-def _resume(tiny_qwen, gsm8k_16, source: str, target: str, checkpoint: str, *, growth=None, integration=None,
+def _resume(tiny_llama, gsm8k_16, source: str, target: str, checkpoint: str, *, growth=None, integration=None,
             dataset=None):
     import swift_dynamic_callbacks as sdc
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(source, target)
     try:
         sdc.register(batch_growth=growth or GROWTH, integration={'record_samples': True, **(integration or {})})
-        return run_sft(tiny_qwen, 'qwen2', dataset or gsm8k_16, target, callbacks=['batch_growth'], fresh=False,
+        return run_sft(tiny_llama, 'llama', dataset or gsm8k_16, target, callbacks=['batch_growth'], fresh=False,
                        resume_from_checkpoint=os.path.join(target, checkpoint), **{**RUN, 'max_steps': 10})
     finally:
         plugin._configured = None
 
 
 @pytest.mark.e2e
-def test_intact_resume_continues_the_run(saved_run, tmp_path, tiny_qwen, gsm8k_16):
-    out = _resume(tiny_qwen, gsm8k_16, saved_run, str(tmp_path / 'ok'), 'checkpoint-8')
+def test_intact_resume_continues_the_run(saved_run, tmp_path, tiny_llama, gsm8k_16):
+    out = _resume(tiny_llama, gsm8k_16, saved_run, str(tmp_path / 'ok'), 'checkpoint-8')
     state = json.loads(open(os.path.join(out, 'checkpoint-10', STATE_FILE)).read())
     first = json.loads(open(os.path.join(saved_run, 'checkpoint-8', STATE_FILE)).read())
     assert state['binding']['run_id'] == first['binding']['run_id']  # the same run, resumed
@@ -135,33 +135,33 @@ def test_intact_resume_continues_the_run(saved_run, tmp_path, tiny_qwen, gsm8k_1
 
 
 @pytest.mark.e2e
-def test_a_state_from_another_step_is_refused(saved_run, tmp_path, tiny_qwen, gsm8k_16):
+def test_a_state_from_another_step_is_refused(saved_run, tmp_path, tiny_llama, gsm8k_16):
     target = str(tmp_path / 'copied')
     shutil.copytree(saved_run, target)
     shutil.copy(os.path.join(target, 'checkpoint-4', STATE_FILE), os.path.join(target, 'checkpoint-8', STATE_FILE))
     with pytest.raises(StateError, match='global_step: state file 4, checkpoint 8'):
-        _resume(tiny_qwen, gsm8k_16, target, str(tmp_path / 'resumed'), 'checkpoint-8')
+        _resume(tiny_llama, gsm8k_16, target, str(tmp_path / 'resumed'), 'checkpoint-8')
 
 
 @pytest.mark.e2e
-def test_changed_settings_are_refused_unless_allowed_then_recorded(saved_run, tmp_path, tiny_qwen, gsm8k_16):
+def test_changed_settings_are_refused_unless_allowed_then_recorded(saved_run, tmp_path, tiny_llama, gsm8k_16):
     changed = {**GROWTH, 'interval': 3}
     with pytest.raises(StateError, match=r'batch_growth.interval: 2 -> 3.*allow_config_change: true'):
-        _resume(tiny_qwen, gsm8k_16, saved_run, str(tmp_path / 'refused'), 'checkpoint-4', growth=changed)
-    out = _resume(tiny_qwen, gsm8k_16, saved_run, str(tmp_path / 'allowed'), 'checkpoint-4', growth=changed,
+        _resume(tiny_llama, gsm8k_16, saved_run, str(tmp_path / 'refused'), 'checkpoint-4', growth=changed)
+    out = _resume(tiny_llama, gsm8k_16, saved_run, str(tmp_path / 'allowed'), 'checkpoint-4', growth=changed,
                   integration={'allow_config_change': True})
     records = [d for d in decisions(out) if d['kind'] == 'config_change']
     assert [(d['values']['setting'], d['values']['old'], d['values']['new']) for d in records] == [
         ('batch_growth.interval', 2, 3)]
     # a logging setting may change freely
-    _resume(tiny_qwen, gsm8k_16, saved_run, str(tmp_path / 'logging'), 'checkpoint-4',
+    _resume(tiny_llama, gsm8k_16, saved_run, str(tmp_path / 'logging'), 'checkpoint-4',
             integration={'record_samples': False})
 
 
 @pytest.mark.e2e
-def test_another_dataset_is_refused(saved_run, tmp_path, tiny_qwen, gsm8k_16):
+def test_another_dataset_is_refused(saved_run, tmp_path, tiny_llama, gsm8k_16):
     rows = [json.loads(line) for line in open(gsm8k_16)]
     other = tmp_path / 'other.jsonl'
     other.write_text(''.join(json.dumps(r) + '\n' for r in rows[1:] + rows[:1]))  # same rows, another order
     with pytest.raises(StateError, match='another training dataset'):
-        _resume(tiny_qwen, gsm8k_16, saved_run, str(tmp_path / 'data'), 'checkpoint-8', dataset=str(other))
+        _resume(tiny_llama, gsm8k_16, saved_run, str(tmp_path / 'data'), 'checkpoint-8', dataset=str(other))

@@ -14,6 +14,7 @@ import yaml
 from swift_dynamic_callbacks import cli
 from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.loader import dataset_lengths, dataset_real_tokens, item_lengths, row_cost
+from swift_dynamic_callbacks.tiny import MODEL_FLAGS
 from swift_runs import decisions, indices_by_epoch, read_jsonl, sample_trace, train_logs
 
 N = 8  # pairs
@@ -113,10 +114,10 @@ GROWTH_KTO = {'initial': 2, 'factor': 2, 'interval': 2, 'maximum': 4}  # KTO nee
 MAX_TOKENS = 400
 
 
-def run_rlhf(tmp_path, model: str, rlhf_type: str, dataset: str, section: dict, callbacks: list[str]) -> str:
+def run_rlhf(tmp_path, model: str, arch: str, rlhf_type: str, dataset: str, section: dict, callbacks: list[str]) -> str:
     out = tmp_path / f'out-{rlhf_type}'
     config = {
-        'model': model, 'model_type': 'qwen2', 'template': 'qwen2_5', 'rlhf_type': rlhf_type, 'tuner_type': 'lora',
+        'model': model, **MODEL_FLAGS[arch], 'rlhf_type': rlhf_type, 'tuner_type': 'lora',
         'torch_dtype': 'float32', 'dataset': [dataset], 'dataset_shuffle': False, 'num_train_epochs': 1,
         'per_device_train_batch_size': section['batch_growth']['initial'], 'gradient_accumulation_steps': 1,
         'learning_rate': 1e-3, 'logging_steps': 1, 'save_steps': 1000, 'check_model': False, 'report_to': ['none'],
@@ -133,17 +134,20 @@ def run_rlhf(tmp_path, model: str, rlhf_type: str, dataset: str, section: dict, 
     return str(out)
 
 
-def _pair_costs(model: str, dataset: str) -> list[int]:
+def _pair_costs(model: str, arch: str, dataset: str) -> list[int]:
     from swift.model import get_processor
     from swift.template import get_template
-    template = get_template(get_processor(model, model_type='qwen2'), template_type='qwen2_5', max_length=1024)
+    flags = MODEL_FLAGS[arch]
+    template = get_template(get_processor(model, model_type=flags['model_type']), template_type=flags['template'],
+                            max_length=1024)
     template.set_mode('rlhf')
     return [row_cost(item_lengths(template.encode(r, return_length=True))) for r in read_jsonl(dataset)]
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize('rlhf_type', ['dpo', 'kto', 'orpo'])
-def test_rlhf_batch_growth_every_pair_once(tmp_path, tiny_qwen, rlhf_type):
+@pytest.mark.parametrize('rlhf_type,arch', [('dpo', 'qwen2'), ('kto', 'llama'), ('orpo', 'llama')])
+def test_rlhf_batch_growth_every_pair_once(request, tmp_path, rlhf_type, arch):
+    model = request.getfixturevalue('tiny_qwen' if arch == 'qwen2' else 'tiny_llama')
     kto = rlhf_type == 'kto'
     dataset = write_pairs(tmp_path / 'pairs.jsonl', kto=kto)
     growth = GROWTH_KTO if kto else GROWTH
@@ -151,7 +155,7 @@ def test_rlhf_batch_growth_every_pair_once(tmp_path, tiny_qwen, rlhf_type):
     section = {'batch_growth': growth}
     if rlhf_type == 'orpo':  # the budget binds: a pair costs both its rows
         section['length_batching'] = {'max_tokens': MAX_TOKENS, 'bucketing': False}
-    out = run_rlhf(tmp_path, tiny_qwen, rlhf_type, dataset, section, callbacks)
+    out = run_rlhf(tmp_path, model, arch, rlhf_type, dataset, section, callbacks)
 
     trace = sample_trace(out)
     assert sorted(indices_by_epoch(trace)[0]) == list(range(N)), 'every pair exactly once'
@@ -170,7 +174,7 @@ def test_rlhf_batch_growth_every_pair_once(tmp_path, tiny_qwen, rlhf_type):
             assert took == min(size, left)
             left -= took
         return
-    costs = _pair_costs(tiny_qwen, dataset)  # dataset_shuffle: false, no split: index i is row i
+    costs = _pair_costs(model, arch, dataset)  # dataset_shuffle: false, no split: index i is row i
     for row, log in zip(trace, logs):
         (batch, ) = row['batches']
         padded = len(batch) * max(costs[i] for i in batch)

@@ -184,7 +184,7 @@ def _register():
 
 
 @pytest.mark.e2e
-def test_swift_sft_streaming_batch_growth(_register, tmp_path, tiny_qwen, fixture_dir):
+def test_swift_sft_streaming_batch_growth(_register, tmp_path, tiny_llama, fixture_dir):
     """``streaming: true``: growth 1 -> 2 -> 4 every 2 steps, length buckets in windows of 4 rows, 12 rows a pass of
     the stream; every row of the first pass once, in windows of the stream order, then the stream again."""
     from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
@@ -193,7 +193,7 @@ def test_swift_sft_streaming_batch_growth(_register, tmp_path, tiny_qwen, fixtur
     growth = {'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4}
     _register.register(batch_growth=growth, length_batching={'max_tokens': 100000},
                        integration={'record_samples': True, 'stream_window': 4})
-    out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'out'), callbacks=['batch_growth', 'length_batching'],
+    out = run_sft(tiny_llama, 'llama', data, str(tmp_path / 'out'), callbacks=['batch_growth', 'length_batching'],
                   streaming=True, max_steps=7, dataset_shuffle=False)
     trace = sample_trace(out)
     assert [row['batch_size'] for row in trace] == [1, 1, 2, 2, 4, 4, 4]
@@ -210,7 +210,7 @@ def test_swift_sft_streaming_batch_growth(_register, tmp_path, tiny_qwen, fixtur
 
 
 @pytest.mark.e2e
-def test_swift_sft_streaming_resume_continues_at_the_next_unseen_row(_register, tmp_path, tiny_qwen, fixture_dir):
+def test_swift_sft_streaming_resume_continues_at_the_next_unseen_row(_register, tmp_path, tiny_llama, fixture_dir):
     """A stream run checkpointed at step 3 and resumed to step 6 draws the rows the uninterrupted run draws."""
     from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
     from swift_runs import decisions, run_sft, sample_trace
@@ -218,9 +218,9 @@ def test_swift_sft_streaming_resume_continues_at_the_next_unseen_row(_register, 
     _register.register(batch_growth={'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4},
                        integration={'record_samples': True})
     common = dict(callbacks=['batch_growth'], streaming=True, dataset_shuffle=False, save_steps=3)
-    straight = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'straight'), max_steps=6, **common)
-    first = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'resumed'), max_steps=3, **common)
-    resumed = run_sft(tiny_qwen, 'qwen2', data, first, max_steps=6, fresh=False,
+    straight = run_sft(tiny_llama, 'llama', data, str(tmp_path / 'straight'), max_steps=6, **common)
+    first = run_sft(tiny_llama, 'llama', data, str(tmp_path / 'resumed'), max_steps=3, **common)
+    resumed = run_sft(tiny_llama, 'llama', data, first, max_steps=6, fresh=False,
                       resume_from_checkpoint=os.path.join(first, 'checkpoint-3'), **common)
     rows = lambda out: [(r['step'], r['epoch'], r['batches']) for r in sample_trace(out)]  # noqa: E731
     assert rows(straight)[3:] == rows(resumed)[-3:] and rows(straight)[:3] == rows(resumed)[:3]

@@ -14,8 +14,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swift_dynamic_callbacks import tiny
 
-EOS_ID, PAD_ID = 151645, 151643
-EXPECTED_VOCAB = {'qwen2': 151936, 'llama': 151680}  # llama: 151665 rounded up to a multiple of 64
+# per arch: vocabulary rows, (bos, eos, pad) ids, len(tokenizer), "Hello world" ids, tokenizer.json size
+EXPECTED = {
+    'qwen2': dict(vocab=151936, special=(None, 151645, 151643), tokens=151665, hello=[9707, 1879], size=7_031_645),
+    'llama': dict(vocab=49152, special=(1, 2, 2), tokens=49152, hello=[19556, 905], size=3_522_871),  # SmolLM2
+}
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -38,9 +41,10 @@ def test_assets_are_small_and_documented() -> None:
     names = {p.relative_to(tiny.ASSETS).as_posix() for p in files}
     assert {
         'qwen2.5-tokenizer/tokenizer.json.gz', 'qwen2.5-tokenizer/tokenizer_config.json',
-        'qwen2.5-tokenizer/NOTICE.md', 'gsm8k/train-500.jsonl.gz', 'gsm8k/LICENSE', 'gsm8k/NOTICE.md'
+        'qwen2.5-tokenizer/NOTICE.md', 'smollm2-tokenizer/tokenizer.json.gz', 'smollm2-tokenizer/tokenizer_config.json',
+        'smollm2-tokenizer/NOTICE.md', 'gsm8k/train-500.jsonl.gz', 'gsm8k/LICENSE', 'gsm8k/NOTICE.md'
     } <= names
-    assert sum(p.stat().st_size for p in files) < 2_500_000
+    assert sum(p.stat().st_size for p in files) < 3_000_000
     with gzip.open(tiny.ASSETS / 'gsm8k' / 'train-500.jsonl.gz', 'rt', encoding='utf-8') as f:
         rows = [json.loads(line) for line in f]
     assert len(rows) == tiny.GSM8K_ROWS == 500
@@ -60,23 +64,28 @@ def test_held_out_test_rows_are_vendored_and_disjoint_from_train(tmp_path: Path)
         tiny.write_gsm8k_dataset(tmp_path / 'big.jsonl', n=101, split='test')
 
 
-def test_tokenizer_round_trip_and_idempotence(tmp_path: Path) -> None:
-    dest = tiny.materialize_tokenizer(tmp_path / 'tok')
+@pytest.mark.parametrize('arch', tiny.ARCHS)
+def test_tokenizer_round_trip_and_idempotence(tmp_path: Path, arch: str) -> None:
+    want = EXPECTED[arch]
+    dest = tiny.materialize_tokenizer(tmp_path / 'tok', arch)
     assert dest == tmp_path / 'tok'
     tok = AutoTokenizer.from_pretrained(dest)
     ids = tok('Hello world', add_special_tokens=False)['input_ids']
-    assert ids == [9707, 1879]
+    assert ids == want['hello']
     assert tok.decode(ids) == 'Hello world'
-    assert len(tok) == 151665
-    assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (EOS_ID, PAD_ID, None)
+    assert tok('Hello world')['input_ids'] == ids  # no bos or eos added by the tokenizer itself
+    assert len(tok) == want['tokens']
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == want['special']
 
     tok_json = dest / 'tokenizer.json'
     stamp = tok_json.stat().st_mtime_ns
-    tiny.materialize_tokenizer(dest)
+    tiny.materialize_tokenizer(dest, arch)
     assert tok_json.stat().st_mtime_ns == stamp  # same size: left alone
     tok_json.write_bytes(b'{}')
-    tiny.materialize_tokenizer(dest)
-    assert tok_json.stat().st_size == 7_031_645  # wrong size: rewritten
+    tiny.materialize_tokenizer(dest, arch)
+    assert tok_json.stat().st_size == want['size']  # wrong size: rewritten
+    with pytest.raises(ValueError, match=r"arch must be one of \['qwen2', 'llama'\], got arch='gpt2'"):
+        tiny.materialize_tokenizer(dest, 'gpt2')
 
 
 @pytest.mark.parametrize('arch', tiny.ARCHS)
@@ -86,10 +95,10 @@ def test_build_tiny_model_loads_and_gives_finite_loss(models: dict[str, Path], a
     tok = AutoTokenizer.from_pretrained(dest)
     cfg = model.config
     assert cfg.model_type == arch
-    assert cfg.vocab_size == EXPECTED_VOCAB[arch]
+    assert cfg.vocab_size == EXPECTED[arch]['vocab']
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (64, 256, 2)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.max_position_embeddings) == (4, 2, 2048)
-    assert (cfg.eos_token_id, cfg.pad_token_id) == (EOS_ID, PAD_ID)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == EXPECTED[arch]['special']
     assert cfg.tie_word_embeddings
     assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     assert model.dtype == torch.float32
@@ -114,8 +123,9 @@ def test_build_tiny_model_is_seeded_and_idempotent(tmp_path: Path) -> None:
     assert tiny.build_tiny_model(a, seed=3, **kwargs) == a
     assert (a / 'model.safetensors').stat().st_mtime_ns == stamp  # reused, not rebuilt
 
-    tiny.build_tiny_model(a, 'llama', **kwargs)  # other arch in the same dir: rebuilt
+    tiny.build_tiny_model(a, 'llama', **kwargs)  # other arch in the same dir: rebuilt, with its own tokenizer
     assert json.loads((a / 'config.json').read_text())['model_type'] == 'llama'
+    assert (a / 'tokenizer.json').stat().st_size == EXPECTED['llama']['size']
 
 
 def test_build_tiny_model_rejects_unknown_arch(tmp_path: Path) -> None:

@@ -153,14 +153,14 @@ def test_state_round_trip_continues_the_epoch(tmp_path):
 
 
 @pytest.mark.e2e
-def test_growth_run_with_training_log_feeds_the_report(tmp_path, tiny_qwen, gsm8k_16):
+def test_growth_run_with_training_log_feeds_the_report(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.report import REPORT_MD, REPORT_PNG, load_run, panels, write_report
     try:
         sdc.register(batch_growth={'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4, 'lr_scaling': 'none'},
                      training_log={'every': 2})
-        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'training_log'],
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'training_log'],
                       max_steps=-1, num_train_epochs=1, lr_scheduler_type='constant', warmup_ratio=0.0)
     finally:
         plugin._configured = None
