@@ -25,8 +25,8 @@ import tempfile
 from typing import Any, Sequence
 
 from .config import ConfigError
-from .config.pack import (ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig, check_run, listed_callbacks, merged_settings,
-                          parse_section)
+from .config.pack import (ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig, check_run, drop_flag, listed_callbacks,
+                          merged_settings, parse_section)
 
 #: ms-swift commands the launcher runs (``swift <command> FILE.yaml ...``).
 LAUNCH_COMMANDS = ('sft', 'rlhf')
@@ -56,7 +56,8 @@ def prepare(path: str, extra: Sequence[str], command: str = 'sft') -> tuple[dict
     (``command`` ``rlhf``: an ``rlhf_type`` left out is ms-swift's default, ``dpo``; ``check`` reads it from the file).
 
     Returns the ms-swift settings to launch with (the ``dynamic_callbacks:`` section taken out, the pack's plugin
-    added to ``external_plugins``) and the validated pack settings; ``pack.notes`` holds warnings.
+    added to ``external_plugins``, which holds the ``--external_plugins`` flag's files when one is given: the launch
+    drops that flag, which would replace the list) and the validated pack settings; ``pack.notes`` holds warnings.
 
     Raises:
         ConfigError: naming the key, the value and what is allowed.
@@ -69,9 +70,11 @@ def prepare(path: str, extra: Sequence[str], command: str = 'sft') -> tuple[dict
     listed = listed_callbacks(settings)
     pack = parse_section(section, listed)
     notes = check_run(pack, settings, listed)
-    plugins = config.get('external_plugins') or []
+    plugins = settings.get('external_plugins') or []  # the flag's files when given (it replaces the file's list)
     if isinstance(plugins, str):
         plugins = [plugins]
+    if not isinstance(plugins, (list, tuple)):
+        raise ConfigError(f'external_plugins: a file or a list of files, got {plugins!r}')
     if PLUGIN_FILE not in plugins:
         plugins = list(plugins) + [PLUGIN_FILE]
     config['external_plugins'] = plugins
@@ -103,6 +106,7 @@ def launch(command: str, path: str, extra: Sequence[str]) -> int:
     sanitized = write_launch_file(path, config)
     env = dict(os.environ)
     env[ENV_CONFIG] = json.dumps(pack.to_json())
+    extra = drop_flag(extra, 'external_plugins')  # its files are in the launch file, with the pack's plugin
     return subprocess.run(build_command(command, sanitized, extra), env=env).returncode
 
 

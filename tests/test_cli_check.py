@@ -100,6 +100,17 @@ BAD = [
     ('zero_epochs', case(['batch_growth'], GROWTH, num_train_epochs=0), [], ['num_train_epochs: must be > 0']),
     ('section_not_listed', case([], GROWTH), [], ['dynamic_callbacks.batch_growth: configured but not listed']),
     ('yaml_not_mapping', ['a', 'b'], [], ['expected a YAML mapping']),
+    ('dashed_flag', case(['batch_growth'], GROWTH), ['--dataloader-drop-last', 'true'],
+     ['dataloader_drop_last: must be false']),
+    ('rlhf_split_passes', case(['length_batching'], {'length_batching': {'split': 'passes', 'bucketing': False}},
+                               rlhf_type='orpo'), [],
+     ['rlhf_type: orpo cannot be combined with dynamic_callbacks.length_batching.split: passes']),
+    ('packing_split_passes', case(['length_batching'], {'length_batching': {'split': 'passes', 'bucketing': False}},
+                                  packing=True), [],
+     ['packing: true cannot be combined with dynamic_callbacks.length_batching.split: passes']),
+    ('oom_retries_without_recovery', case(['batch_growth'], {**GROWTH, 'integration': {
+        'oom_recovery': False, 'oom_single_sample_retries': 3}}), [],
+     ['dynamic_callbacks.integration.oom_single_sample_retries: only read by oom_recovery: auto | true']),
 ]
 
 
@@ -146,6 +157,59 @@ def test_a_good_file_passes(tmp_path, capsys, name, data, extra):
     out, err = capsys.readouterr()
     assert json.loads(out)['integration']['enabled'] is True
     assert err == ''
+
+
+def test_group_by_length_is_refused_under_several_processes(tmp_path, capsys, monkeypatch):
+    """Several processes: the pack deals a seeded permutation, so HF's length grouping would be silently lost."""
+    path = write(tmp_path, case(['batch_growth'], GROWTH, group_by_length=True))
+    monkeypatch.setenv('NPROC_PER_NODE', '2')
+    assert cli.main(['check', path]) == 2
+    assert 'group_by_length: true is not supported with swift-dynamic-callbacks under several processes' in (
+        capsys.readouterr().err)
+    monkeypatch.setenv('NPROC_PER_NODE', '1')
+    assert cli.main(['check', path]) == 0  # one process: the host's own (length-grouped) sampler decides
+
+
+def test_ignore_data_skip_is_refused_for_a_checkpoint_with_the_packs_state(tmp_path, capsys):
+    checkpoint = tmp_path / 'out' / 'checkpoint-4'
+    checkpoint.mkdir(parents=True)
+    path = write(tmp_path, case(['batch_growth'], GROWTH, ignore_data_skip=True,
+                                resume_from_checkpoint=str(checkpoint)))
+    assert cli.main(['check', path]) == 0, capsys.readouterr().err  # a checkpoint without the pack: HF's rule holds
+    (checkpoint / 'dynamic_callbacks_state.json').write_text('{}')
+    assert cli.main(['check', path]) == 2
+    assert f'ignore_data_skip: true cannot be honoured when resuming from {checkpoint}' in capsys.readouterr().err
+
+
+def test_a_replay_folder_without_a_decision_log_is_refused(tmp_path, capsys):
+    empty = tmp_path / 'first_run'
+    empty.mkdir()
+    path = write(tmp_path, case(['batch_growth'], {**GROWTH, 'integration': {'replay': str(empty)}}))
+    assert cli.main(['check', path]) == 2
+    assert 'holds no dynamic_decisions.jsonl' in capsys.readouterr().err
+    (empty / 'dynamic_decisions.jsonl').write_text('')
+    assert cli.main(['check', path]) == 0
+
+
+@pytest.mark.parametrize('flag', [['--external_plugins', 'mine.py', 'yours.py'], ['--external-plugins=mine.py']])
+def test_an_external_plugins_flag_keeps_the_packs_plugin(tmp_path, monkeypatch, flag):
+    """ms-swift's flag replaces the file's ``external_plugins``: the launcher moves the flag's files into the launch
+    file with its own plugin and drops the flag, so the pack's callbacks stay registered."""
+    seen = {}
+
+    def fake_run(cmd, env=None, **kwargs):
+        seen.update(cmd=cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(cli.subprocess, 'run', fake_run)
+    data = case(['batch_growth'], GROWTH, external_plugins=['from_file.py'])
+    assert cli.main(['sft', write(tmp_path, data), '--max_steps', '3', *flag]) == 0
+    cmd = seen['cmd']
+    assert cmd[5:] == ['--max_steps', '3']
+    with open(cmd[4], encoding='utf-8') as f:
+        launched = yaml.safe_load(f)
+    files = ['mine.py', 'yours.py'] if len(flag) == 3 else ['mine.py']
+    assert launched['external_plugins'] == files + [PLUGIN_FILE]
 
 
 def test_unknown_name_is_a_note_when_other_plugins_may_register_it(tmp_path, capsys):

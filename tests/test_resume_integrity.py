@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 
+from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.integrations import swift as plugin
 from swift_dynamic_callbacks.state import (BINDING_KEY, STATE_FILE, StateError, build_payload, check_binding,
                                            file_digest, restore_components, settings_changes, write_state)
@@ -110,14 +111,14 @@ def saved_run(tmp_path_factory, tiny_llama, gsm8k_16):
 
 
 def _resume(tiny_llama, gsm8k_16, source: str, target: str, checkpoint: str, *, growth=None, integration=None,
-            dataset=None):
+            dataset=None, **flags):
     import swift_dynamic_callbacks as sdc
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(source, target)
     try:
         sdc.register(batch_growth=growth or GROWTH, integration={'record_samples': True, **(integration or {})})
         return run_sft(tiny_llama, 'llama', dataset or gsm8k_16, target, callbacks=['batch_growth'], fresh=False,
-                       resume_from_checkpoint=os.path.join(target, checkpoint), **{**RUN, 'max_steps': 10})
+                       resume_from_checkpoint=os.path.join(target, checkpoint), **{**RUN, 'max_steps': 10, **flags})
     finally:
         plugin._configured = None
 
@@ -165,3 +166,11 @@ def test_another_dataset_is_refused(saved_run, tmp_path, tiny_llama, gsm8k_16):
     other.write_text(''.join(json.dumps(r) + '\n' for r in rows[1:] + rows[:1]))  # same rows, another order
     with pytest.raises(StateError, match='another training dataset'):
         _resume(tiny_llama, gsm8k_16, saved_run, str(tmp_path / 'data'), 'checkpoint-8', dataset=str(other))
+
+
+@pytest.mark.e2e
+def test_ignore_data_skip_is_refused_with_the_packs_state(saved_run, tmp_path, tiny_llama, gsm8k_16):
+    """HF's ``ignore_data_skip`` (start the epoch's data over) cannot hold with the pack's position: refused at
+    start, never silently resumed at the next unseen sample."""
+    with pytest.raises(ConfigError, match=r'ignore_data_skip: true cannot be honoured when resuming from .*checkpoint-4'):
+        _resume(tiny_llama, gsm8k_16, saved_run, str(tmp_path / 'skip'), 'checkpoint-4', ignore_data_skip=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from . import Choice, Flag, Int, Settings, Text, from_mapping, setting
+from . import Choice, Flag, Int, Reads, Settings, Text, from_mapping, setting
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,9 @@ class IntegrationConfig(Settings):
     replay: str | None = setting(Text('output/first_run/dynamic_decisions.jsonl', optional=True), None)
     allow_config_change: bool = setting(Flag(), False)
     stream_window: int = setting(Int(1, 10_000_000), 1024)
+
+    reads = (Reads('oom_recovery', {'auto': ('oom_single_sample_retries', ), True: ('oom_single_sample_retries', ),
+                                    False: ()}), )
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None) -> 'IntegrationConfig':

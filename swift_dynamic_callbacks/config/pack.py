@@ -167,6 +167,9 @@ def parse_section(section: Mapping[str, Any] | None, listed: Iterable[str] | Non
         raise ConfigError(f'{SECTION}.integration.replay: {replay!r} does not exist (relative paths are read from '
                           f'the current directory, {os.getcwd()}); give a previous run\'s dynamic_decisions.jsonl or '
                           'its output directory')
+    if replay is not None and os.path.isdir(replay) and not os.path.isfile(os.path.join(replay, 'dynamic_decisions.jsonl')):
+        raise ConfigError(f'{SECTION}.integration.replay: the folder {replay!r} holds no dynamic_decisions.jsonl; give a '
+                          'previous run\'s decision log or the output directory that holds it')
     return replace(pack, notes=tuple(notes))
 
 
@@ -255,10 +258,23 @@ def read_flags(argv: Sequence[str]) -> dict[str, Any]:
         if token.startswith('--') and len(token) > 2:
             close()
             key, _, value = token[2:].partition('=')
+            key = key.replace('-', '_')  # ms-swift (HfArgumentParser) takes --dataloader-drop-last as well
             values = [value] if '=' in token else []
         elif key is not None:
             values.append(token)
     close()
+    return out
+
+
+def drop_flag(argv: Sequence[str], name: str) -> list[str]:
+    """``argv`` without the flag ``--name`` (either spelling, ``-`` or ``_``) and its values."""
+    out: list[str] = []
+    dropping = False
+    for token in argv:
+        if token.startswith('--') and len(token) > 2:
+            dropping = token[2:].partition('=')[0].replace('-', '_') == name
+        if not dropping:
+            out.append(token)
     return out
 
 
@@ -406,6 +422,18 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
         raise ConfigError(f'{SECTION}.memory_backoff.cpu_budget_gib: use_cpu: true trains on the CPU, where memory '
                           'pressure is the process RSS against a budget; set cpu_budget_gib (e.g. 16) or remove '
                           'memory_backoff (OOM recovery is the integration\'s and stays on)')
+    if _flag(settings, 'group_by_length') and _world_size() > 1:
+        raise ConfigError(f'group_by_length: true is not supported with swift-dynamic-callbacks under several '
+                          f'processes (NPROC_PER_NODE x NNODES = {_world_size()}): the pack deals every rank its '
+                          'share of a seeded permutation and would not group by length; set group_by_length: false '
+                          'and use callbacks: length_batching (length buckets under a token budget) instead')
+    checkpoint = settings.get('resume_from_checkpoint')
+    if _flag(settings, 'ignore_data_skip') and isinstance(checkpoint, str) and os.path.isfile(
+            os.path.join(checkpoint, 'dynamic_callbacks_state.json')):
+        raise ConfigError(f'ignore_data_skip: true cannot be honoured when resuming from {checkpoint}, a checkpoint '
+                          'with the pack\'s state: the pack resumes at the next unseen sample of the epoch (its state '
+                          'holds the position, the batch size and the decisions so far); remove ignore_data_skip, or '
+                          'start a new run from the checkpoint\'s weights')
     epochs, steps = _number(settings, 'num_train_epochs', 3), _number(settings, 'max_steps', -1)
     if (steps is None or steps <= 0) and epochs is not None and epochs <= 0:
         raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs:g}')
@@ -459,6 +487,9 @@ def _splitters(configs: Mapping[str, Any]) -> list[str]:
     schedule = configs.get('batch_schedule')
     if schedule is not None and schedule.splits_micro_batches:
         out.append(f'{SECTION}.batch_schedule.pieces')
+    length = configs.get('length_batching')
+    if length is not None and getattr(length, 'split', None) == 'passes':
+        out.append(f'{SECTION}.length_batching.split: passes')
     if 'memory_backoff' in configs:
         out.append('callbacks: memory_backoff (it caps the samples of a pass)')
     return out

@@ -384,6 +384,10 @@ class Integration:
             return
         payload = self._resume_payload
         if payload is not None and loader.state_key in payload['components']:
+            if self.trainer.args.ignore_data_skip:
+                raise ConfigError(f'ignore_data_skip: true cannot be honoured when resuming from {checkpoint}, a '
+                                  'checkpoint with the pack\'s state: the pack resumes at the next unseen sample of '
+                                  'the epoch; remove ignore_data_skip, or start a new run from the checkpoint\'s weights')
             self._check_same_data(checkpoint, loader)
             source = os.path.join(checkpoint, 'dynamic_callbacks_state.json')
             restore_components([loader], {'components': {
@@ -615,7 +619,7 @@ class Integration:
                     }))
         if request.pass_limit is not None and request.pass_limit != self.pass_limit:
             if any(request.pass_limit.values()) and 'oom' not in queued_kinds:
-                self.engine.refuse('pass_limit', 'control.new_pass_limit')
+                self.check_splittable('control.new_pass_limit', 'pass_limit')  # refused up front, not at a split
             old_limit = self.pass_limit
             self.pass_limit = None if all(not v for v in request.pass_limit.values()) else dict(request.pass_limit)
             if 'pass_limit' not in queued_kinds:
@@ -716,9 +720,10 @@ class Integration:
         completion + KL row; the template's ``mode`` is ``rlhf`` or ``kto``)."""
         return getattr(getattr(self.trainer, 'template', None), 'mode', None) in ('rlhf', 'kto')
 
-    def check_splittable(self, setting: str) -> None:
+    def check_splittable(self, setting: str, feature: str = 'pieces') -> None:
         """Raise when a micro-batch cannot run as several passes: packed rows, pairs (``swift rlhf``), or an engine
-        whose passes hold collectives (``config.engines``)."""
+        whose passes hold collectives (``config.engines``; ``feature``: the row of its table, ``pieces`` or
+        ``pass_limit``)."""
         if self.pairs:
             raise ConfigError(f'{setting}: not supported under swift rlhf: {_PAIRS_WHY}')
         args = self.trainer.args
@@ -727,7 +732,7 @@ class Integration:
                 args, 'packing', False):
             raise ConfigError(f'{setting}: a micro-batch cannot run as several passes with packing / padding_free: '
                               'a packed micro-batch is one [1, N] row and cannot be split')
-        self.engine.refuse('pieces', setting)
+        self.engine.refuse(feature, setting)
 
     def drain(self, control: Any) -> None:
         """Take the decision records queued on ``control`` (written by :meth:`flush`)."""
@@ -999,6 +1004,11 @@ def _epoch_order_fn(host_loader: Any, dataset: Any, args: Any) -> Callable[[int]
             return order
 
         return host_order
+    if getattr(args, 'group_by_length', False):
+        raise ConfigError(f'group_by_length: true is not supported with swift-dynamic-callbacks under {world} '
+                          'processes: the pack deals every rank its share of a seeded permutation and would not group '
+                          'by length; set group_by_length: false and use callbacks: length_batching (length buckets '
+                          'under a token budget) instead')
     rank, n = distributed.rank(), len(dataset)
     seed = args.data_seed if args.data_seed is not None else 0
     shuffle = getattr(args, 'train_dataloader_shuffle', True)
