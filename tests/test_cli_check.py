@@ -108,6 +108,11 @@ BAD = [
     ('packing_split_passes', case(['length_batching'], {'length_batching': {'split': 'passes', 'bucketing': False}},
                                   packing=True), [],
      ['packing: true cannot be combined with dynamic_callbacks.length_batching.split: passes']),
+    ('stream_window_without_streaming', case(['batch_growth'], {**GROWTH, 'integration': {'stream_window': 64}}), [],
+     ['dynamic_callbacks.integration.stream_window: only read with streaming: true', 'got 64']),
+    ('samples_unit_without_max_steps', case(['batch_growth'], {**GROWTH, 'integration': {'max_steps_unit': 'samples'}},
+                                            num_train_epochs=2), [],
+     ['dynamic_callbacks.integration.max_steps_unit: samples counts max_steps in samples, but max_steps is not set']),
     ('oom_retries_without_recovery', case(['batch_growth'], {**GROWTH, 'integration': {
         'oom_recovery': False, 'oom_single_sample_retries': 3}}), [],
      ['dynamic_callbacks.integration.oom_single_sample_retries: only read by oom_recovery: auto | true']),
@@ -148,6 +153,10 @@ GOOD = [
     ('streaming_with_max_steps', case(['batch_growth', 'length_batching'], GROWTH, streaming=True, max_steps=100), []),
     ('rlhf_dpo_growth', case(['batch_growth', 'length_batching'], GROWTH, rlhf_type='dpo'), []),
     ('flag_overrides_file', case(['batch_growth'], GROWTH, streaming=True), ['--streaming', 'false']),
+    ('stream_window_with_streaming', case(['batch_growth', 'length_batching'], {
+        **GROWTH, 'integration': {'stream_window': 64}}, streaming=True, max_steps=10), []),
+    ('samples_unit_with_max_steps', case(['batch_growth'], {**GROWTH, 'integration': {'max_steps_unit': 'samples'}},
+                                         max_steps=64), []),
 ]
 
 

@@ -183,7 +183,7 @@ def test_missing_metric_fails_at_the_first_evaluation_listing_the_names():
     with pytest.raises(ConfigError) as e:
         evaluate(cb, TrainerControl(), 5, 1.0, eval_token_acc=0.5)
     assert 'eval_accuracy' in str(e.value) and 'eval_loss, eval_token_acc' in str(e.value)
-    assert str(e.value).startswith('early_stopping.monitor:')
+    assert str(e.value).startswith('dynamic_callbacks.early_stopping.monitor:')
 
 
 def test_eval_monitor_without_evaluation_fails_at_train_begin():

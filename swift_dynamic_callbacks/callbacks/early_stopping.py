@@ -59,9 +59,10 @@ class EarlyStoppingCallback(DynamicCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         strategy = getattr(args, 'eval_strategy', None)
         if self.config.on_eval and getattr(strategy, 'value', strategy) == 'no':
-            raise ConfigError(f'early_stopping.monitor: {self.config.monitor!r} is an evaluation metric but this run '
-                              'never evaluates (eval_strategy no); give it evaluation data (split_dataset_ratio or '
-                              'val_dataset, eval_steps) or monitor a training value such as loss')
+            raise ConfigError(f'dynamic_callbacks.early_stopping.monitor: {self.config.monitor!r} is an evaluation '
+                              'metric but this run never evaluates (eval_strategy no); give it evaluation data '
+                              '(split_dataset_ratio or val_dataset, eval_steps) or monitor a training value such as '
+                              'loss')
         if self.checks:  # resumed: the remaining patience is in the logs from the first step on
             protocol.publish_metrics(control, self._metrics())
         if not self.stopped:
@@ -130,10 +131,10 @@ class EarlyStoppingCallback(DynamicCallback):
             if value is None:
                 numeric = sorted(k for k, v in values.items()
                                  if isinstance(v, (int, float)) and not isinstance(v, bool))
-                raise ConfigError(f'early_stopping.monitor: {c.monitor!r} is not in the {where} at step '
-                                  f'{state.global_step}; names seen: {", ".join(numeric) or "none"}')
-            raise ConfigError(f'early_stopping.monitor: {c.monitor!r} is not a number in the {where} at step '
-                              f'{state.global_step} (got {value!r})')
+                raise ConfigError(f'dynamic_callbacks.early_stopping.monitor: {c.monitor!r} is not in the {where} '
+                                  f'at step {state.global_step}; names seen: {", ".join(numeric) or "none"}')
+            raise ConfigError(f'dynamic_callbacks.early_stopping.monitor: {c.monitor!r} is not a number in the {where} '
+                              f'at step {state.global_step} (got {value!r})')
         decision = stop_decision(float(value), self.best, self.wait, mode=c.mode, patience=c.patience,
                                  min_delta=c.min_delta, threshold=c.threshold, divergence=c.divergence,
                                  stop_on_non_finite=c.stop_on_non_finite)

@@ -167,9 +167,10 @@ def parse_section(section: Mapping[str, Any] | None, listed: Iterable[str] | Non
         raise ConfigError(f'{SECTION}.integration.replay: {replay!r} does not exist (relative paths are read from '
                           f'the current directory, {os.getcwd()}); give a previous run\'s dynamic_decisions.jsonl or '
                           'its output directory')
-    if replay is not None and os.path.isdir(replay) and not os.path.isfile(os.path.join(replay, 'dynamic_decisions.jsonl')):
-        raise ConfigError(f'{SECTION}.integration.replay: the folder {replay!r} holds no dynamic_decisions.jsonl; give a '
-                          'previous run\'s decision log or the output directory that holds it')
+    log = os.path.join(replay, 'dynamic_decisions.jsonl') if replay is not None else None
+    if replay is not None and os.path.isdir(replay) and not os.path.isfile(log):
+        raise ConfigError(f'{SECTION}.integration.replay: the folder {replay!r} holds no dynamic_decisions.jsonl; '
+                          'give a previous run\'s decision log or the output directory that holds it')
     return replace(pack, notes=tuple(notes))
 
 
@@ -365,6 +366,14 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
                           'memory_backoff, or leave memory_backoff out')
     if _flag(settings, 'streaming'):
         check_stream(pack, settings, uses)
+    elif pack.integration.stream_window != IntegrationConfig().stream_window:
+        raise ConfigError(f'{SECTION}.integration.stream_window: only read with streaming: true (it bounds the length '
+                          f'buckets of a stream), got {pack.integration.stream_window} in a run without streaming; '
+                          'remove it, or set streaming: true')
+    if pack.integration.max_steps_unit == 'samples' and (_number(settings, 'max_steps', -1) or -1) <= 0:
+        raise ConfigError(f'{SECTION}.integration.max_steps_unit: samples counts max_steps in samples, but max_steps '
+                          'is not set (the run goes by num_train_epochs, which counts epochs whatever the batch size); '
+                          'set max_steps, or remove max_steps_unit')
     sp = _number(settings, 'sequence_parallel_size', 1)
     if sp is not None and sp > 1:
         raise ConfigError(f'sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism '
