@@ -244,6 +244,14 @@ def _scalar(text: str) -> Any:
     return text
 
 
+def _flag_name(token: str) -> str | None:
+    """The setting a command-line token names when it is a flag (``--key``, ``--key=value``; ``-`` read as ``_``,
+    as ms-swift's HfArgumentParser takes ``--dataloader-drop-last`` too), else ``None`` (a value)."""
+    if not token.startswith('--') or len(token) <= 2:
+        return None
+    return token[2:].partition('=')[0].replace('-', '_')
+
+
 def read_flags(argv: Sequence[str]) -> dict[str, Any]:
     """ms-swift flags given after the YAML file (``--key value [value ...]``, ``--key=value``, a bare ``--flag``
     is ``true``) as settings; they override the file's keys, as in ``swift sft``."""
@@ -256,11 +264,11 @@ def read_flags(argv: Sequence[str]) -> dict[str, Any]:
             out[key] = True if not values else (_scalar(values[0]) if len(values) == 1 else list(values))
 
     for token in argv:
-        if token.startswith('--') and len(token) > 2:
+        name = _flag_name(token)
+        if name is not None:
             close()
-            key, _, value = token[2:].partition('=')
-            key = key.replace('-', '_')  # ms-swift (HfArgumentParser) takes --dataloader-drop-last as well
-            values = [value] if '=' in token else []
+            key = name
+            values = [token.partition('=')[2]] if '=' in token else []
         elif key is not None:
             values.append(token)
     close()
@@ -272,8 +280,9 @@ def drop_flag(argv: Sequence[str], name: str) -> list[str]:
     out: list[str] = []
     dropping = False
     for token in argv:
-        if token.startswith('--') and len(token) > 2:
-            dropping = token[2:].partition('=')[0].replace('-', '_') == name
+        flag = _flag_name(token)
+        if flag is not None:
+            dropping = flag == name
         if not dropping:
             out.append(token)
     return out
