@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 from .. import protocol
+from ..records import DECISIONS_FILE
+from ..state import STATE_FILE
 from . import ConfigError, from_mapping, to_mapping
 from .batch_growth import BatchGrowthConfig
 from .batch_schedule import BatchScheduleConfig
@@ -165,11 +167,10 @@ def parse_section(section: Mapping[str, Any] | None, listed: Iterable[str] | Non
     replay = integration.replay
     if replay is not None and not os.path.exists(replay):
         raise ConfigError(f'{SECTION}.integration.replay: {replay!r} does not exist (relative paths are read from '
-                          f'the current directory, {os.getcwd()}); give a previous run\'s dynamic_decisions.jsonl or '
+                          f'the current directory, {os.getcwd()}); give a previous run\'s {DECISIONS_FILE} or '
                           'its output directory')
-    log = os.path.join(replay, 'dynamic_decisions.jsonl') if replay is not None else None
-    if replay is not None and os.path.isdir(replay) and not os.path.isfile(log):
-        raise ConfigError(f'{SECTION}.integration.replay: the folder {replay!r} holds no dynamic_decisions.jsonl; '
+    if replay is not None and os.path.isdir(replay) and not os.path.isfile(os.path.join(replay, DECISIONS_FILE)):
+        raise ConfigError(f'{SECTION}.integration.replay: the folder {replay!r} holds no {DECISIONS_FILE}; '
                           'give a previous run\'s decision log or the output directory that holds it')
     return replace(pack, notes=tuple(notes))
 
@@ -447,7 +448,7 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
                           'and use callbacks: length_batching (length buckets under a token budget) instead')
     checkpoint = settings.get('resume_from_checkpoint')
     if _flag(settings, 'ignore_data_skip') and isinstance(checkpoint, str) and os.path.isfile(
-            os.path.join(checkpoint, 'dynamic_callbacks_state.json')):
+            os.path.join(checkpoint, STATE_FILE)):
         raise ConfigError(f'ignore_data_skip: true cannot be honoured when resuming from {checkpoint}, a checkpoint '
                           'with the pack\'s state: the pack resumes at the next unseen sample of the epoch (its state '
                           'holds the position, the batch size and the decisions so far); remove ignore_data_skip, or '

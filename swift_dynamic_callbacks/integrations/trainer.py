@@ -48,8 +48,8 @@ from ..policies.data_plan import steps_to_budget
 from ..policies.length import BatchPlan, padding_fraction
 from ..stream_loader import StreamLoader, stream_fingerprint
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
-from ..state import (BINDING_KEY, StateError, binding_entry, build_payload, check_binding, file_digest, new_run_id,
-                     read_state, restore_components, settings_changes, stateful_components, write_state)
+from ..state import (BINDING_KEY, STATE_FILE, StateError, binding_entry, build_payload, check_binding, file_digest,
+                     new_run_id, read_state, restore_components, settings_changes, stateful_components, write_state)
 
 from .engines import Engine, engine_name, select_engine
 from .losses import loss_watch
@@ -154,7 +154,7 @@ class Integration:
         self.run_id = new_run_id()
         if checkpoint and self._resume_payload is not None:
             self._check_resumed_state(checkpoint, self._resume_payload)
-            source = os.path.join(checkpoint, 'dynamic_callbacks_state.json')
+            source = os.path.join(checkpoint, STATE_FILE)
             missing = restore_components([self] + self.callback_components(), self._resume_payload, source=source)
             for key in missing:
                 self._record(
@@ -389,7 +389,7 @@ class Integration:
                                   'checkpoint with the pack\'s state: the pack resumes at the next unseen sample of '
                                   'the epoch; remove ignore_data_skip, or start a new run from the checkpoint\'s weights')
             self._check_same_data(checkpoint, loader)
-            source = os.path.join(checkpoint, 'dynamic_callbacks_state.json')
+            source = os.path.join(checkpoint, STATE_FILE)
             restore_components([loader], {'components': {
                 loader.state_key: _rank_state(payload['components'], loader.state_key)}}, source=source)
             self._record(
