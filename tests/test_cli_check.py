@@ -179,6 +179,20 @@ def test_group_by_length_is_refused_under_several_processes(tmp_path, capsys, mo
     assert cli.main(['check', path]) == 0  # one process: the host's own (length-grouped) sampler decides
 
 
+def test_group_by_length_is_refused_at_start_under_several_processes(monkeypatch):
+    """The second line, in the training process (plain ``swift sft`` with the plugin skips the launcher)."""
+    from types import SimpleNamespace
+
+    from swift_dynamic_callbacks import distributed
+    from swift_dynamic_callbacks.integrations import trainer
+    args = SimpleNamespace(group_by_length=True, data_seed=42)
+    monkeypatch.setattr(distributed, 'world_size', lambda: 2)
+    with pytest.raises(ConfigError, match=r'group_by_length: true is not supported .* several processes \(world size 2\)'):
+        trainer._epoch_order_fn(None, list(range(8)), args)
+    monkeypatch.setattr(distributed, 'rank', lambda: 1)
+    assert trainer._epoch_order_fn(None, list(range(8)), SimpleNamespace(group_by_length=False, data_seed=42))(0)
+
+
 def test_ignore_data_skip_is_refused_for_a_checkpoint_with_the_packs_state(tmp_path, capsys):
     checkpoint = tmp_path / 'out' / 'checkpoint-4'
     checkpoint.mkdir(parents=True)

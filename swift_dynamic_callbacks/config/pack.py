@@ -442,22 +442,32 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
                           'pressure is the process RSS against a budget; set cpu_budget_gib (e.g. 16) or remove '
                           'memory_backoff (OOM recovery is the integration\'s and stays on)')
     if _flag(settings, 'group_by_length') and _world_size() > 1:
-        raise ConfigError(f'group_by_length: true is not supported with swift-dynamic-callbacks under several '
-                          f'processes (NPROC_PER_NODE x NNODES = {_world_size()}): the pack deals every rank its '
-                          'share of a seeded permutation and would not group by length; set group_by_length: false '
-                          'and use callbacks: length_batching (length buckets under a token budget) instead')
+        raise group_by_length_error(f'NPROC_PER_NODE x NNODES = {_world_size()}')
     checkpoint = settings.get('resume_from_checkpoint')
     if _flag(settings, 'ignore_data_skip') and isinstance(checkpoint, str) and os.path.isfile(
             os.path.join(checkpoint, STATE_FILE)):
-        raise ConfigError(f'ignore_data_skip: true cannot be honoured when resuming from {checkpoint}, a checkpoint '
-                          'with the pack\'s state: the pack resumes at the next unseen sample of the epoch (its state '
-                          'holds the position, the batch size and the decisions so far); remove ignore_data_skip, or '
-                          'start a new run from the checkpoint\'s weights')
+        raise ignore_data_skip_error(checkpoint)
     epochs, steps = _number(settings, 'num_train_epochs', 3), _number(settings, 'max_steps', -1)
     if (steps is None or steps <= 0) and epochs is not None and epochs <= 0:
         raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs:g}')
     _check_rlhf(pack, settings, configs, uses)
     return notes
+
+
+def group_by_length_error(processes: str) -> ConfigError:
+    """HF's ``group_by_length`` under several processes (refused at launch and, as a second line, at start)."""
+    return ConfigError(f'group_by_length: true is not supported with swift-dynamic-callbacks under several processes '
+                       f'({processes}): the pack deals every rank its share of a seeded permutation and would not '
+                       'group by length; set group_by_length: false and use callbacks: length_batching (length '
+                       'buckets under a token budget) instead')
+
+
+def ignore_data_skip_error(checkpoint: str) -> ConfigError:
+    """HF's ``ignore_data_skip`` when resuming a checkpoint with the pack's state (refused at launch and at start)."""
+    return ConfigError(f'ignore_data_skip: true cannot be honoured when resuming from {checkpoint}, a checkpoint with '
+                       'the pack\'s state: the pack resumes at the next unseen sample of the epoch (its state holds '
+                       'the position, the batch size and the decisions so far); remove ignore_data_skip, or start a '
+                       'new run from the checkpoint\'s weights')
 
 
 def check_stream(pack: PackConfig, settings: Mapping[str, Any], uses: str) -> None:

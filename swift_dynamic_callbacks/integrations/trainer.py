@@ -41,6 +41,7 @@ from transformers import TrainerCallback
 from .. import distributed, protocol
 from ..config import ConfigError, to_mapping
 from ..config.integration import IntegrationConfig
+from ..config.pack import group_by_length_error, ignore_data_skip_error
 from ..lengths import cache_dir, estimate_lengths, is_lazy, mean_ratio
 from ..loader import (ElasticDataLoader, dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths,
                       row_cost)
@@ -385,9 +386,7 @@ class Integration:
         payload = self._resume_payload
         if payload is not None and loader.state_key in payload['components']:
             if self.trainer.args.ignore_data_skip:
-                raise ConfigError(f'ignore_data_skip: true cannot be honoured when resuming from {checkpoint}, a '
-                                  'checkpoint with the pack\'s state: the pack resumes at the next unseen sample of '
-                                  'the epoch; remove ignore_data_skip, or start a new run from the checkpoint\'s weights')
+                raise ignore_data_skip_error(checkpoint)
             self._check_same_data(checkpoint, loader)
             source = os.path.join(checkpoint, STATE_FILE)
             restore_components([loader], {'components': {
@@ -1005,10 +1004,7 @@ def _epoch_order_fn(host_loader: Any, dataset: Any, args: Any) -> Callable[[int]
 
         return host_order
     if getattr(args, 'group_by_length', False):
-        raise ConfigError(f'group_by_length: true is not supported with swift-dynamic-callbacks under {world} '
-                          'processes: the pack deals every rank its share of a seeded permutation and would not group '
-                          'by length; set group_by_length: false and use callbacks: length_batching (length buckets '
-                          'under a token budget) instead')
+        raise group_by_length_error(f'world size {world}')
     rank, n = distributed.rank(), len(dataset)
     seed = args.data_seed if args.data_seed is not None else 0
     shuffle = getattr(args, 'train_dataloader_shuffle', True)
