@@ -187,7 +187,8 @@ def test_group_by_length_is_refused_at_start_under_several_processes(monkeypatch
     from swift_dynamic_callbacks.integrations import trainer
     args = SimpleNamespace(group_by_length=True, data_seed=42)
     monkeypatch.setattr(distributed, 'world_size', lambda: 2)
-    with pytest.raises(ConfigError, match=r'group_by_length: true is not supported .* several processes \(world size 2\)'):
+    refused = r'group_by_length: true is not supported .* several processes \(world size 2\)'
+    with pytest.raises(ConfigError, match=refused):
         trainer._epoch_order_fn(None, list(range(8)), args)
     monkeypatch.setattr(distributed, 'rank', lambda: 1)
     assert trainer._epoch_order_fn(None, list(range(8)), SimpleNamespace(group_by_length=False, data_seed=42))(0)

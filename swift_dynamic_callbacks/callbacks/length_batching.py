@@ -37,7 +37,7 @@ class LengthBatchingCallback(DynamicCallback):
         self.plan: dict[str, Any] | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.config.split == 'passes':
+        if self.config.splits_passes:
             self._request_pass_limit(state, control)
             return
         seed = getattr(args, 'data_seed', None)

@@ -78,8 +78,13 @@ class LengthBatchingConfig(Settings):
         Reads('bucketing', {True: ('bucket_width', 'bucket_fill', 'seed'), False: ()}),
     )
 
+    @property
+    def splits_passes(self) -> bool:
+        """Whether the budget is kept by running micro-batches as several passes (``split: passes``)."""
+        return self.split == 'passes'
+
     def cross_checks(self) -> None:
-        if self.split == 'passes' and self.bucketing:
+        if self.splits_passes and self.bucketing:
             raise ConfigError('bucketing: split: passes keeps the micro-batches as the host draws them (only the passes '
                               'are cut), so bucketing does not apply; set bucketing: false, or split: micro_batches')
 

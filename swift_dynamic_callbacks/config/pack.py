@@ -370,7 +370,7 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
     configs = {n: pack.callback_config(n) for n in pack_listed}
     uses = ', '.join(pack_listed)
     length = configs.get('length_batching')
-    if length is not None and getattr(length, 'split', None) == 'passes' and 'memory_backoff' in configs:
+    if length is not None and length.splits_passes and 'memory_backoff' in configs:
         raise ConfigError('dynamic_callbacks.length_batching.split: passes sets the pass limit, which memory_backoff '
                           'also sets (the last request would silently win); use split: micro_batches with '
                           'memory_backoff, or leave memory_backoff out')
@@ -517,7 +517,7 @@ def _splitters(configs: Mapping[str, Any]) -> list[str]:
     if schedule is not None and schedule.splits_micro_batches:
         out.append(f'{SECTION}.batch_schedule.pieces')
     length = configs.get('length_batching')
-    if length is not None and getattr(length, 'split', None) == 'passes':
+    if length is not None and length.splits_passes:
         out.append(f'{SECTION}.length_batching.split: passes')
     if 'memory_backoff' in configs:
         out.append('callbacks: memory_backoff (it caps the samples of a pass)')
