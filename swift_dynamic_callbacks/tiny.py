@@ -76,6 +76,11 @@ def _atomic_write(target: Path, data: bytes) -> None:
         raise
 
 
+def _check_arch(arch: str) -> None:
+    if arch not in ARCHS:
+        raise ValueError(f'arch must be one of {list(ARCHS)}, got arch={arch!r}')
+
+
 def materialize_tokenizer(dest: str | Path, arch: str = 'qwen2') -> Path:
     """Writes the tokenizer files of an architecture's tiny model into a directory.
 
@@ -95,8 +100,7 @@ def materialize_tokenizer(dest: str | Path, arch: str = 'qwen2') -> Path:
     Raises:
         ValueError: If ``arch`` is not one of :data:`ARCHS`.
     """
-    if arch not in ARCHS:
-        raise ValueError(f'arch must be one of {list(ARCHS)}, got arch={arch!r}')
+    _check_arch(arch)
     source = _TOKENIZER_DIRS[arch]
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -162,8 +166,7 @@ def build_tiny_model(
     Raises:
         ValueError: If ``arch``, ``hidden_size`` or ``num_layers`` is not allowed.
     """
-    if arch not in ARCHS:
-        raise ValueError(f'arch must be one of {list(ARCHS)}, got arch={arch!r}')
+    _check_arch(arch)
     step = 2 * _NUM_HEADS  # 4 heads, even head_dim for rotary embeddings
     if hidden_size <= 0 or hidden_size % step != 0:
         raise ValueError(f'hidden_size must be a positive multiple of {step}, got hidden_size={hidden_size!r}')
@@ -206,7 +209,8 @@ def build_tiny_model(
             torch.manual_seed(seed)
             model = model_cls(config).to(torch.float32).eval()
         model.generation_config = GenerationConfig(
-            bos_token_id=bos_id, eos_token_id=list(dict.fromkeys([eos_id, pad_id])), pad_token_id=pad_id, do_sample=False)
+            bos_token_id=bos_id, eos_token_id=list(dict.fromkeys([eos_id, pad_id])), pad_token_id=pad_id,
+            do_sample=False)
         model.save_pretrained(tmp)
         move_model_into_place(tmp, dest)
     return dest
