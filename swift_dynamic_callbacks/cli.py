@@ -25,8 +25,8 @@ import tempfile
 from typing import Any, Sequence
 
 from .config import ConfigError
-from .config.pack import (ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig, check_run, drop_flag, listed_callbacks,
-                          merged_settings, parse_section)
+from .config.launch import check_run, drop_flag, listed_callbacks, merged_settings
+from .config.pack import ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig, parse_section
 
 #: ms-swift commands the launcher runs (``swift <command> FILE.yaml ...``).
 LAUNCH_COMMANDS = ('sft', 'rlhf')

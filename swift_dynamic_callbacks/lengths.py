@@ -8,7 +8,7 @@ every row first (about 0.8 ms a row: 13 minutes at 1M rows). Instead:
    JSON text —, string columns such as ``query`` / ``response`` / ``rejected_response``): about a second per
    million rows;
 2. ``sample`` evenly spaced rows are encoded for real; a line ``tokens = a + b * characters`` is fitted to their
-   costs (:func:`~.loader.row_cost`: both rows of a DPO pair) and scaled up so no sampled row is under-estimated;
+   costs (:func:`~.rows.row_cost`: both rows of a DPO pair) and scaled up so no sampled row is under-estimated;
 3. the estimates are written to a cache file beside the dataset's Arrow files (else in ``output_dir``), keyed by the
    dataset's fingerprint, its size and the sampled costs (so another template or ``max_length`` gives another key):
    the main process computes them, the other ranks read the file;
@@ -127,7 +127,7 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
 
     Args:
         dataset: the lazy dataset (``dataset.dataset``: the raw rows; ``dataset[i]``: row ``i`` encoded).
-        measure: ``(encoded item, index) -> cost`` (:func:`~.loader.row_cost` of its rows' lengths).
+        measure: ``(encoded item, index) -> cost`` (:func:`~.rows.row_cost` of its rows' lengths).
         sample: rows encoded for real to fit the estimate.
         cache: folder of the cache file (``None``: no cache).
         is_main: this process writes the cache; the others read it after ``wait`` (a barrier).

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from . import distributed
 from .policies import length as length_policy
 from .policies.data_plan import epoch_steps, step_sizes, steps_to_budget
+from .rows import item_lengths, row_cost
 
 
 class EmptyMicroBatch(dict):
@@ -498,111 +499,3 @@ class ElasticDataLoader:
         self.samples_seen = int(state.get('samples_seen', 0))
         self._padding = int(state.get('padding', 0))
         self._restart()
-
-
-_LENGTHS_ATTR = '_sdc_lengths'
-_REAL_ATTR = '_sdc_real_tokens'
-#: prefixes of the rows ``swift rlhf`` encodes per sample (DPO/ORPO/SimPO/CPO/RM: chosen + rejected, run as two
-#: padded rows of one batch; KTO: the completion + its KL row, run as two batches of the same size)
-MEMBER_PREFIXES = ('chosen_', 'rejected_')
-
-
-def row_cost(value: Any) -> int:
-    """Padded tokens one sample costs in a micro-batch, per sample, as the collator runs it.
-
-    ``value`` is an int (one row) or the sample's ``lengths`` list, one entry per row the collator makes from it
-    (``swift rlhf``: ``[chosen, rejected]``). A micro-batch of ``n`` such samples runs ``n * len(lengths)`` rows
-    padded to the longest, so a sample costs ``len(lengths) * max(lengths)``: exact for DPO/ORPO (both rows in one
-    padded batch), an upper bound for KTO (completion and KL rows padded as two batches). An int or a one-entry list
-    (``swift sft``) is the row's length.
-    """
-    if isinstance(value, (list, tuple)):
-        return len(value) * int(max(value)) if value else 0
-    return int(value)
-
-
-def row_tokens(value: Any) -> int:
-    """Real (unpadded) tokens of one sample: the sum of its rows' lengths."""
-    if isinstance(value, (list, tuple)):
-        return int(sum(value))
-    return int(value)
-
-
-def item_lengths(item: Any, index: int = -1) -> list[int]:
-    """The rows' lengths of one encoded sample: its ``lengths`` field (ms-swift's ``return_length``), else
-    ``max(len(input_ids), len(labels))`` of the row, or of each ``chosen_`` / ``rejected_`` row (``swift rlhf``)."""
-    fields = item if isinstance(item, Mapping) else {}
-    given = fields.get('lengths')
-    if given is not None:
-        return [int(x) for x in given] if isinstance(given, (list, tuple)) else [int(given)]
-    rows = []
-    for prefix in ('', ) + MEMBER_PREFIXES:
-        sizes = [len(fields[prefix + k]) for k in ('input_ids', 'labels') if fields.get(prefix + k) is not None]
-        if sizes:
-            rows.append(max(sizes))
-    if not rows:
-        raise ValueError(f'cannot measure sample {index}: no input_ids/labels (a lengths column would do)')
-    return rows
-
-
-def dataset_lengths(dataset: Any) -> list[int]:
-    """Padded-token cost of every sample of ``dataset`` (:func:`row_cost`), computed once and cached with it.
-
-    Read, in this order: the ``lengths`` (ms-swift's encoded datasets: an int or a list per row, one entry per row
-    the collator makes: ``[chosen, rejected]`` under ``swift rlhf``) or ``length`` column of a ``datasets.Dataset``,
-    of the ``dataset`` attribute of a lazy wrapper (ms-swift's ``LazyLLMDataset``), or a ``lengths`` attribute.
-    Otherwise every sample is read once and measured (:func:`item_lengths`); the result is kept on the dataset object
-    (``_sdc_lengths``), so later epochs, plan changes and resumes do not encode anything again. Where a sample is
-    several rows, its real tokens (:func:`row_tokens`) are kept too (``_sdc_real_tokens``,
-    :func:`dataset_real_tokens`), for the logged padding.
-    """
-    cached = getattr(dataset, _LENGTHS_ATTR, None)
-    if cached is not None and len(cached) == len(dataset):
-        return cached
-    values: list[Any] | None = None
-    for source in (dataset, getattr(dataset, 'dataset', None)):
-        columns = getattr(source, 'column_names', None) or ()
-        if source is not None and len(source) == len(dataset):
-            for column in ('lengths', 'length'):
-                if column in columns:
-                    values = list(source[column])
-                    break
-        if values is not None:
-            break
-    if values is None and isinstance(getattr(dataset, 'lengths', None), (list, tuple)):
-        values = list(dataset.lengths)
-    if values is None:
-        values = [item_lengths(dataset[i], i) for i in range(len(dataset))]
-    lengths = [row_cost(v) for v in values]
-    real = [row_tokens(v) for v in values]
-    for attr, value in ((_LENGTHS_ATTR, lengths), (_REAL_ATTR, real if real != lengths else None)):
-        try:
-            setattr(dataset, attr, value)
-        except (AttributeError, TypeError):
-            pass
-    return lengths
-
-
-def dataset_real_tokens(dataset: Any) -> list[int] | None:
-    """Real tokens of every sample where they differ from :func:`dataset_lengths` (samples of several rows), else
-    ``None``. Call after :func:`dataset_lengths`."""
-    real = getattr(dataset, _REAL_ATTR, None)
-    return real if real is not None and len(real) == len(dataset) else None
-
-
-def dataset_fingerprint(dataset: Any, samples: int = 8) -> dict[str, Any]:
-    """``{'size', 'sha256'}`` of a training dataset: its length and a hash of the token ids of up to ``samples``
-    evenly spaced rows (cheap: with lazy tokenisation only those rows are encoded). A resume compares it with the
-    checkpoint's, so a saved data position never points into another dataset. ``sha256`` is ``None`` when the rows
-    have no ``input_ids``."""
-    import hashlib
-    size = len(dataset)
-    digest = hashlib.sha256(str(size).encode())
-    picked = sorted({round(i * (size - 1) / max(samples - 1, 1)) for i in range(min(samples, size))}) if size else []
-    for index in picked:
-        item = dataset[index]
-        ids = item.get('input_ids') if isinstance(item, Mapping) else None
-        if ids is None:
-            return {'size': size, 'sha256': None}
-        digest.update(repr([int(x) for x in ids]).encode())
-    return {'size': size, 'sha256': digest.hexdigest()}

@@ -113,7 +113,9 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
+
+from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -478,6 +480,16 @@ def true_training_value(control: Any, logs: Mapping[str, Any], key: str) -> Any:
     return value
 
 
+def controls_conflict(first: str, second: str, controls: Iterable[str], remedy: str) -> str:
+    """The message for two callbacks requesting the same ``controls`` (at configuration time and at train begin)."""
+    texts = []
+    for control in controls:
+        what, flags = CONTROLS.get(control, (control, ()))
+        texts.append(f'{what} ({", ".join(f"control.{f}" for f in flags)})')
+    return (f'callbacks: {first} and {second} both request {" and ".join(texts)}; a request holds one value per step, '
+            f'so the last one would silently win. {remedy}')
+
+
 def claim_controls(owner: Any, name: str, controls: Any, claims_on: Any) -> None:
     """Record that callback ``name`` (object ``owner``) requests ``controls`` during this training run; a second
     callback claiming one of them raises ``ConfigError`` naming both. The claims live on ``claims_on`` (HF's
@@ -489,9 +501,5 @@ def claim_controls(owner: Any, name: str, controls: Any, claims_on: Any) -> None
     for control in controls:
         holder = claims.get(control)
         if holder is not None and holder[0] is not owner:
-            from .config import ConfigError
-            what, flags = CONTROLS.get(control, (control, ()))
-            raise ConfigError(f'callbacks: {holder[1]} and {name} both request {what} '
-                              f'({", ".join(f"control.{f}" for f in flags)}); a request holds one value per step, so '
-                              'the last one would silently win. Add only one of them to the trainer')
+            raise ConfigError(controls_conflict(holder[1], name, [control], 'Add only one of them to the trainer'))
         claims[control] = (owner, name)

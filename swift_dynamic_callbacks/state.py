@@ -22,16 +22,14 @@ import os
 import uuid
 from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
+from .errors import StateError
+
 STATE_FILE = 'dynamic_callbacks_state.json'
 FORMAT_VERSION = 2
 #: format 1 files (written before states were bound to their checkpoint) are still read
 READABLE_FORMATS = (1, 2)
 #: the key of the pack's entry in ``trainer_state.json``'s ``stateful_callbacks``
 BINDING_KEY = 'SwiftDynamicCallbacks'
-
-
-class StateError(RuntimeError):
-    """A checkpoint's pack state is unreadable or inconsistent (integrity failure: the run must stop)."""
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ and cut into micro-batches by the plan, exactly as the map-style loader does wit
 window. Inside a window rows leave stream order (that is what bucketing is), never the window. The state holds the
 window's start and how much of its layout was consumed, so a resume rebuilds the same window.
 
-What needs the dataset's length is not available on a stream (refused by ``config.pack.check_run``): an epoch or
+What needs the dataset's length is not available on a stream (refused by ``config.launch.check_run``): an epoch or
 sample budget (``num_train_epochs`` without ``max_steps``, ``max_steps_unit: samples``), ``epoch_coverage``.
 """
 
@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterator, Mapping
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import distributed
-from .loader import EmptyMicroBatch, item_lengths, row_cost, row_tokens
+from .loader import EmptyMicroBatch
+from .rows import item_lengths, row_cost, row_tokens
 from .policies import length as length_policy
 
 

@@ -54,10 +54,12 @@ BAD = [
      [], ["dynamic_callbacks.batch_growth.function: cannot import 'no_such_mod:f'"]),
     ('rules_int', case(['length_batching'], {'length_batching': {'mode': 'rules', 'rules': 1}}), [],
      ['dynamic_callbacks.length_batching.rules: expected a mapping {longer_than: samples}', 'got 1']),
-    ('streaming', case(['batch_growth'], GROWTH, streaming=True), [], ['max_steps: streaming: true needs max_steps > 0']),
+    ('streaming', case(['batch_growth'], GROWTH, streaming=True), [],
+     ['max_steps: streaming: true needs max_steps > 0']),
     ('streaming_flag', case(['batch_growth'], GROWTH), ['--streaming', 'true'], ['max_steps: streaming: true needs']),
-    ('streaming_samples', case(['batch_growth'], {**GROWTH, 'integration': {'max_steps_unit': 'samples'}}, streaming=True,
-                               max_steps=5), [], ['max_steps_unit: samples is not supported with streaming']),
+    ('streaming_samples', case(['batch_growth'], {**GROWTH, 'integration': {'max_steps_unit': 'samples'}},
+                               streaming=True, max_steps=5),
+     [], ['max_steps_unit: samples is not supported with streaming']),
     ('packing_cap', case(['batch_growth'], {'batch_growth': {'micro_batch_cap': 2}}, packing=True), [],
      ['packing: true cannot be combined with dynamic_callbacks.batch_growth.micro_batch_cap']),
     ('padding_free_backoff', case(['memory_backoff'], {}, padding_free=True), [],
@@ -184,14 +186,14 @@ def test_group_by_length_is_refused_at_start_under_several_processes(monkeypatch
     from types import SimpleNamespace
 
     from swift_dynamic_callbacks import distributed
-    from swift_dynamic_callbacks.integrations import trainer
+    from swift_dynamic_callbacks.integrations import data
     args = SimpleNamespace(group_by_length=True, data_seed=42)
     monkeypatch.setattr(distributed, 'world_size', lambda: 2)
     refused = r'group_by_length: true is not supported .* several processes \(world size 2\)'
     with pytest.raises(ConfigError, match=refused):
-        trainer._epoch_order_fn(None, list(range(8)), args)
+        data.epoch_order_fn(None, list(range(8)), args)
     monkeypatch.setattr(distributed, 'rank', lambda: 1)
-    assert trainer._epoch_order_fn(None, list(range(8)), SimpleNamespace(group_by_length=False, data_seed=42))(0)
+    assert data.epoch_order_fn(None, list(range(8)), SimpleNamespace(group_by_length=False, data_seed=42))(0)
 
 
 def test_ignore_data_skip_is_refused_for_a_checkpoint_with_the_packs_state(tmp_path, capsys):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from swift_dynamic_callbacks.lengths import apply, char_counts, estimate_lengths, fit, is_lazy
-from swift_dynamic_callbacks.loader import ElasticDataLoader, item_lengths, row_cost
+from swift_dynamic_callbacks.loader import ElasticDataLoader
+from swift_dynamic_callbacks.rows import item_lengths, row_cost
 from swift_dynamic_callbacks.policies.length import BatchPlan
 
 

@@ -165,7 +165,8 @@ def test_state_checks():
 ])
 def test_stream_refusals_name_the_setting(settings, section, match):
     from swift_dynamic_callbacks.config import ConfigError
-    from swift_dynamic_callbacks.config.pack import check_run, parse_section
+    from swift_dynamic_callbacks.config.launch import check_run
+    from swift_dynamic_callbacks.config.pack import parse_section
     pack = parse_section({**section, 'batch_growth': {}}, ['batch_growth'])
     with pytest.raises(ConfigError, match=match):
         check_run(pack, {'streaming': True, 'callbacks': ['batch_growth'], **settings})
@@ -206,7 +207,8 @@ def test_swift_sft_streaming_batch_growth(_register, tmp_path, tiny_llama, fixtu
     assert any(row['epoch'] == 1 for row in trace)  # the stream read again after its end
     logs = train_logs(out)
     assert len(logs) == 7 and all('dynamic/tokens_per_batch' in row for row in logs)
-    assert [d['values']['new'] for d in decisions(out) if d['kind'] == 'batch_size' and d['reason'] == 'interval'] == [2, 4]
+    assert [d['values']['new'] for d in decisions(out)
+            if d['kind'] == 'batch_size' and d['reason'] == 'interval'] == [2, 4]
 
 
 @pytest.mark.e2e

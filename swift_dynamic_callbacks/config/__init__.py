@@ -18,11 +18,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterable, Mapping, TypeVar
 
+from ..errors import ConfigError
+
 T = TypeVar('T')
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid. The message names the setting, the value and what is allowed."""
 
 
 # ---- single-value checks ----------------------------------------------------------------------------------

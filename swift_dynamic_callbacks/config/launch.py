@@ -1,0 +1,334 @@
+"""The pack against the rest of the ms-swift settings, before anything loads. No torch.
+
+What ``swift-dynamic check`` / ``sft`` / ``rlhf`` run on a YAML file (with the flags given after it):
+:func:`check_run` refuses unknown names in ``callbacks:``, the engine's refusals, streaming and packing with split
+micro-batches, ``swift rlhf`` types and split passes of pairs, settings the integration refuses at start-up, monitors
+of evaluation metrics in a run that never evaluates, ... — everything that would otherwise only fail after the model
+has loaded. The flags after the file are read as ``swift sft`` reads them (:func:`read_flags`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+from ..state import STATE_FILE
+from . import ConfigError
+from .engines import check_engine, engine_from_swift
+from .integration import IntegrationConfig
+from .pack import (CALLBACK_CONFIGS, NON_LAMBDA_SCHEDULERS, PLUGIN_FILE, SECTION, SWIFT_CALLBACKS, PackConfig,
+                   _names, check_controls)
+
+
+
+def _scalar(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ('true', 'false'):
+        return low == 'true'
+    if low in ('none', 'null'):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    if text[:1] in '{[':
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _flag_name(token: str) -> str | None:
+    """The setting a command-line token names when it is a flag (``--key``, ``--key=value``; ``-`` read as ``_``,
+    as ms-swift's HfArgumentParser takes ``--dataloader-drop-last`` too), else ``None`` (a value)."""
+    if not token.startswith('--') or len(token) <= 2:
+        return None
+    return token[2:].partition('=')[0].replace('-', '_')
+
+
+def read_flags(argv: Sequence[str]) -> dict[str, Any]:
+    """ms-swift flags given after the YAML file (``--key value [value ...]``, ``--key=value``, a bare ``--flag``
+    is ``true``) as settings; they override the file's keys, as in ``swift sft``."""
+    out: dict[str, Any] = {}
+    key: str | None = None
+    values: list[str] = []
+
+    def close() -> None:
+        if key is not None:
+            out[key] = True if not values else (_scalar(values[0]) if len(values) == 1 else list(values))
+
+    for token in argv:
+        name = _flag_name(token)
+        if name is not None:
+            close()
+            key = name
+            values = [token.partition('=')[2]] if '=' in token else []
+        elif key is not None:
+            values.append(token)
+    close()
+    return out
+
+
+def drop_flag(argv: Sequence[str], name: str) -> list[str]:
+    """``argv`` without the flag ``--name`` (either spelling, ``-`` or ``_``) and its values."""
+    out: list[str] = []
+    dropping = False
+    for token in argv:
+        flag = _flag_name(token)
+        if flag is not None:
+            dropping = flag == name
+        if not dropping:
+            out.append(token)
+    return out
+
+
+def merged_settings(config: Mapping[str, Any], argv: Sequence[str]) -> dict[str, Any]:
+    """The YAML's ms-swift settings with the flags after the file applied."""
+    return {**config, **read_flags(argv)}
+
+
+def listed_callbacks(settings: Mapping[str, Any]) -> list[str]:
+    """The names in ms-swift's ``callbacks:`` (a list, or one name)."""
+    return [str(n) for n in _names(settings.get('callbacks') or [], 'callbacks')]
+
+
+def _flag(settings: Mapping[str, Any], key: str) -> bool:
+    value = settings.get(key)
+    if isinstance(value, str):
+        return value.strip().lower() in ('true', '1', 'yes')
+    return bool(value) and value is not False
+
+
+def _number(settings: Mapping[str, Any], key: str, default: float | None = None) -> float | None:
+    value = settings.get(key, default)
+    if isinstance(value, str):
+        value = _scalar(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return default
+    return value
+
+
+def evaluates(settings: Mapping[str, Any]) -> bool:
+    """Whether an ms-swift run with these settings evaluates (ms-swift sets ``eval_strategy: no`` without
+    evaluation data: no ``val_dataset`` / ``eval_dataset`` and ``split_dataset_ratio`` 0, its default)."""
+    strategy = settings.get('eval_strategy')
+    if strategy is None:
+        strategy = settings.get('save_strategy')
+    if isinstance(strategy, str) and strategy.strip().lower() == 'no':
+        return False
+    if settings.get('val_dataset') or settings.get('eval_dataset'):
+        return True
+    return bool(settings.get('dataset')) and (_number(settings, 'split_dataset_ratio', 0.0) or 0.0) > 0
+
+
+def _plugins(settings: Mapping[str, Any]) -> list[str]:
+    plugins = settings.get('external_plugins') or []
+    plugins = [plugins] if isinstance(plugins, str) else [str(p) for p in plugins]
+    ours = os.path.realpath(PLUGIN_FILE)
+    return [p for p in plugins if os.path.realpath(p) != ours]
+
+
+def _world_size() -> int:
+    try:
+        return max(int(os.environ.get('NPROC_PER_NODE', '1')), 1) * max(int(os.environ.get('NNODES', '1')), 1)
+    except ValueError:
+        return 1
+
+
+def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str] | None = None) -> list[str]:
+    """Check the pack against the rest of the ms-swift settings (the YAML with the flags after it applied), before
+    any model loads. Returns notes (warnings) for what cannot be decided here.
+
+    Raises:
+        ConfigError: naming the setting, the value and what is allowed (see the module docstring for the list).
+    """
+    listed = listed_callbacks(settings) if listed is None else list(listed)
+    notes = list(pack.notes)
+    unknown = [n for n in listed if n not in CALLBACK_CONFIGS and n not in SWIFT_CALLBACKS]
+    if unknown:
+        known = (f'pack callbacks: {", ".join(sorted(CALLBACK_CONFIGS))}; ms-swift callbacks: '
+                 f'{", ".join(SWIFT_CALLBACKS)}')
+        others = _plugins(settings)
+        if not others:
+            raise ConfigError(f'callbacks: {", ".join(map(repr, unknown))} is not a known callback name ({known}); '
+                              'ms-swift would fail with a KeyError when it builds the trainer')
+        notes.append(f'callbacks: {", ".join(map(repr, unknown))} is neither a pack nor an ms-swift callback; it must '
+                     f'be registered by external_plugins {", ".join(others)} (not checked here: ms-swift fails with a '
+                     f'KeyError when it builds the trainer if none does)')
+    pack_listed = [n for n in listed if n in CALLBACK_CONFIGS]
+    check_controls(pack_listed)
+    check_engine(engine_from_swift(settings), pack.to_json(), listed)
+    if not pack_listed:  # nothing of the pack runs: the rest concerns the pack's integration
+        return notes
+    configs = {n: pack.callback_config(n) for n in pack_listed}
+    uses = ', '.join(pack_listed)
+    length = configs.get('length_batching')
+    if length is not None and length.splits_passes and 'memory_backoff' in configs:
+        raise ConfigError('dynamic_callbacks.length_batching.split: passes sets the pass limit, which memory_backoff '
+                          'also sets (the last request would silently win); use split: micro_batches with '
+                          'memory_backoff, or leave memory_backoff out')
+    if _flag(settings, 'streaming'):
+        check_stream(pack, settings, uses)
+    elif pack.integration.stream_window != IntegrationConfig().stream_window:
+        raise ConfigError(f'{SECTION}.integration.stream_window: only read with streaming: true (it bounds the length '
+                          f'buckets of a stream), got {pack.integration.stream_window} in a run without streaming; '
+                          'remove it, or set streaming: true')
+    if pack.integration.max_steps_unit == 'samples' and (_number(settings, 'max_steps', -1) or -1) <= 0:
+        raise ConfigError(f'{SECTION}.integration.max_steps_unit: samples counts max_steps in samples, but max_steps '
+                          'is not set (the run goes by num_train_epochs, which counts epochs whatever the batch size); '
+                          'set max_steps, or remove max_steps_unit')
+    sp = _number(settings, 'sequence_parallel_size', 1)
+    if sp is not None and sp > 1:
+        raise ConfigError(f'sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism '
+                          f'(got {sp}, callbacks: {uses}); use 1')
+    if _flag(settings, 'dataloader_drop_last'):
+        raise ConfigError('dataloader_drop_last: must be false with swift-dynamic-callbacks (every sample is used '
+                          'exactly once per epoch; the last step of an epoch takes what is left), got true')
+    if _flag(settings, 'auto_find_batch_size'):
+        raise ConfigError('auto_find_batch_size: must be false with swift-dynamic-callbacks (it restarts training '
+                          'from step 0 on OOM; the pack changes the batch size in place: memory_backoff and the '
+                          'integration\'s oom_recovery), got true')
+    packed = [k for k in ('packing', 'padding_free') if _flag(settings, k)]
+    if packed:
+        splitters = _splitters(configs)
+        if splitters:
+            raise ConfigError(f'{packed[0]}: true cannot be combined with {splitters[0]}: a packed micro-batch is one '
+                              '[1, N] row and cannot be split into smaller forward/backward passes; remove '
+                              f'{splitters[0]} or set {packed[0]}: false')
+    limit = _number(settings, 'save_total_limit')
+    if 'checkpoint_rotation' in configs and limit is not None and limit > 0:
+        rotation = configs['checkpoint_rotation']
+        raise ConfigError(f'save_total_limit: checkpoint_rotation deletes checkpoints itself, so HF\'s '
+                          f'save_total_limit must be unset, got {limit:g}; use {SECTION}.checkpoint_rotation.keep_last '
+                          f'(now {rotation.keep_last}) and keep_best (now {rotation.keep_best}) instead')
+    if not evaluates(settings):
+        for name, key, metric in _eval_monitors(configs):
+            raise ConfigError(f'{SECTION}.{name}.{key}: {metric!r} is an evaluation metric but this run never '
+                              'evaluates (no val_dataset, split_dataset_ratio 0, or eval_strategy no); give it '
+                              'evaluation data (split_dataset_ratio or val_dataset, eval_steps) or watch a training '
+                              'value such as loss')
+    scheduler = str(settings.get('lr_scheduler_type') or '').strip().lower()
+    if scheduler in NON_LAMBDA_SCHEDULERS:
+        users = ['callbacks: lr_schedule'] if 'lr_schedule' in configs else []
+        growth = configs.get('batch_growth')
+        if growth is not None and growth.lr_scaling != 'none':
+            users.append(f'{SECTION}.batch_growth.lr_scaling: {growth.lr_scaling}')
+        if users:
+            raise ConfigError(f'lr_scheduler_type: {scheduler} is not a LambdaLR schedule, so the pack cannot reshape '
+                              f'or scale it ({users[0]}); use one of HF\'s LambdaLR schedules (linear, cosine, '
+                              'constant, constant_with_warmup, warmup_stable_decay, ...) or remove that setting')
+    growth = configs.get('batch_growth')
+    if growth is not None and growth.policy == 'noise_scale':
+        accumulation = _number(settings, 'gradient_accumulation_steps')
+        if accumulation is None:
+            batch = _number(settings, 'per_device_train_batch_size', 1) or 1
+            accumulation = max(1, math.ceil(16 / batch / _world_size()))  # ms-swift's default
+        cap = growth.micro_batch_cap
+        if accumulation < 2 and not (cap is not None and cap < growth.maximum):
+            raise ConfigError(f'{SECTION}.batch_growth.policy: noise_scale needs at least two forward/backward passes '
+                              f'per optimizer step to compare gradients, but gradient_accumulation_steps is '
+                              f'{accumulation:g} and micro_batch_cap is {cap}; set gradient_accumulation_steps >= 2 '
+                              '(or a micro_batch_cap below maximum)')
+    memory = configs.get('memory_backoff')
+    if memory is not None and memory.probe == 'auto' and memory.cpu_budget_gib is None and _flag(settings, 'use_cpu'):
+        raise ConfigError(f'{SECTION}.memory_backoff.cpu_budget_gib: use_cpu: true trains on the CPU, where memory '
+                          'pressure is the process RSS against a budget; set cpu_budget_gib (e.g. 16) or remove '
+                          'memory_backoff (OOM recovery is the integration\'s and stays on)')
+    if _flag(settings, 'group_by_length') and _world_size() > 1:
+        raise group_by_length_error(f'NPROC_PER_NODE x NNODES = {_world_size()}')
+    checkpoint = settings.get('resume_from_checkpoint')
+    if _flag(settings, 'ignore_data_skip') and isinstance(checkpoint, str) and os.path.isfile(
+            os.path.join(checkpoint, STATE_FILE)):
+        raise ignore_data_skip_error(checkpoint)
+    epochs, steps = _number(settings, 'num_train_epochs', 3), _number(settings, 'max_steps', -1)
+    if (steps is None or steps <= 0) and epochs is not None and epochs <= 0:
+        raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs:g}')
+    _check_rlhf(pack, settings, configs, uses)
+    return notes
+
+
+def group_by_length_error(processes: str) -> ConfigError:
+    """HF's ``group_by_length`` under several processes (refused at launch and, as a second line, at start)."""
+    return ConfigError(f'group_by_length: true is not supported with swift-dynamic-callbacks under several processes '
+                       f'({processes}): the pack deals every rank its share of a seeded permutation and would not '
+                       'group by length; set group_by_length: false and use callbacks: length_batching (length '
+                       'buckets under a token budget) instead')
+
+
+def ignore_data_skip_error(checkpoint: str) -> ConfigError:
+    """HF's ``ignore_data_skip`` when resuming a checkpoint with the pack's state (refused at launch and at start)."""
+    return ConfigError(f'ignore_data_skip: true cannot be honoured when resuming from {checkpoint}, a checkpoint with '
+                       'the pack\'s state: the pack resumes at the next unseen sample of the epoch (its state holds '
+                       'the position, the batch size and the decisions so far); remove ignore_data_skip, or start a '
+                       'new run from the checkpoint\'s weights')
+
+
+def check_stream(pack: PackConfig, settings: Mapping[str, Any], uses: str) -> None:
+    """``streaming: true``: what needs the dataset's length is refused (a stream has none)."""
+    steps = _number(settings, 'max_steps', -1)
+    if steps is None or steps <= 0:
+        raise ConfigError(f'max_steps: streaming: true needs max_steps > 0 (callbacks: {uses}): a stream has no '
+                          'length, so num_train_epochs cannot be turned into steps; got '
+                          f'{steps if steps is not None else "unset"}')
+    if pack.integration.max_steps_unit != 'steps':
+        raise ConfigError(f'{SECTION}.integration.max_steps_unit: {pack.integration.max_steps_unit} is not supported '
+                          'with streaming: true: a sample budget is counted in epochs of a dataset whose length a '
+                          'stream does not have; use steps')
+
+
+#: ``swift rlhf`` types the pack runs: one sample is a chosen/rejected pair (two padded rows) or, under KTO, a
+#: completion with its KL row; their batches and token budgets count both rows (``rows.row_cost``)
+RLHF_TYPES = ('dpo', 'orpo', 'simpo', 'cpo', 'rm', 'kto')
+
+
+def _check_rlhf(pack: PackConfig, settings: Mapping[str, Any], configs: Mapping[str, Any], uses: str) -> None:
+    """``rlhf_type`` (``swift rlhf``): a type the pack runs, and nothing that splits a micro-batch into passes."""
+    rlhf = settings.get('rlhf_type')
+    if rlhf is None:
+        return
+    rlhf = str(rlhf).strip().lower()
+    if rlhf not in RLHF_TYPES:
+        raise ConfigError(f'rlhf_type: {rlhf} is not supported by swift-dynamic-callbacks (callbacks: {uses}): its '
+                          'trainer generates rollouts with its own sampler; allowed: ' + ', '.join(RLHF_TYPES))
+    splitters = _splitters(configs)
+    why = ('a micro-batch of pairs is its chosen rows then its rejected rows (KTO: completions and KL rows) and the '
+           'loss is a mean over pairs, so it cannot be split into smaller forward/backward passes')
+    if splitters:
+        raise ConfigError(f'rlhf_type: {rlhf} cannot be combined with {splitters[0]}: {why}; remove it (batch '
+                          'growth, schedules, length_batching and early stopping work)')
+    if pack.integration.oom_recovery is True:
+        raise ConfigError(f'{SECTION}.integration.oom_recovery: true is not supported with rlhf_type: {rlhf}: {why}; '
+                          'use auto (off under swift rlhf) or false')
+
+
+def _splitters(configs: Mapping[str, Any]) -> list[str]:
+    """Settings that run a micro-batch as several forward/backward passes."""
+    out = []
+    growth = configs.get('batch_growth')
+    if growth is not None and growth.micro_batch_cap is not None:
+        out.append(f'{SECTION}.batch_growth.micro_batch_cap')
+    schedule = configs.get('batch_schedule')
+    if schedule is not None and schedule.splits_micro_batches:
+        out.append(f'{SECTION}.batch_schedule.pieces')
+    length = configs.get('length_batching')
+    if length is not None and length.splits_passes:
+        out.append(f'{SECTION}.length_batching.split: passes')
+    if 'memory_backoff' in configs:
+        out.append('callbacks: memory_backoff (it caps the samples of a pass)')
+    return out
+
+
+def _eval_monitors(configs: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    out = []
+    if 'early_stopping' in configs and configs['early_stopping'].on_eval:
+        out.append(('early_stopping', 'monitor', configs['early_stopping'].monitor))
+    if 'lr_schedule' in configs and configs['lr_schedule'].watches_eval:
+        out.append(('lr_schedule', 'monitor', configs['lr_schedule'].monitor))
+    rotation = configs.get('checkpoint_rotation')
+    if rotation is not None and rotation.keep_best > 0 and rotation.metric.startswith('eval_'):
+        out.append(('checkpoint_rotation', 'metric', rotation.metric))
+    return out
