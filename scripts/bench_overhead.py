@@ -28,8 +28,8 @@ each run (HF's summary) is reported alongside, and every round checks that both 
 
 ``--breakdown`` adds one plain and one pack run (not part of the ratio) whose per-step entry points are clocked
 (wall and calling-thread CPU time): HF's ``get_batch_samples`` / ``training_step`` / ``log`` and the
-integration's ``next_step`` (with ``ElasticDataLoader.next_step``, ``apply_requests``, ``drain``),
-``run_micro_batch``, ``after_step`` and ``log_values``, so any overhead can be pinned to a function in ms/step.
+integration's ``next_step`` (with ``ElasticDataLoader.next_step``, ``apply_requests``, ``Decisions.drain``),
+``run_micro_batch``, ``after_step`` and ``update_logs``, so any overhead can be pinned to a function in ms/step.
 
 Usage (from the repository root)::
 
@@ -209,6 +209,7 @@ def _timed_hooks(acc: dict[str, list[tuple[float, float]]]):
     """
     import transformers
     from swift_dynamic_callbacks.integrations import trainer as integ
+    from swift_dynamic_callbacks.integrations.decisions import Decisions
     from swift_dynamic_callbacks.loader import ElasticDataLoader
 
     patched: list[tuple[Any, str, Any]] = []
@@ -235,11 +236,11 @@ def _timed_hooks(acc: dict[str, list[tuple[float, float]]]):
     patch(hf, 'log', 'Trainer.log (HF)')
     patch(integ.Integration, 'next_step', 'Integration.next_step (pack: whole get_batch_samples)')
     patch(integ.Integration, 'apply_requests', '  Integration.apply_requests')
-    patch(integ.Integration, 'drain', '  Integration.drain (all calls)')
+    patch(Decisions, 'drain', '  Decisions.drain (all calls)')
     patch(ElasticDataLoader, 'next_step', '  ElasticDataLoader.next_step (fetch+collate)')
     patch(integ.Integration, 'run_micro_batch', 'Integration.run_micro_batch (wraps training_step)')
     patch(integ.Integration, 'after_step', 'Integration.after_step (on_step_end)')
-    patch(integ.Integration, 'log_values', 'Integration.log_values (in log)')
+    patch(integ.Integration, 'update_logs', 'Integration.update_logs (in log)')
     try:
         yield
     finally:
@@ -257,12 +258,12 @@ def _breakdown(model: str, dataset: str, opts: argparse.Namespace) -> str:
         rows[kind] = acc
         steps[kind] = result['median_s']
     n = opts.max_steps
-    labels = sorted({label for acc in rows.values() for label in acc}, key=lambda l: (l.startswith(' '), l))
+    labels = sorted({label for acc in rows.values() for label in acc}, key=lambda name: (name.startswith(' '), name))
     ordered: list[str] = []
-    for label in (l for l in labels if not l.startswith(' ')):
+    for label in (name for name in labels if not name.startswith(' ')):
         ordered.append(label)
         if label.startswith('Integration.next_step'):
-            ordered.extend(l for l in labels if l.startswith('  '))
+            ordered.extend(name for name in labels if name.startswith('  '))
 
     def total(kind: str, prefix: str, which: int) -> float:
         return sum(call[which] for label, calls in rows[kind].items() if label.startswith(prefix) for call in calls)
@@ -290,13 +291,13 @@ def _breakdown(model: str, dataset: str, opts: argparse.Namespace) -> str:
     for which, name in ((0, 'wall'), (1, 'thread-CPU')):
         own = (total('pack', 'Integration.next_step', which) - total('pack', 'Trainer.get_batch_samples', which) -
                total('pack', '  ElasticDataLoader.next_step', which) + total('pack', 'Integration.after_step', which) +
-               total('pack', 'Integration.log_values', which) + total('pack', 'Integration.run_micro_batch', which) -
+               total('pack', 'Integration.update_logs', which) + total('pack', 'Integration.run_micro_batch', which) -
                total('pack', 'Trainer.training_step', which))
         data = total('pack', 'Integration.next_step', which) - total('plain', 'Trainer.get_batch_samples', which)
         figures.append(f'{name}: bookkeeping {ms(own)} ms, data path pack - plain {ms(data)} ms')
     lines += [
         '',
-        '- pack bookkeeping per step = next_step without the fetch and HF\'s own count + after_step + log_values + '
+        '- pack bookkeeping per step = next_step without the fetch and HF\'s own count + after_step + update_logs + '
         'the run_micro_batch wrapper; data path = pack next_step - plain HF get_batch_samples:',
         f'  {"; ".join(figures)}',
     ]

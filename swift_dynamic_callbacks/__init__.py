@@ -37,7 +37,7 @@ _LAZY = {
     'ConfigError': '.config',
     'IntegrationConfig': '.config.integration',
     'PackConfig': '.config.pack',
-    'install': '.integrations.trainer',
+    'install': '.integrations.hooks',
     'DecisionRecord': '.records',
 }
 

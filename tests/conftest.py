@@ -14,7 +14,7 @@ def _random_dataset_fingerprints() -> None:
     encode transform holds the template with its 151k-token tokenizer, so every in-process ``swift sft`` run spent
     seconds dill-pickling it (most of a short run's set-up). A random fingerprint is what ``datasets`` itself uses when
     a transform cannot be hashed: the map still runs (16 rows), only its cache is never reused between runs. The pack's
-    own dataset fingerprint (``loader.dataset_fingerprint``) hashes token ids and is not affected."""
+    own dataset fingerprint (``rows.dataset_fingerprint``) hashes token ids and is not affected."""
     import datasets.arrow_dataset
     import datasets.fingerprint
 

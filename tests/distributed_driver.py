@@ -161,7 +161,7 @@ def main(spec_path: str) -> None:
                 'step': self.trainer.state.global_step + 1,
                 'batch_size': self.loader.batch_size,
                 'num_pieces': self.loader.num_pieces,
-                'pass_limit': self.pass_limit,
+                'pass_limit': self.runner.pass_limit,
                 'lr': self.step_lr,
                 'epoch': self.loader.epoch,
                 'samples': sum(len(i) for i in self.runner.indices),
@@ -178,7 +178,7 @@ def main(spec_path: str) -> None:
             import torch
             weights = _full_trainable(trainer)
             torch.save(weights, os.path.join(output_dir, f'rank{rank}.weights.pt'))
-            engine_name = getattr(getattr(self, 'engine', None), 'name', None)
+            engine_name = self.runner.engine.name
             trace = {
                 'rank': rank,
                 'world_size': distributed.world_size(),

@@ -102,9 +102,9 @@ def test_select_engine_and_oom_recovery_setting():
     single, recovery, _ = select_engine(fake_trainer('NO', 1), 'auto')
     assert type(single) is Engine and recovery
     ddp, recovery, why = select_engine(fake_trainer('MULTI_CPU'), 'auto')
-    assert isinstance(ddp, DDPEngine) and ddp.sync == 'deferred' and ddp.passes_are_local and recovery and why is None
+    assert isinstance(ddp, DDPEngine) and ddp.sync == 'deferred' and recovery and why is None
     native, recovery, why = select_engine(fake_trainer('MULTI_CPU'), False)
-    assert native.sync == 'native' and not native.passes_are_local and not recovery and why == 'off by setting'
+    assert native.sync == 'native' and not recovery and why == 'off by setting'
     for kind, cls in (('FSDP', FSDP2Engine), ('DEEPSPEED', DeepSpeedEngineAdapter)):
         engine, recovery, why = select_engine(fake_trainer(kind), 'auto')
         assert isinstance(engine, cls) and not recovery and 'collective' in why
@@ -237,7 +237,7 @@ def test_a_placeholder_pass_adds_a_plain_zero_to_the_logged_loss():
 
     trainer = fake_trainer('FSDP')
     trainer.args = types.SimpleNamespace(device=torch.device('cpu'))
-    runner = StepRunner(types.SimpleNamespace(trainer=trainer), NaNPlaceholderEngine(trainer), oom_recovery=False,
+    runner = StepRunner(trainer, NaNPlaceholderEngine(trainer), oom_recovery=False,
                         single_sample_retries=0)
     runner.start_step([([], EmptyMicroBatch()), ([], EmptyMicroBatch())], None)
     loss = runner.run_micro_batch(None, EmptyMicroBatch(), lambda batch: torch.tensor(float('nan')), None)

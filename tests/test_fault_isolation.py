@@ -72,7 +72,7 @@ def test_configuration_and_integrity_errors_still_stop_the_run(error):
 
 
 def test_sample_too_large_still_stops_the_run():
-    from swift_dynamic_callbacks.integrations.trainer import SampleTooLargeError
+    from swift_dynamic_callbacks.integrations.passes import SampleTooLargeError
     with pytest.raises(SampleTooLargeError):
         Flaky(SampleTooLargeError('one sample does not fit')).on_step_end(_args(), TrainerState(), TrainerControl())
 

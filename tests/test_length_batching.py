@@ -15,7 +15,8 @@ from torch.utils.data import Dataset
 from swift_dynamic_callbacks import protocol
 from swift_dynamic_callbacks.callbacks.length_batching import LengthBatchingCallback, LengthBatchingConfig
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.loader import ElasticDataLoader, EmptyMicroBatch, dataset_lengths
+from swift_dynamic_callbacks.loader import ElasticDataLoader, EmptyMicroBatch
+from swift_dynamic_callbacks.rows import dataset_lengths
 from swift_dynamic_callbacks.policies.length import (BatchPlan, agreed_steps, epoch_layout, equalize_steps, even_split,
                                                       greedy_pieces, over_budget, padding, padding_fraction,
                                                       plan_sizes, rule_size)
@@ -264,10 +265,12 @@ def test_swift_dynamic_check_refuses_split_passes_under_deepspeed(tmp_path, caps
     path.write_text(path.read_text().replace('deepspeed: zero2\n', ''))
     assert cli.main(['check', str(path)]) == 0
     capsys.readouterr()
-    path.write_text(path.read_text().replace('callbacks: [length_batching]', 'callbacks: [length_batching, memory_backoff]')
+    path.write_text(path.read_text().replace('callbacks: [length_batching]',
+                                             'callbacks: [length_batching, memory_backoff]')
                     + '  memory_backoff: {probe: cpu, cpu_budget_gib: 8.0}\n')
     assert cli.main(['check', str(path)]) == 2
-    assert 'length_batching.split: passes sets the pass limit, which memory_backoff also sets' in capsys.readouterr().err
+    assert ('length_batching.split: passes sets the pass limit, which memory_backoff also sets'
+            in capsys.readouterr().err)
 
 
 # ---- the loader ----------------------------------------------------------------------------------------------
@@ -442,7 +445,8 @@ def test_dataset_lengths_from_columns_or_measured_once():
         def __getitem__(self, key):
             return [[3, 9], 4, 7] if key == 'lengths' else super().__getitem__(key)
 
-    assert dataset_lengths(Columns([0, 1, 2])) == [18, 4, 7]  # a list per row: one entry a row, each padded to the longest
+    # a list per row: one entry a row, each padded to the longest
+    assert dataset_lengths(Columns([0, 1, 2])) == [18, 4, 7]
 
     class Counting(LengthDataset):
         reads = 0

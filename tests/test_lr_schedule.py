@@ -341,16 +341,15 @@ def test_scheduler_the_pack_cannot_take_over_fails_at_start(tmp_path, tiny_llama
 
 
 def test_param_group_ratios_are_kept():
-    from types import SimpleNamespace
-    from swift_dynamic_callbacks.integrations.trainer import Integration
+    from swift_dynamic_callbacks.integrations.lr import LRControl
     a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([{'params': [a], 'lr': 1e-3}, {'params': [b], 'lr': 1e-4}], lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    integration = Integration(SimpleNamespace(args=None))
-    integration.wrap_scheduler(sched)
-    integration.horizon = 20
-    integration.set_lr_schedule(protocol.check_lr_schedule({'warmup': 4, 'hold': 0, 'min_ratio': 0.1}))
-    integration.set_lr_scale(2.0)
+    lr = LRControl()
+    lr.wrap(sched)
+    lr.horizon = 20
+    lr.set_schedule(protocol.check_lr_schedule({'warmup': 4, 'hold': 0, 'min_ratio': 0.1}))
+    lr.set_scale(2.0)
     for _ in range(6):
         opt.step()
         sched.step()

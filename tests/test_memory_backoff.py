@@ -224,7 +224,7 @@ def test_injected_ooms_lose_nothing_and_change_nothing(seed, snapshot, plain_run
 def test_a_sample_over_the_budget_stops_with_a_clear_message(tmp_path, tiny_llama, gsm8k_16):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.integrations.trainer import SampleTooLargeError
+    from swift_dynamic_callbacks.integrations.passes import SampleTooLargeError
     try:
         sdc.register(batch_schedule={'schedule': {0: 2}})
         with OomInjector(token_budget=60), pytest.raises(SampleTooLargeError) as e:

@@ -11,7 +11,8 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from swift_dynamic_callbacks import protocol
 from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.integrations.requests import load_replay, request_from_json, request_to_json
-from swift_dynamic_callbacks.integrations.trainer import DISABLE_ENV, IntegrationConfig, PackOffCallback, install, pack_disabled
+from swift_dynamic_callbacks.config.integration import IntegrationConfig
+from swift_dynamic_callbacks.integrations.hooks import DISABLE_ENV, PackOffCallback, install, pack_disabled
 from swift_dynamic_callbacks.state import StateError
 from swift_runs import decisions, run_sft, train_logs
 

@@ -13,7 +13,7 @@ import yaml
 
 from swift_dynamic_callbacks import cli
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.loader import dataset_lengths, dataset_real_tokens, item_lengths, row_cost
+from swift_dynamic_callbacks.rows import dataset_lengths, dataset_real_tokens, item_lengths, row_cost
 from swift_dynamic_callbacks.tiny import MODEL_FLAGS
 from swift_runs import decisions, indices_by_epoch, read_jsonl, sample_trace, train_logs
 
@@ -42,7 +42,8 @@ def test_row_cost_counts_every_row_of_a_sample():
     assert row_cost(7) == 7 and row_cost([7]) == 7
     assert row_cost([45, 53]) == 106  # chosen + rejected, padded together
     assert row_cost([]) == 0
-    assert item_lengths({'chosen_input_ids': [1] * 5, 'chosen_labels': [1] * 5, 'rejected_input_ids': [1] * 3}) == [5, 3]
+    assert item_lengths({'chosen_input_ids': [1] * 5, 'chosen_labels': [1] * 5,
+                         'rejected_input_ids': [1] * 3}) == [5, 3]
     assert item_lengths({'input_ids': [1] * 4}) == [4]
     assert item_lengths({'lengths': [9, 2], 'input_ids': [1]}) == [9, 2]
     with pytest.raises(ValueError, match='sample 3'):
@@ -90,7 +91,8 @@ def _yaml(tmp_path, data) -> str:
 
 
 @pytest.mark.parametrize('section,match', [
-    ({'batch_growth': {'initial': 1, 'micro_batch_cap': 1}}, 'rlhf_type: dpo cannot be combined with .*micro_batch_cap'),
+    ({'batch_growth': {'initial': 1, 'micro_batch_cap': 1}},
+     'rlhf_type: dpo cannot be combined with .*micro_batch_cap'),
     ({'integration': {'oom_recovery': True}, 'batch_growth': {}}, 'oom_recovery: true is not supported with rlhf'),
 ])
 def test_rlhf_refuses_split_passes(tmp_path, section, match):
@@ -127,9 +129,10 @@ def run_rlhf(tmp_path, model: str, arch: str, rlhf_type: str, dataset: str, sect
     }
     path = tmp_path / f'{rlhf_type}.yaml'
     path.write_text(yaml.safe_dump(config), encoding='utf-8')
+    pythonpath = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(cli.__file__)))] + sys.path)
     result = subprocess.run([sys.executable, '-m', 'swift_dynamic_callbacks.cli', 'rlhf', str(path)],
-                            capture_output=True, text=True, timeout=600, env={**os.environ, 'PYTHONPATH': os.pathsep.join(
-                                [os.path.dirname(os.path.dirname(os.path.abspath(cli.__file__)))] + sys.path)})
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, 'PYTHONPATH': pythonpath})
     assert result.returncode == 0, result.stderr[-4000:]
     return str(out)
 

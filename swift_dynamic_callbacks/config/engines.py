@@ -18,6 +18,9 @@ from . import ConfigError
 
 ENGINES = ('single', 'ddp', 'fsdp2', 'deepspeed')
 
+#: why FSDP version 1 is refused (in the YAML, by accelerate's plugin at start, and by the wrapper the model got)
+FSDP1_REFUSED = 'FSDP1 is not supported by swift-dynamic-callbacks; use fsdp: fsdp2 (fsdp_version: 2), DeepSpeed or DDP'
+
 #: feature -> why FSDP2 / DeepSpeed cannot run it (they hold collectives inside forward and backward).
 _SHARDED_REASONS = {
     'fsdp2': {
@@ -73,8 +76,7 @@ def engine_from_swift(settings: Mapping[str, Any]) -> str | None:
         fsdp_config = settings.get('fsdp_config') or {}
         version = fsdp_config.get('fsdp_version', 2) if isinstance(fsdp_config, Mapping) else 2
         if str(version) == '1':
-            raise ConfigError('fsdp_config.fsdp_version: 1 (FSDP1) is not supported by swift-dynamic-callbacks; use '
-                              'fsdp: fsdp2 (FSDP2), DeepSpeed or DDP')
+            raise ConfigError(f'fsdp_config.fsdp_version: 1: {FSDP1_REFUSED}')
         return 'fsdp2'
     return None
 

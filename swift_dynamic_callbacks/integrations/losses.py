@@ -43,11 +43,3 @@ class LossWatch:
         self._bad.clear()
         return count
 
-
-def loss_watch(integration: Any) -> LossWatch:
-    """The integration's :class:`LossWatch` (created on first use)."""
-    watch = getattr(integration, '_sdc_loss_watch', None)
-    if watch is None:
-        watch = LossWatch()
-        integration._sdc_loss_watch = watch
-    return watch

@@ -1,4 +1,4 @@
-"""Requests at the step boundary: merging the ranks' requests into one, and the ``applied_request`` records that
+"""Requests at the step boundary: agreeing the ranks' requests on one, and the ``applied_request`` records that
 replay reads back. No trainer code."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 from dataclasses import asdict, replace
 from typing import Any, Iterable, Mapping
 
-from .. import protocol
+from .. import distributed, protocol
 from ..config import ConfigError
 from ..records import DECISIONS_FILE, DecisionRecord
 from ..state import StateError
@@ -89,6 +89,16 @@ def load_replay(path: str) -> dict[int, protocol.BatchRequest]:
         except (KeyError, TypeError, ValueError) as e:
             raise StateError(f'replay: {file}: bad applied_request record at step {row.get("step")}: {e}') from e
     return out
+
+
+def agree_step(request: protocol.BatchRequest, oom: DecisionRecord | None
+               ) -> tuple[protocol.BatchRequest, list[DecisionRecord]]:
+    """The request every rank applies at this boundary (:func:`merge_requests`) and every rank's OOM record of the
+    last step, in rank order. Collective: one small all-reduce decides whether any rank has something to agree on
+    (most boundaries: nothing); only then are the requests and OOM records gathered."""
+    if distributed.sum_ints([int(not request.empty or oom is not None)])[0]:
+        return distributed.agree((request, oom), merge_step)
+    return request, []
 
 
 def merge_step(votes: Iterable[tuple[protocol.BatchRequest, DecisionRecord | None]]

@@ -6,50 +6,71 @@ a rank without samples join the engine's collectives, recovers from out-of-memor
 pass, has the engine reduce the step's gradients. Everything engine-specific is asked of the
 :class:`~.engines.base.Engine` adapter chosen at start; nothing here branches on the engine.
 
+The runner owns the pass limit (the cap on samples / tokens per pass: requested by ``memory_backoff`` /
+``length_batching``, halved after an OOM) and says whether a micro-batch may run as several passes at all
+(:meth:`StepRunner.check_splittable`: not for packed rows, ``swift rlhf`` pairs, or engines whose passes hold
+collectives).
+
 State kept for one step only (set by :meth:`StepRunner.start_step` at every step boundary): the micro-batches and
-their dataset indices, the pass being run, the OOM retries. ``oom_count`` counts every OOM of the run (it is saved
-with the integration's state).
+their dataset indices, the pieces asked for, the pass being run, the OOM retries. Kept for the run and saved with the
+integration's state: ``pass_limit`` and ``oom_count`` (every OOM of the run).
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import torch
 
 from .. import distributed, protocol
+from ..config import ConfigError
+from ..config.integration import IntegrationConfig
 from ..loader import EmptyMicroBatch
 from ..memory import device_figures, free_memory, is_oom
 from ..policies.data_plan import piece_bounds
 from ..policies.memory import oom_backoff, pass_cap, pieces_needed
 from ..records import DecisionRecord
-from .engines import Engine
+from .engines import Engine, select_engine
 from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, restore_grads, row_tokens, \
     split_micro_batch
 
 Run = Callable[[Mapping[str, Any]], torch.Tensor]
+logger = logging.getLogger('swift_dynamic_callbacks')
+
+PAIRS_WHY = ('a micro-batch of pairs is its chosen rows then its rejected rows (KTO: completions and KL rows) and '
+             'the loss is a mean over pairs, so it cannot be split into smaller forward/backward passes')
+
+
+def is_pairs(trainer: Any) -> bool:
+    """Whether a sample is several rows run together (``swift rlhf``: DPO/ORPO/... chosen + rejected, KTO
+    completion + KL row; the template's ``mode`` is ``rlhf`` or ``kto``)."""
+    return getattr(getattr(trainer, 'template', None), 'mode', None) in ('rlhf', 'kto')
 
 
 class StepRunner:
     """Runs the micro-batches of one optimizer step (see the module docstring).
 
     Args:
-        integration: the :class:`~.trainer.Integration` it serves (read: ``trainer``, ``loader.num_pieces``,
-            ``pass_limit``, ``check_splittable``; written: ``pass_limit`` after an OOM).
-        engine: the engine adapter.
+        trainer: the HF / ms-swift trainer (read: ``args``, ``state``, ``template``, ``control``).
+        engine: the engine adapter (:meth:`begin` chooses the run's).
         oom_recovery: whether an OOM is recovered from (the engine allows it and the setting asks for it).
         single_sample_retries: how often a one-sample pass that ran out of memory is run again (memory freed before
             each try) before the sample is declared too large.
     """
 
-    def __init__(self, integration: Any, engine: Engine, *, oom_recovery: bool, single_sample_retries: int) -> None:
-        self.integration = integration
+    def __init__(self, trainer: Any, engine: Engine, *, oom_recovery: bool, single_sample_retries: int) -> None:
+        self.trainer = trainer
         self.engine = engine
         self.oom_recovery = oom_recovery
         self.single_sample_retries = single_sample_retries
         self.oom_count = 0
+        self.pass_limit: dict[str, Any] | None = None  # the cap on samples / tokens per forward/backward pass
         self.batches: list[Any] = []
         self.indices: list[list[int]] = []
+        self.num_pieces = 1  # the passes a micro-batch of this step is cut into at least (requested)
+        self.budget_tokens: int | None = None  # this step's token budget while lengths are estimates
         self.max_pass = 0  # the largest pass (samples) of the step so far
         self.oom: dict[str, Any] | None = None  # this step's OOM: pass_size, new_cap, record
         self.probe: GradNoiseProbe | None = None
@@ -60,15 +81,100 @@ class StepRunner:
         self._adapter_like: bool | None = None
         self._template: Mapping[str, Any] | None = None  # the last real micro-batch (placeholder passes copy a row)
         self._checked = False
+        self._can_split: bool | None = None  # whether a micro-batch may run as several passes (checked once)
 
-    @property
-    def trainer(self) -> Any:
-        return self.integration.trainer
+    def begin(self, config: IntegrationConfig, pack_config: Mapping[str, Any]) -> DecisionRecord:
+        """At train start: choose the engine adapter, refuse what it cannot run (``config.engines``), decide whether
+        OOMs are recovered from; returns the ``engine`` decision record."""
+        from ..config.engines import check_engine
+        from .engines import engine_name
+        listed = [getattr(cb, 'name', '') for cb in self.trainer.callback_handler.callbacks]
+        check_engine(engine_name(self.trainer), pack_config, listed)
+        self.engine, recovery, why_off = select_engine(self.trainer, config.oom_recovery)
+        if recovery and is_pairs(self.trainer):
+            if config.oom_recovery is True:
+                raise ConfigError(f'dynamic_callbacks.integration.oom_recovery: true is not supported under swift '
+                                  f'rlhf: {PAIRS_WHY}; use auto or false')
+            recovery, why_off = False, f'swift rlhf: {PAIRS_WHY}'
+        self.oom_recovery, self.single_sample_retries = recovery, config.oom_single_sample_retries
+        self.oom_count, self._checked, self._can_split, self._adapter_like = 0, False, None, None
+        message = f'engine {self.engine.name}' + ('' if recovery else f'; OOM recovery off ({why_off})')
+        if not recovery and config.oom_recovery == 'auto':
+            logger.warning(message)
+        return DecisionRecord('integration', 'engine', self.engine.name,
+                              {**self.engine.describe(), 'oom_recovery': recovery}, message)
 
-    def start_step(self, pairs: list[tuple[list[int], Any]], probe: GradNoiseProbe | None) -> None:
-        """A new optimizer step with ``pairs`` (dataset indices, collated micro-batch)."""
+    # ---- what a micro-batch may be cut into -------------------------------------------------------------------
+    def check_splittable(self, setting: str, feature: str = 'pieces') -> None:
+        """Raise when a micro-batch cannot run as several passes: packed rows, pairs (``swift rlhf``), or an engine
+        whose passes hold collectives (``config.engines``; ``feature``: the row of its table, ``pieces`` or
+        ``pass_limit``)."""
+        if is_pairs(self.trainer):
+            raise ConfigError(f'{setting}: not supported under swift rlhf: {PAIRS_WHY}')
+        args = self.trainer.args
+        template = getattr(self.trainer, 'template', None)
+        if getattr(template, 'padding_free', False) or getattr(args, 'padding_free', False) or getattr(
+                args, 'packing', False):
+            raise ConfigError(f'{setting}: a micro-batch cannot run as several passes with packing / padding_free: '
+                              'a packed micro-batch is one [1, N] row and cannot be split')
+        self.engine.refuse(feature, setting)
+
+    def splittable(self) -> bool:
+        """Whether a micro-batch may run as several passes here (checked once)."""
+        if self._can_split is None:
+            try:
+                self.check_splittable('length estimates')
+                self._can_split = True
+            except ConfigError:
+                self._can_split = False
+        return self._can_split
+
+    def effective_pass_limit(self) -> dict[str, Any] | None:
+        """The pass limit, with this step's token budget added while lengths are estimates: a micro-batch whose real
+        padded tokens exceed it then runs as several passes within it (when passes can split, same gradient)."""
+        if self.budget_tokens is None or not self.splittable():
+            return self.pass_limit
+        limit = dict(self.pass_limit or {})
+        tokens = limit.get('tokens')
+        limit['tokens'] = self.budget_tokens if tokens is None else min(tokens, self.budget_tokens)
+        return limit
+
+    def with_oom_cap(self, request: protocol.BatchRequest) -> protocol.BatchRequest:
+        """``request`` with the pass cap this rank's OOM in the last step set (every rank then takes the smallest)."""
+        oom = self.oom
+        if oom is None or oom.get('new_cap') is None:
+            return request
+        own = dict(request.pass_limit or self.pass_limit or {})
+        own['samples'] = min(v for v in (own.get('samples'), oom['new_cap']) if v is not None)
+        return replace(request, pass_limit=protocol.check_pass_limit(own))
+
+    def set_pass_limit(self, limit: Mapping[str, Any], *, checked: bool) -> dict[str, Any] | None:
+        """Apply a requested pass limit (all caps empty: none); ``checked``: its splittability was already settled
+        (an OOM's cap). Returns the old limit."""
+        if any(limit.values()) and not checked:
+            self.check_splittable('control.new_pass_limit', 'pass_limit')  # refused up front, not at a split
+        old, self.pass_limit = self.pass_limit, None if all(not v for v in limit.values()) else dict(limit)
+        return old
+
+    def noise_probe(self, pairs: list[tuple[list[int], Any]], num_items_in_batch: Any) -> GradNoiseProbe | None:
+        """The gradient-noise probe of this step when a callback asked for one (``control.measure_grad_noise``)."""
+        if not protocol.grad_noise_requested(self.trainer.control):
+            return None
+        self.engine.refuse('noise_scale', 'control.measure_grad_noise (batch_growth policy: noise_scale)')
+        return GradNoiseProbe(
+            sum(len(indices) for indices, _ in pairs), world=distributed.world_size(),
+            tokens_averaged=bool(getattr(self.trainer.args, 'average_tokens_across_devices', False)),
+            num_items_in_batch=num_items_in_batch)
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def start_step(self, pairs: list[tuple[list[int], Any]], probe: GradNoiseProbe | None, *, num_pieces: int = 1,
+                   budget_tokens: int | None = None) -> None:
+        """A new optimizer step with ``pairs`` (dataset indices, collated micro-batch), cut into at least
+        ``num_pieces`` passes a micro-batch; ``budget_tokens``: the token budget of a plan whose lengths are
+        estimates (a micro-batch over it runs as several passes within it, when passes can split)."""
         self.batches = [batch for _, batch in pairs]
         self.indices = [indices for indices, _ in pairs]
+        self.num_pieces, self.budget_tokens = num_pieces, budget_tokens
         self._micro = self.max_pass = self._halvings = self._single_retries = 0
         self.oom = None
         self.probe = probe
@@ -142,8 +248,7 @@ class StepRunner:
                     final: bool) -> torch.Tensor:
         """One micro-batch as ``pieces`` passes. ``final``: the step's last micro-batch (its last pass syncs)."""
         rows, length = batch_shape(inputs)
-        requested = self.integration.loader.num_pieces if self.integration.loader is not None else 1
-        pieces = pieces_needed(rows, requested, pass_cap(length, self.integration.effective_pass_limit()))
+        pieces = pieces_needed(rows, self.num_pieces, pass_cap(length, self.effective_pass_limit()))
         probe = self.probe
         if pieces > 1 and num_items_in_batch is None:
             raise RuntimeError('splitting a micro-batch into passes (num_pieces > 1, a pass limit or OOM recovery) '
@@ -153,7 +258,7 @@ class StepRunner:
             raise RuntimeError('measure_grad_noise needs the loss normalised by num_items_in_batch (token-sum '
                                'losses, as ms-swift uses); this model/trainer computes a per-batch mean')
         if pieces > 1:
-            self.integration.check_splittable('new_num_pieces / new_pass_limit')
+            self.check_splittable('new_num_pieces / new_pass_limit')
         bounds = piece_bounds(rows, pieces)
         parts = split_micro_batch(inputs, pieces) if pieces > 1 else [inputs]
         total = None
@@ -204,13 +309,12 @@ class StepRunner:
         if size <= 1:
             if self._single_retries < self.single_sample_retries:
                 self._single_retries += 1
-                cap = (self.integration.pass_limit or {}).get('samples')
+                cap = (self.pass_limit or {}).get('samples')
                 self.oom = {'pass_size': 1, 'new_cap': cap, 'record': None}
                 return
             raise self._too_large(micro, start)
         cap = oom_backoff(size)
-        self.integration.pass_limit = {**(self.integration.pass_limit or {'tokens': None, 'rules': []}),
-                                       'samples': cap}
+        self.pass_limit = {**(self.pass_limit or {'tokens': None, 'rules': []}), 'samples': cap}
         self._halvings += 1
         self.oom = {'pass_size': size, 'new_cap': cap, 'record': None}
 

@@ -24,7 +24,7 @@ from ..config import ConfigError, to_mapping  # noqa: F401 - ConfigError re-expo
 from ..config.integration import IntegrationConfig  # noqa: F401 - re-exported
 from ..config.pack import (CALLBACK_CONFIGS, ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig,  # noqa: F401
                            load_env_config, parse_section)
-from .trainer import PackOffCallback, install, pack_disabled
+from .hooks import PackOffCallback, install, pack_disabled
 
 #: Every pack callback by its ms-swift name (the same names as ``config.pack.CALLBACK_CONFIGS``, which the
 #: torch-free command line uses).

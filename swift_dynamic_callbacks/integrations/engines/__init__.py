@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import ConfigError
+from ...config.engines import FSDP1_REFUSED
 from .base import Engine, zero_weight_batch
 from .ddp import DDPEngine
 from .deepspeed import DeepSpeedEngineAdapter
@@ -39,7 +40,7 @@ def engine_name(trainer: Any) -> str:
     if kind == DistributedType.FSDP:
         plugin = getattr(accelerator.state, 'fsdp_plugin', None)
         if getattr(plugin, 'fsdp_version', 2) != 2:
-            raise ConfigError('fsdp_version: FSDP1 is not supported by swift-dynamic-callbacks; use fsdp: fsdp2')
+            raise ConfigError(f'fsdp_version: {plugin.fsdp_version}: {FSDP1_REFUSED}')
         return 'fsdp2'
     if kind == DistributedType.NO:
         if world > 1:

@@ -34,13 +34,9 @@ class Engine:
     """
 
     name: ClassVar[str] = 'single'
-    #: passes on this engine hold no collectives, so ranks may run different numbers of them (OOM retries, pieces
-    #: cut by each rank's own pass cap, skipped placeholders)
-    passes_are_local: ClassVar[bool] = True
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
-        self._checked = False
 
     # ---- what the engine is ------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

@@ -39,7 +39,6 @@ class DDPEngine(Engine):
         if sync not in ('deferred', 'native'):
             raise ValueError(f'sync: must be deferred or native, got {sync!r}')
         self.sync = sync
-        self.passes_are_local = sync == 'deferred'
         self._forward_started = False
         self._hooked: Any = None
 

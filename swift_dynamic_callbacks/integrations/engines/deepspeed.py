@@ -26,7 +26,6 @@ class DeepSpeedEngineAdapter(Engine):
     """DeepSpeed adapter (see the module docstring)."""
 
     name: ClassVar[str] = 'deepspeed'
-    passes_are_local: ClassVar[bool] = False
 
     def describe(self) -> dict[str, Any]:
         config = getattr(getattr(self.trainer, 'accelerator', None), 'state', None)

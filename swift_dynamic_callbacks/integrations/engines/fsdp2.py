@@ -20,6 +20,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator, Mapping
 import torch
 
 from ...config import ConfigError
+from ...config.engines import FSDP1_REFUSED
 from .base import Engine
 
 
@@ -27,13 +28,12 @@ class FSDP2Engine(Engine):
     """FSDP2 adapter (see the module docstring)."""
 
     name: ClassVar[str] = 'fsdp2'
-    passes_are_local: ClassVar[bool] = False
 
     def check_wrapped(self, model: Any) -> None:
         from torch.distributed.fsdp import FSDPModule
         if not isinstance(model, FSDPModule):
             raise ConfigError(f'accelerate runs FSDP, but the model is a {type(model).__name__}, not an FSDP2 module '
-                              '(fully_shard): FSDP1 is not supported by swift-dynamic-callbacks (fsdp_version: 2)')
+                              f'(fully_shard): {FSDP1_REFUSED}')
 
     def pass_context(self, model: Any, *, sync: bool) -> ContextManager[Any]:
         return _gradient_sync(model, sync)

@@ -1,0 +1,115 @@
+"""Applying an agreed request at the step boundary: each field to the part that owns it, and one record each.
+
+A request (``protocol.BatchRequest``) has one field per kind of change. :data:`FIELDS` lists them in the order they
+are applied; each has one method here that applies it and, unless a held record already tells the change
+(:meth:`~.decisions.Decisions.covers`), writes a ``control_flags`` record for it. Adding a request kind is a field in
+``protocol``, a line in :data:`FIELDS` and its method.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from .. import protocol
+from ..policies.length import BatchPlan, padding_fraction
+from ..records import DecisionRecord
+from .data import DataFeed
+from .decisions import Decisions
+from .lr import LRControl
+from .metrics import global_batch_size
+from .requests import changes_lr
+from .steps import StepRunner
+
+#: the request fields, in the order they are applied (the batch before the plan cut from it; the LR last)
+FIELDS = ('batch_size', 'batch_plan', 'num_pieces', 'pass_limit', 'lr')
+
+
+class RequestApplier:
+    """Applies requests to the integration's parts.
+
+    Args:
+        feed: owns the loader (batch size, plan, pieces).
+        runner: owns the pass limit and says what may split.
+        lr: owns the LR scale and schedule.
+        decisions: the records.
+        refresh_budget: ``reason -> None``: the step budget after a change of the batch size or plan.
+    """
+
+    def __init__(self, feed: DataFeed, runner: StepRunner, lr: LRControl, decisions: Decisions,
+                 refresh_budget: Callable[[str], None]) -> None:
+        self.feed = feed
+        self.runner = runner
+        self.lr = lr
+        self.decisions = decisions
+        self.refresh_budget = refresh_budget
+
+    def apply(self, request: protocol.BatchRequest) -> None:
+        for field in FIELDS:
+            getattr(self, f'_{field}')(request)
+
+    def _note(self, field: str, values: Mapping[str, Any], reason: str = 'request') -> None:
+        if not self.decisions.covers(field):
+            self.decisions.write(DecisionRecord('control_flags', field, reason, dict(values)))
+
+    def _batch_size(self, request: protocol.BatchRequest) -> None:
+        loader = self.feed.loader
+        if request.batch_size is None or request.batch_size == loader.batch_size:
+            return
+        old = loader.batch_size
+        loader.set_batch_size(request.batch_size)
+        self.refresh_budget('batch_size')
+        self._note('batch_size',
+                   {'old': old, 'new': request.batch_size, 'global_batch_size': global_batch_size(loader)},
+                   'new_dataloader' if request.via_dataloader else 'request')
+
+    def _batch_plan(self, request: protocol.BatchRequest) -> None:
+        """Hand the plan to the loader and add what it plans for the rest of the epoch to the plan's record."""
+        if request.batch_plan is None:
+            return
+        loader = self.feed.loader
+        plan = BatchPlan.from_json(request.batch_plan)
+        old = loader.plan.to_json() if loader.plan is not None else None
+        if not loader.set_plan(plan):
+            return
+        self.refresh_budget('batch_plan')
+        real, padded, batches = loader.planned_padding()
+        applied = {'micro_batches_left': batches, 'planned_padding_fraction': round(padding_fraction(real, padded), 6),
+                   'bucketed_from_epoch': loader.epoch if loader.order_bucketed else loader.epoch + 1}
+        if self.decisions.covers('batch_plan'):
+            self.decisions.complete(lambda r: r.kind == 'batch_plan', applied)
+        else:
+            self.decisions.hold(DecisionRecord('control_flags', 'batch_plan', 'request',
+                                               {'old': old, 'new': request.batch_plan, **applied}))
+        self.feed.report_over_budget(plan)
+
+    def _num_pieces(self, request: protocol.BatchRequest) -> None:
+        loader = self.feed.loader
+        if request.num_pieces is None or request.num_pieces == loader.num_pieces:
+            return
+        if request.num_pieces > 1:
+            self.runner.check_splittable('control.new_num_pieces')
+        old, loader.num_pieces = loader.num_pieces, request.num_pieces
+        self._note('num_pieces', {'old': old, 'new': request.num_pieces})
+
+    def _pass_limit(self, request: protocol.BatchRequest) -> None:
+        if request.pass_limit is None or request.pass_limit == self.runner.pass_limit:
+            return
+        old = self.runner.set_pass_limit(request.pass_limit, checked=self.decisions.holds('oom'))
+        self._note('pass_limit', {'old': old, 'new': self.runner.pass_limit})
+
+    def _lr(self, request: protocol.BatchRequest) -> None:
+        """A new LR schedule, then a new scale; the records that caused an LR change get the old and new LR."""
+        old_lr = self.lr.current()
+        if request.lr_schedule is not None:
+            self.lr.set_schedule(request.lr_schedule)
+            self._note('lr_schedule', {'schedule': request.lr_schedule})
+        scaled = request.lr_scale is not None and request.lr_scale != self.lr.scale
+        old_scale = self.lr.scale
+        if scaled:
+            self.lr.set_scale(request.lr_scale)
+        if not (scaled or request.lr_schedule is not None):
+            return
+        new_lr = self.lr.current()
+        self.decisions.complete(changes_lr, {'old_lr': old_lr, 'new_lr': new_lr}, f'lr {old_lr:.4g} -> {new_lr:.4g}')
+        if scaled:
+            self._note('lr_scale', {'old': old_scale, 'new': request.lr_scale, 'old_lr': old_lr, 'new_lr': new_lr})

@@ -1,0 +1,206 @@
+"""The pack's state in checkpoints: written beside HF's files, bound to its checkpoint, checked and restored on resume.
+
+On save, every stateful piece (the integration, the loader of every rank, the callbacks) goes into
+``dynamic_callbacks_state.json`` (:mod:`..state`) with the settings and a binding (run, step, samples seen, dataset
+fingerprint) that HF's ``trainer_state.json`` then records. On resume, the state must belong to the checkpoint, the
+settings must be the same (or each change is recorded under ``allow_config_change``), the dataset must be the same,
+and the loader continues at the next unseen sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterable, Mapping
+
+from .. import distributed
+from ..config import to_mapping
+from ..config.integration import IntegrationConfig
+from ..config.launch import ignore_data_skip_error
+from ..records import DecisionRecord
+from ..state import (BINDING_KEY, STATE_FILE, StateError, binding_entry, build_payload, check_binding, file_digest,
+                     new_run_id, read_state, restore_components, settings_changes, write_state)
+from .decisions import Decisions
+
+CONFIG_FILE = 'dynamic_callbacks_config.json'
+#: settings that do not change what is trained: a resume may change them without ``allow_config_change``
+LOGGING_SETTINGS = ('integration.record_samples', 'integration.log_values', 'integration.fail_fast',
+                    'integration.allow_config_change', 'training_log')
+
+
+class Checkpoints:
+    """Saving and resuming the pack's state for one trainer.
+
+    Args:
+        trainer: the HF / ms-swift trainer (read: ``args``, ``state``, the callbacks' settings).
+        config: the integration settings.
+        pack_config: the whole ``dynamic_callbacks`` section (the snapshot written beside the run).
+        decisions: where its records go.
+
+    State: the run's identity (``run_id``, kept across resumes); while a resume starts, the checkpoint read and
+    its binding.
+    """
+
+    def __init__(self, trainer: Any, config: IntegrationConfig, pack_config: dict[str, Any],
+                 decisions: Decisions) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.pack_config = pack_config
+        self.decisions = decisions
+        self.run_id: str | None = None
+        self.checkpoint: str | None = None  # the checkpoint this run resumes from
+        self.payload: dict[str, Any] | None = None  # its pack state
+        self.binding: dict[str, Any] | None = None  # the resumed state's binding (step, samples, dataset)
+
+    def snapshot_config(self) -> dict[str, Any]:
+        snapshot = dict(self.pack_config)
+        snapshot['integration'] = to_mapping(self.config)
+        return snapshot
+
+    def write_config(self) -> None:
+        """Write the settings of this run beside it (``dynamic_callbacks_config.json``, rank 0)."""
+        if distributed.is_main_process():
+            output_dir = self.trainer.args.output_dir
+            os.makedirs(output_dir, exist_ok=True)
+            with open(os.path.join(output_dir, CONFIG_FILE), 'w', encoding='utf-8') as f:
+                json.dump(self.snapshot_config(), f, indent=1, sort_keys=True, default=str)
+
+    def settings_snapshot(self) -> dict[str, Any]:
+        """Normalised settings of the integration and of every pack callback on the trainer (compared at resume)."""
+        from ..callbacks.base import DynamicCallback
+        snapshot = {'integration': to_mapping(self.config)}
+        for cb in self.trainer.callback_handler.callbacks:
+            if isinstance(cb, DynamicCallback) and dataclasses.is_dataclass(cb.config):
+                snapshot[cb.name] = json.loads(json.dumps(to_mapping(cb.config), default=str))
+        return snapshot
+
+    # ---- resume -------------------------------------------------------------------------------------------
+    def resume(self, resume_from_checkpoint: Any, components: Iterable[Any]) -> None:
+        """At train start: find the checkpoint HF resumes from, check its pack state and restore ``components``
+        (the integration and the callbacks; the loader is restored when it is built, :meth:`restore_loader`)."""
+        checkpoint = resume_from_checkpoint
+        if isinstance(checkpoint, bool):
+            checkpoint = None
+            if resume_from_checkpoint:
+                from transformers.trainer_utils import get_last_checkpoint
+                checkpoint = get_last_checkpoint(self.trainer.args.output_dir)
+        self.checkpoint = checkpoint
+        self.payload = read_state(checkpoint) if checkpoint else None
+        self.run_id = new_run_id()
+        if not checkpoint or self.payload is None:
+            return
+        self._check_state(checkpoint, self.payload)
+        missing = restore_components(list(components), self.payload, source=os.path.join(checkpoint, STATE_FILE))
+        for key in missing:
+            self.decisions.write(DecisionRecord('integration', 'resume', 'new_component', {'state_key': key},
+                                                f'{key} has no state in {checkpoint}; it starts fresh'))
+
+    def _check_state(self, checkpoint: str, payload: Mapping[str, Any]) -> None:
+        """Refuse a state that does not belong to ``checkpoint`` and settings that changed since it was written
+        (unless ``allow_config_change``, then each change is a ``config_change`` record)."""
+        binding = check_binding(checkpoint, payload)
+        if binding is None:
+            self.decisions.write(DecisionRecord(
+                'integration', 'resume', 'unbound', {'checkpoint': os.path.basename(checkpoint)},
+                'the pack state was written by an earlier version (format 1): it is not bound to its checkpoint and '
+                'its settings are not compared'))
+            return
+        self.binding = binding
+        self.run_id = binding.get('run_id') or self.run_id
+        if 'settings' not in payload:
+            return
+        changes = settings_changes(payload['settings'], self.settings_snapshot(), ignore=LOGGING_SETTINGS)
+        if not changes:
+            return
+        listed = '; '.join(f'{k}: {old!r} -> {new!r}' for k, (old, new) in changes.items())
+        if not self.config.allow_config_change:
+            raise StateError(f'the settings changed since {checkpoint} was written ({listed}); the resumed run would '
+                             'silently train otherwise than the saved one. Resume with the same settings, or set '
+                             'dynamic_callbacks.integration.allow_config_change: true to apply the new ones (each '
+                             'change is then recorded)')
+        for key, (old, new) in changes.items():
+            self.decisions.write(DecisionRecord(
+                'integration', 'config_change', 'resume', {'setting': key, 'old': old, 'new': new},
+                f'{key} changed at resume: {old!r} -> {new!r} (allow_config_change)'))
+
+    def restore_loader(self, loader: Any, fingerprint: Mapping[str, Any]) -> None:
+        """Put a freshly built loader at the resumed checkpoint's data position (this rank's)."""
+        checkpoint = self.checkpoint
+        if not checkpoint:
+            return
+        payload = self.payload
+        if payload is not None and loader.state_key in payload['components']:
+            if self.trainer.args.ignore_data_skip:
+                raise ignore_data_skip_error(checkpoint)
+            self._check_same_data(checkpoint, fingerprint)
+            restore_components([loader], {'components': {
+                loader.state_key: _rank_state(payload['components'], loader.state_key)}},
+                source=os.path.join(checkpoint, STATE_FILE))
+            self.decisions.write(DecisionRecord('integration', 'resume', 'checkpoint', {
+                'checkpoint': os.path.basename(checkpoint), 'epoch': loader.epoch, 'position': loader.position,
+                'batch_size': loader.batch_size, 'num_pieces': loader.num_pieces}, 'resumed at the next unseen sample'))
+            return
+        # A checkpoint written without the pack: the batch size never changed, so HF's batch arithmetic holds.
+        state_file = os.path.join(checkpoint, 'trainer_state.json')
+        if self.trainer.args.ignore_data_skip or not os.path.exists(state_file):
+            return
+        with open(state_file, encoding='utf-8') as f:
+            global_step = int(json.load(f).get('global_step', 0))
+        consumed = global_step * loader.batch_size * loader.entries_per_step
+        epoch_size = max(loader.epoch_size, 1) if not getattr(loader, 'streaming', False) else consumed + 1
+        epoch, position = divmod(consumed, epoch_size)
+        for _ in range(epoch):
+            loader.start_next_epoch()
+        loader.position = position
+        loader.samples_seen = consumed
+        self.decisions.write(DecisionRecord(
+            'integration', 'resume', 'no_pack_state',
+            {'global_step': global_step, 'epoch': epoch, 'position': position},
+            f'{checkpoint} has no pack state; position derived from global_step at a constant batch size'))
+
+    def _check_same_data(self, checkpoint: str, now: Mapping[str, Any]) -> None:
+        """Refuse a resume over another training dataset than the one the checkpoint's position counts in."""
+        saved = (self.binding or {}).get('dataset')
+        if not saved:
+            return
+        if saved.get('size') != now['size'] or (saved.get('sha256') and now['sha256']
+                                                  and saved['sha256'] != now['sha256']):
+            what = (f'{saved.get("size")} samples then, {now["size"]} now' if saved.get('size') != now['size'] else
+                    'the same number of samples, other content')
+            raise StateError(f'{checkpoint} was written for another training dataset ({what}): its data position would '
+                             'point at other samples. Resume with the same dataset and preprocessing (dataset files, '
+                             'max_length, dataset_seed, split_dataset_ratio)')
+
+    # ---- save ---------------------------------------------------------------------------------------------
+    def save(self, checkpoint_dir: str, integration: Any, loader: Any, callbacks: Iterable[Any],
+             fingerprint: Mapping[str, Any] | None) -> None:
+        """Write the state of the integration, of every rank's ``loader`` and of the stateful ``callbacks`` into
+        ``checkpoint_dir`` (rank 0), before HF writes the rest of the checkpoint. Collective (the loaders' states are
+        gathered)."""
+        # each rank's data position (its own shard and plan), gathered on every rank before rank 0 writes
+        loader_ranks = distributed.gather_objects(loader.state_dict()) if loader is not None else []
+        if not (self.trainer.args.should_save and distributed.is_main_process()):
+            return
+        components = [integration] + ([loader] if loader is not None else []) + list(callbacks)
+        binding = {'run_id': self.run_id, 'global_step': self.trainer.state.global_step,
+                   'samples_seen': sum(int(state.get('samples_seen', 0)) for state in loader_ranks),
+                   'dataset': fingerprint}
+        payload = build_payload(components, self.snapshot_config(), binding=binding, settings=self.settings_snapshot())
+        if len(loader_ranks) > 1:
+            payload['components'][f'{loader.state_key}.ranks'] = loader_ranks
+        path = write_state(checkpoint_dir, payload)
+        # HF writes trainer_state.json after this: the entry binds the state file to this checkpoint (check_binding)
+        self.trainer.state.stateful_callbacks[BINDING_KEY] = binding_entry(payload, file_digest(path))
+
+
+def _rank_state(components: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """This rank's entry of a per-rank state (``<key>.ranks``, written by several processes), else ``key``'s."""
+    ranks = components.get(f'{key}.ranks')
+    if not ranks:
+        return components[key]
+    if len(ranks) != distributed.world_size():
+        raise StateError(f'the checkpoint was written by {len(ranks)} processes and is resumed by '
+                         f'{distributed.world_size()}: each process\'s data shard and position would change; resume '
+                         'with the same number of processes')
+    return ranks[distributed.rank()]

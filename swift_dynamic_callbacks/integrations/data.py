@@ -1,0 +1,262 @@
+"""The training data: the host's loader becomes the pack's elastic loader (map-style dataset) or stream loader
+(``streaming: true``), with the host's collate function, workers and epoch order; the samples' lengths (read, or
+estimated for a lazily tokenised dataset); the reports of micro-batches and samples over a token budget; the
+per-step sample trace.
+
+Both loaders answer the same calls (``next_step``, ``set_batch_size``, ``set_plan``, ``state_dict``, ...): the
+integration does not ask which one it has, except where a stream has no length (``loader.streaming``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+from .. import distributed
+from ..config import ConfigError
+from ..config.integration import IntegrationConfig
+from ..config.launch import group_by_length_error
+from ..lengths import cache_dir, estimate_lengths, is_lazy, mean_ratio
+from ..loader import ElasticDataLoader
+from ..policies.length import BatchPlan
+from ..records import DecisionRecord
+from ..rows import dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths, row_cost
+from ..state import StateError
+from ..stream_loader import StreamLoader, stream_fingerprint
+from .decisions import Decisions
+
+logger = logging.getLogger('swift_dynamic_callbacks')
+
+SAMPLES_FILE = 'dynamic_samples.rank{rank}.jsonl'
+
+
+def check_supported(trainer: Any) -> None:
+    """Refuse trainer settings under which batches cannot be built exactly once per epoch at a changing size."""
+    args = trainer.args
+    template = getattr(trainer, 'template', None)
+    if getattr(template, 'sequence_parallel_size', 1) > 1:
+        raise ConfigError('sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism '
+                          f'(got {template.sequence_parallel_size}); use 1')
+    if args.dataloader_drop_last:
+        raise ConfigError('dataloader_drop_last: must be false with swift-dynamic-callbacks (every sample is '
+                          'used exactly once per epoch; the last step of an epoch takes what is left)')
+    if args.auto_find_batch_size:
+        raise ConfigError('auto_find_batch_size: must be false with swift-dynamic-callbacks (it restarts '
+                          'training from step 0 on OOM); the pack changes the batch size in place')
+
+
+class DataFeed:
+    """Builds and owns the training loader of one run.
+
+    Args:
+        trainer: the HF / ms-swift trainer (read: ``args``, ``_train_batch_size``, ``train_dataset``).
+        config: the integration settings (``max_steps_unit``, ``stream_window``).
+        decisions: where its records go.
+
+    State: the loader's (key ``integration.data``, saved and restored by the integration); ``estimate_overruns``
+    (micro-batches over the token budget because length estimates were low) is a log figure, not saved.
+    """
+
+    def __init__(self, trainer: Any, config: IntegrationConfig, decisions: Decisions) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.decisions = decisions
+        self.loader: Any = None
+        self.fingerprint: dict[str, Any] | None = None  # the training dataset's (checked against a checkpoint's)
+        self.estimate_overruns = 0
+
+    # ---- building -----------------------------------------------------------------------------------------
+    def build(self, host_loader: Any) -> Any:
+        """Make the elastic (or stream) loader from the host's loader: its dataset, collate function, workers and
+        order. Returns it, at the start of the data (the caller restores a checkpoint's position)."""
+        trainer, args = self.trainer, self.trainer.args
+        # a stream: ms-swift wraps a plain DataLoader in its DataLoaderDispatcher (rank 0 reads, then scatters)
+        host_loader = getattr(host_loader, 'base_dataloader', host_loader)
+        dataset = getattr(host_loader, 'dataset', None)
+        if dataset is None:
+            raise ConfigError('swift-dynamic-callbacks: the trainer\'s training loader has no dataset')
+        loader_kwargs: dict[str, Any] = {
+            'num_workers': host_loader.num_workers,
+            'pin_memory': host_loader.pin_memory,
+            'worker_init_fn': host_loader.worker_init_fn,
+            'timeout': host_loader.timeout,
+        }
+        if host_loader.num_workers > 0:
+            loader_kwargs['persistent_workers'] = host_loader.persistent_workers
+            loader_kwargs['prefetch_factor'] = host_loader.prefetch_factor
+            if host_loader.multiprocessing_context is not None:
+                loader_kwargs['multiprocessing_context'] = host_loader.multiprocessing_context
+        batch_size = int(trainer._train_batch_size)
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, '__len__'):
+            self.loader = self._stream_loader(host_loader, dataset, loader_kwargs, batch_size)
+            self.fingerprint = stream_fingerprint(dataset)
+            return self.loader
+        self.loader = ElasticDataLoader(
+            dataset,
+            host_loader.collate_fn,
+            epoch_order_fn(host_loader, dataset, args),
+            batch_size=batch_size,
+            entries_per_step=args.gradient_accumulation_steps,
+            loader_kwargs=loader_kwargs,
+            lengths=lambda: self.dataset_lengths(dataset),
+            real_tokens=lambda: dataset_real_tokens(dataset))
+        self.fingerprint = dataset_fingerprint(dataset)
+        return self.loader
+
+    def _stream_loader(self, host_loader: Any, dataset: Any, loader_kwargs: dict[str, Any],
+                       batch_size: int) -> StreamLoader:
+        """``streaming: true``: a :class:`~..stream_loader.StreamLoader` over this rank's shard of the stream."""
+        args = self.trainer.args
+        if args.max_steps <= 0:
+            raise ConfigError(f'max_steps: streaming: true needs max_steps > 0 (a stream has no length, so '
+                              f'num_train_epochs cannot be turned into steps); got {args.max_steps}')
+        if self.config.max_steps_unit != 'steps':
+            raise ConfigError(f'dynamic_callbacks.integration.max_steps_unit: {self.config.max_steps_unit} is not '
+                              'supported with streaming: true (a sample budget needs the dataset length); use steps')
+        if host_loader.num_workers > 0:
+            loader_kwargs['prefetch_factor'] = host_loader.prefetch_factor
+        return StreamLoader(dataset, host_loader.collate_fn, batch_size=batch_size,
+                            entries_per_step=args.gradient_accumulation_steps, loader_kwargs=loader_kwargs,
+                            window=self.config.stream_window)
+
+    def dataset_lengths(self, dataset: Any) -> list[int]:
+        """Every sample's cost for a batch plan: the dataset's own lengths, or, for a lazily tokenised dataset, cheap
+        estimates (:mod:`..lengths`; cached beside the dataset, shared by the ranks, refined as rows are encoded),
+        with one ``length_estimate`` record."""
+        if not is_lazy(dataset):
+            return dataset_lengths(dataset)
+        start = time.perf_counter()
+        lengths, info = estimate_lengths(
+            dataset, lambda item, i: row_cost(item_lengths(item, i)),
+            cache=cache_dir(dataset.dataset, os.path.join(self.trainer.args.output_dir, '.sdc_cache')),
+            is_main=distributed.is_main_process(), wait=lambda: distributed.gather_objects(0))
+        if self.loader is not None:
+            self.loader.lengths_estimated = True
+        seconds = round(time.perf_counter() - start, 3)
+        self.decisions.hold(DecisionRecord('integration', 'length_estimate', 'lazy_tokenize', {
+            **info, 'seconds': seconds, 'tokens_per_1000_chars': mean_ratio(info) if 'b' in info else None},
+            f'lazy dataset: lengths of {info["rows"]} rows estimated from their characters ({info["sampled"]} rows '
+            f'encoded{", read from the cache" if info["cached"] else ""}) in {seconds} s; refined as rows are encoded'))
+        return lengths
+
+    def check_same_dataset(self, dataloader: Any) -> None:
+        """``control.new_dataloader`` must iterate the training dataset (only its batch size is taken)."""
+        dataset = getattr(dataloader, 'dataset', None)
+        if dataset is not self.loader.dataset and dataset is not self.trainer.train_dataset:
+            raise ValueError('control.new_dataloader must iterate the trainer\'s training dataset '
+                             f'(got a {type(dataloader).__name__} over {type(dataset).__name__}); the integration '
+                             'only takes its batch size and keeps the epoch order and position')
+
+    # ---- token budgets ------------------------------------------------------------------------------------
+    def estimated_budget(self) -> int | None:
+        """The token budget a micro-batch's real tokens must hold to while its lengths are estimates (a
+        ``token_budget`` plan over a lazily tokenised dataset), else ``None``."""
+        loader = self.loader
+        if loader is None or not getattr(loader, 'lengths_estimated', False) or loader.plan is None or \
+                loader.plan.mode != 'token_budget':
+            return None
+        return loader.plan.max_tokens
+
+    def report_over_budget(self, plan: BatchPlan) -> None:
+        """After a new plan: hold one record for the samples longer than its token budget (each runs alone in its
+        micro-batch). Collective."""
+        loader = self.loader
+        over = sum(distributed.gather_objects(loader.over_budget()), [])
+        if over:
+            longest = max(loader.lengths[i] for i in over)
+            self._over_budget(over, longest, 'sample(s)', plan.max_tokens, hold=True)
+
+    def report_step(self, splittable: bool) -> None:
+        """After a step was drawn: record its micro-batches over the budget because the length estimates were low
+        (``splittable``: they run as several passes within it), and a stream's rows over the budget (collective)."""
+        loader = self.loader
+        over = getattr(loader, 'over_estimates', None) or []
+        if over:
+            loader.over_estimates = []
+        for entry in over:  # each rank records its own (no collective); under several processes the console names them
+            message = (f'micro-batch of {len(entry["indices"])} samples has {entry["padded"]} padded tokens, over '
+                       f'max_tokens={loader.plan.max_tokens} (the length estimates were low); '
+                       + ('it runs as several passes within the budget' if splittable else
+                          'it runs in one pass, over the budget (passes cannot be split here)'))
+            logger.warning(message)
+            self.estimate_overruns += 1
+            self.decisions.hold(DecisionRecord('integration', 'over_estimate', 'split' if splittable else 'warning', {
+                'indices': entry['indices'][:32], 'padded': entry['padded'], 'max_tokens': loader.plan.max_tokens,
+                'rank': distributed.rank()}, message))
+        if getattr(loader, 'streaming', False) and loader.plan is not None:
+            rows, loader.over_budget_rows = loader.over_budget_rows, []
+            over = sum(distributed.gather_objects(rows), [])
+            if over:
+                self._over_budget([k for k, _ in over], max(cost for _, cost in over), 'stream row(s)',
+                                  loader.plan.max_tokens, hold=False, epoch=loader.epoch)
+
+    def _over_budget(self, indices: list[int], longest: int, what: str, max_tokens: int, *, hold: bool,
+                     **extra: Any) -> None:
+        message = (f'{len(indices)} {what} are longer than max_tokens={max_tokens} (longest {longest} tokens); each '
+                   'runs alone in its micro-batch, over the token budget')
+        logger.warning(message)
+        record = DecisionRecord('integration', 'over_budget', 'warning', {
+            'samples': len(indices), 'indices': sorted(indices)[:32], 'longest': longest, 'max_tokens': max_tokens,
+            **extra}, message)
+        (self.decisions.hold if hold else self.decisions.write)(record)
+
+    # ---- the trace ----------------------------------------------------------------------------------------
+    def write_trace(self, step: int, batches: list[list[int]]) -> None:
+        """``record_samples``: append this step's dataset indices to this rank's ``dynamic_samples.rank<R>.jsonl``."""
+        loader, rank = self.loader, distributed.rank()
+        path = os.path.join(self.trainer.args.output_dir, SAMPLES_FILE.format(rank=rank))
+        line = {'step': step, 'epoch': loader.epoch, 'rank': rank, 'batch_size': loader.batch_size,
+                'num_pieces': loader.num_pieces, 'batches': batches}
+        with open(path, 'a', encoding='utf-8') as f:
+            f.write(json.dumps(line) + '\n')
+
+
+def _set_host_epoch(host_loader: Any, epoch: int) -> None:
+    if hasattr(host_loader, 'set_epoch'):
+        host_loader.set_epoch(epoch)
+    inner = getattr(getattr(host_loader, 'batch_sampler', None), 'batch_sampler', None)
+    if hasattr(inner, 'set_epoch'):
+        inner.set_epoch(epoch)
+
+
+def epoch_order_fn(host_loader: Any, dataset: Any, args: Any) -> Callable[[int], list[int]]:
+    """``epoch -> this rank's dataset indices in training order``.
+
+    Single process: the host's own sampler decides (so the order is exactly plain ms-swift's / HF's, including
+    ``group_by_length``). Several processes: a seeded permutation of *all* samples (seed ``data_seed + epoch``,
+    as ms-swift) dealt ``rank::world``, because ms-swift's sampler leaves out ``len % world`` samples per epoch.
+    """
+    world = distributed.world_size()
+    if world == 1:
+
+        def host_order(epoch: int) -> list[int]:
+            _set_host_epoch(host_loader, epoch)
+            sampler = host_loader.batch_sampler if host_loader.batch_sampler is not None else host_loader.sampler
+            order: list[int] = []
+            for item in sampler:
+                order.extend(item if isinstance(item, (list, tuple)) else [item])
+            if sorted(order) != list(range(len(dataset))):
+                raise StateError(f'the host sampler did not yield every index of the {len(dataset)}-sample dataset '
+                                 f'exactly once in epoch {epoch} (got {len(order)} indices)')
+            return order
+
+        return host_order
+    if getattr(args, 'group_by_length', False):
+        raise group_by_length_error(f'world size {world}')
+    rank, n = distributed.rank(), len(dataset)
+    seed = args.data_seed if args.data_seed is not None else 0
+    shuffle = getattr(args, 'train_dataloader_shuffle', True)
+
+    def shard_order(epoch: int) -> list[int]:
+        if not shuffle:
+            return list(range(rank, n, world))
+        generator = torch.Generator()
+        generator.manual_seed(seed + epoch)
+        return torch.randperm(n, generator=generator).tolist()[rank::world]
+
+    return shard_order

@@ -1,0 +1,220 @@
+"""Where HF ``Trainer`` / ms-swift call the pack: the trainer mixin, the internal callback, :func:`install`, and the
+stand-in when the pack is off.
+
+:func:`install` mixes :class:`DynamicTrainerMixin` into the trainer's class (works for ms-swift's
+``Seq2SeqTrainer`` and for a plain ``transformers.Trainer``) and adds :class:`IntegrationCallback`. From then on:
+
+- ``get_train_dataloader`` wraps the host's loader settings (collate function, workers, seed order) into an
+  :class:`~swift_dynamic_callbacks.loader.ElasticDataLoader` that has no fixed length, so HF runs its
+  ``max_steps`` loop (for ``num_train_epochs`` runs, ``max_steps`` is derived from the initial batch size and the
+  epoch budget is enforced by the integration);
+- ``get_batch_samples`` (called by HF once per optimizer step, in every supported transformers version) is
+  the step boundary: it applies and clears the control-flag requests (``protocol``), agreed across ranks,
+  then draws the step's micro-batches from the elastic loader instead of HF's epoch iterator;
+- ``training_step`` runs a micro-batch as one or more forward/backward passes (same ``num_items_in_batch``, so the
+  same gradient) and lets a rank without samples join the others' collectives;
+- ``IntegrationCallback.on_step_end`` ends the HF epoch when the data epoch is used up
+  (``control.should_epoch_stop``), keeps ``state.epoch`` honest and stops at the epoch budget;
+- ``_save_checkpoint`` writes the pack state into the checkpoint first; ``train(resume_from_checkpoint=...)``
+  restores it, so a resumed run continues at the next unseen sample;
+- ``create_scheduler`` builds HF's scheduler for the honest schedule length and wraps it (LR scale and schedule);
+- ``log`` merges the pack's numbers into every training log line and logs the LR the optimizer used in the step
+  (ms-swift reads it after the scheduler stepped, i.e. the next step's).
+
+``_inner_training_loop`` is not overridden. What each hook does is :class:`~.trainer.Integration`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping
+
+from transformers import TrainerCallback
+
+from .. import protocol
+from ..config import ConfigError
+from ..config.integration import IntegrationConfig
+from ..loader import ElasticDataLoader
+from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
+from ..stream_loader import StreamLoader
+from .trainer import Integration, logger
+
+DISABLE_ENV = 'SWIFT_DYNAMIC_CALLBACKS_DISABLE'
+
+
+class IntegrationCallback(TrainerCallback):
+    """Internal callback of the integration.
+
+    Placed first among the trainer's callbacks, so progress bars and HF's stop rule see its ``max_steps``.
+    Hooks: ``on_train_begin`` (marks ``control`` as honoured, sets ``state.max_steps`` for epoch budgets),
+    ``on_step_end`` (epoch end, honest ``state.epoch``, epoch budget), ``on_train_end`` (takes the decision queue;
+    the progress bar's total becomes the steps run).
+    Flags set: ``should_epoch_stop``, ``should_training_stop``. State: none (the integration owns it).
+    """
+
+    def __init__(self, integration: Integration) -> None:
+        self.integration = integration
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        control._sdc_integration = True
+        setattr(control, protocol.FAIL_FAST, self.integration.config.fail_fast)
+        self.integration.refresh_budget('start')
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.integration.after_step(state, control)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.integration.decisions.drain(control)
+        self.integration.budget.sync_progress_bars(state.global_step)  # before the progress callback closes its bar
+
+
+class DynamicTrainerMixin:
+    """Overrides mixed into the trainer's own class by :func:`install` (see the module docstring)."""
+
+    dynamic_integration: Integration
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        _add_integration_callback(self, self.dynamic_integration)
+        self.dynamic_integration.begin_train(resume_from_checkpoint)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.dynamic_integration.end_train()
+
+    def get_train_dataloader(self, *args, **kwargs):
+        # ms-swift passes ``skip_batches`` on resume; the elastic loader resumes from its own state instead.
+        kwargs.pop('skip_batches', None)
+        host_loader = super().get_train_dataloader()
+        return self.dynamic_integration.build_loader(host_loader)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        original = super().get_batch_samples
+        return self.dynamic_integration.next_step(num_batches, device, original)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        num_items = args[0] if args else kwargs.get('num_items_in_batch')
+        run = lambda part: super(DynamicTrainerMixin, self).training_step(model, part, *args, **kwargs)  # noqa: E731
+        return self.dynamic_integration.run_micro_batch(model, inputs, run, num_items)
+
+    # ms-swift + transformers 4.57 build the scheduler through create_optimizer_and_scheduler, which calls HF's
+    # create_scheduler on the class (not this override); 5.x calls create_scheduler. Both paths get the epoch
+    # budget's schedule length and the scalable wrapper.
+    def create_optimizer_and_scheduler(self, num_training_steps, *args, **kwargs):
+        steps = self.dynamic_integration.schedule_length(num_training_steps)
+        result = super().create_optimizer_and_scheduler(steps, *args, **kwargs)
+        self.dynamic_integration.lr.wrap(self.lr_scheduler)
+        return result
+
+    def create_scheduler(self, num_training_steps, *args, **kwargs):
+        steps = self.dynamic_integration.schedule_length(num_training_steps)
+        return self.dynamic_integration.lr.wrap(super().create_scheduler(steps, *args, **kwargs))
+
+    def log(self, logs, *args, **kwargs):
+        self.dynamic_integration.update_logs(logs, self.control)
+        return super().log(logs, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial, *args, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        output_dir = os.path.join(self._get_output_dir(trial=trial),
+                                  f'{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}')
+        self.dynamic_integration.save(output_dir)
+        return super()._save_checkpoint(model, trial, *args, **kwargs)
+
+
+_MIXED_CLASSES: dict[type, type] = {}
+
+
+def _add_integration_callback(trainer: Any, integration: Integration) -> None:
+    callbacks = trainer.callback_handler.callbacks
+    if not any(isinstance(cb, IntegrationCallback) for cb in callbacks):
+        callbacks.insert(0, IntegrationCallback(integration))
+
+
+def _skip_first_batches_patch() -> None:
+    """Make ``transformers.trainer.skip_first_batches`` leave the elastic loader alone on resume.
+
+    HF (and ms-swift's wrapper around it, which delegates loaders it does not know) would otherwise rebuild
+    the loader and skip by batch count; the elastic loader resumes from its saved sample position instead.
+    """
+    import transformers.trainer as hf_trainer
+    original = hf_trainer.skip_first_batches
+    if getattr(original, '_sdc_patched', False):
+        return
+
+    def skip_first_batches(dataloader, num_batches=0):
+        if isinstance(dataloader, (ElasticDataLoader, StreamLoader)):
+            return dataloader
+        return original(dataloader, num_batches)
+
+    skip_first_batches._sdc_patched = True
+    hf_trainer.skip_first_batches = skip_first_batches
+
+
+def pack_disabled(config: IntegrationConfig | None) -> str | None:
+    """Why the whole pack is off (``None`` when it is on): the environment variable or ``enabled: false``."""
+    if os.environ.get(DISABLE_ENV, '').strip().lower() in ('1', 'true', 'yes', 'on'):
+        return f'{DISABLE_ENV}={os.environ[DISABLE_ENV]}'
+    if config is not None and not config.enabled:
+        return 'dynamic_callbacks.integration.enabled: false'
+    return None
+
+
+class PackOffCallback(TrainerCallback):
+    """Stands in for the pack when it is switched off (:func:`pack_disabled`): at train begin it sets
+    ``control.dynamic_disabled`` (pack callbacks' hooks then do nothing), logs one line and writes one
+    ``pack``/``disabled`` record to the decision log (rank 0). Nothing else: the run is the plain trainer's."""
+
+    def __init__(self, why: str, callbacks: Iterable[str] = ()) -> None:
+        self.why = why
+        self.callbacks = list(callbacks)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        setattr(control, protocol.DISABLED, True)
+        control._sdc_integration = True  # no "request not honoured" warning: nothing is requested on purpose
+        listed = f' ({", ".join(self.callbacks)} listed but inactive)' if self.callbacks else ''
+        message = (f'swift-dynamic-callbacks is OFF ({self.why}): no dynamic behaviour{listed}; this is a plain '
+                   'baseline run')
+        logger.warning(message)
+        log = DecisionLog(os.path.join(args.output_dir, DECISIONS_FILE),
+                          enabled=bool(getattr(state, 'is_world_process_zero', True)))
+        log.write(DecisionRecord('integration', 'pack', 'disabled', {'switch': self.why, 'callbacks': self.callbacks},
+                                 message).stamped(step=state.global_step, epoch=float(state.epoch or 0.0),
+                                                  samples_seen=0))
+
+
+def install(trainer: Any, config: IntegrationConfig | None = None,
+            pack_config: Mapping[str, Any] | None = None) -> Integration | None:
+    """Install the integration on ``trainer`` (idempotent) and return it.
+
+    Works on an ms-swift trainer under construction (the pack's callback factories call this) and on a fully
+    built ``transformers.Trainer``: ``install(trainer); trainer.add_callback(cb); trainer.train()``.
+    When the pack is switched off (:func:`pack_disabled`), the trainer is left as it is except for a
+    :class:`PackOffCallback` (pack callbacks added to it do nothing), and ``None`` is returned.
+    """
+    why = pack_disabled(config)
+    if why is not None:
+        callbacks = getattr(getattr(trainer, 'callback_handler', None), 'callbacks', None)
+        if callbacks is not None and not any(isinstance(cb, PackOffCallback) for cb in callbacks):
+            callbacks.insert(0, PackOffCallback(why))
+        return None
+    existing = getattr(trainer, 'dynamic_integration', None)
+    if isinstance(existing, Integration):
+        if config is not None and config != existing.config:
+            raise ConfigError(f'dynamic_callbacks.integration: installed twice with different settings '
+                              f'({existing.config} vs {config})')
+        existing.pack_config.update(pack_config or {})
+        return existing
+    cls = type(trainer)
+    if not issubclass(cls, DynamicTrainerMixin):
+        mixed = _MIXED_CLASSES.get(cls)
+        if mixed is None:
+            mixed = type(f'Dynamic{cls.__name__}', (DynamicTrainerMixin, cls), {'__module__': cls.__module__})
+            _MIXED_CLASSES[cls] = mixed
+        trainer.__class__ = mixed
+    integration = Integration(trainer, config, pack_config)
+    trainer.dynamic_integration = integration
+    _skip_first_batches_patch()
+    if getattr(trainer, 'callback_handler', None) is not None:
+        _add_integration_callback(trainer, integration)
+        trainer.control._sdc_integration = True
+    return integration
