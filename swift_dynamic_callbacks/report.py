@@ -247,8 +247,8 @@ def build_markdown(run: RunData, png_name: str | None = REPORT_PNG) -> str:
     if eval_losses:
         first = f'; first {_fmt(eval_losses[0])} at step {eval_steps[0]}' if len(eval_losses) > 1 else ''
         lines.append(f'- Final eval_loss: {_fmt(eval_losses[-1])} (step {eval_steps[-1]}{first})')
-    for key, label in (('dynamic/batch_size', 'Per-device batch size'), ('dynamic/global_batch_size', 'Global batch size'),
-                       ('learning_rate', 'Learning rate')):
+    for key, label in (('dynamic/batch_size', 'Per-device batch size'),
+                       ('dynamic/global_batch_size', 'Global batch size'), ('learning_rate', 'Learning rate')):
         _, values = series(rows, key)
         if values:
             lines.append(f'- {label}: {_fmt(values[0])} -> {_fmt(values[-1])} (min {_fmt(min(values))}, '

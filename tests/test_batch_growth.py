@@ -19,7 +19,8 @@ from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train
 def test_interval_table():
     sizes = [interval_size(k, initial=1, factor=2, interval=2, maximum=8) for k in range(9)]
     assert sizes == [1, 1, 2, 2, 4, 4, 8, 8, 8]
-    assert [interval_size(k, initial=1, factor=1.5, interval=1, maximum=10) for k in range(7)] == [1, 2, 3, 5, 8, 10, 10]
+    assert [interval_size(k, initial=1, factor=1.5, interval=1, maximum=10) for k in range(7)] == \
+        [1, 2, 3, 5, 8, 10, 10]
     assert [interval_size(k, initial=2, factor=2, interval=3, maximum=32, delay=2) for k in range(9)] == \
         [2, 2, 2, 2, 2, 4, 4, 4, 8]
 
@@ -125,7 +126,8 @@ def test_growth_run_exactly_once_lr_scaled_and_resumable(tmp_path, tiny_llama, g
         assert [row['batches'] for row in sample_trace(resumed)] == [row['batches'] for row in trace]
         resumed_growths = [d for d in decisions(resumed) if d['source'] == 'batch_growth' and d['reason'] == 'interval']
         applied = [d for d in resumed_growths if not d['values'].get('pending')]
-        assert [(d['step'], d['values']['new_lr']) for d in applied] == [(d['step'], d['values']['new_lr']) for d in growths]
+        assert [(d['step'], d['values']['new_lr']) for d in applied] == \
+            [(d['step'], d['values']['new_lr']) for d in growths]
         # the growth decided after the last step of the first run is logged there as pending, then applied once
         assert [(d['step'], d['values']['new']) for d in resumed_growths if d['values'].get('pending')] == [(4, 4)]
         resumed_logs = train_logs(resumed)
@@ -227,7 +229,8 @@ def test_epoch_budget_growth_runs_the_whole_lr_schedule(tmp_path, tiny_llama, gs
         assert all(a > b for a, b in zip(lrs, lrs[1:])) and 0 < lrs[-1] <= 1e-3 / 4  # the decay ends with the data
         # per_device_train_batch_size is 2, so the first plan is 8 steps; the growth's start at 1 makes it 16, then
         # the growths 9 and 7: each time the rest of the schedule is stretched to end with the data
-        stretched = [d['values']['new'] for d in decisions(out) if d['kind'] == 'max_steps' and d['reason'] != 'epoch_budget']
+        stretched = [d['values']['new'] for d in decisions(out)
+                     if d['kind'] == 'max_steps' and d['reason'] != 'epoch_budget']
         assert stretched == [16, 9, 7]
     finally:
         plugin._configured = None

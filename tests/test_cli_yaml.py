@@ -99,7 +99,8 @@ def test_plain_swift_sft_with_plugin_path_and_env_config(tmp_path, tiny_llama, g
     config = _base_config(tiny_llama, gsm8k_16, str(tmp_path / 'out'), 'llama')
     config.update(callbacks=['batch_schedule'], external_plugins=[plugin])
     env = dict(os.environ, SWIFT_DYNAMIC_CALLBACKS_CONFIG=bad)
-    cmd = [sys.executable, '-c', 'from swift.cli.main import cli_main; cli_main()', 'sft', _yaml(tmp_path / 'r.yaml', **config)]
+    cmd = [sys.executable, '-c', 'from swift.cli.main import cli_main; cli_main()', 'sft',
+           _yaml(tmp_path / 'r.yaml', **config)]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode != 0
     assert 'dynamic_callbacks.batch_schedule.schedule[0]: must be >= 1, got -3' in result.stderr

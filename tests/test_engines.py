@@ -43,7 +43,8 @@ def _deepspeed_available() -> bool:
 
 
 def engine_param(name: str):
-    marks = [pytest.mark.skipif(not _deepspeed_available(), reason='deepspeed is not installed (pip install .[deepspeed])')
+    marks = [pytest.mark.skipif(not _deepspeed_available(),
+                                reason='deepspeed is not installed (pip install .[deepspeed])')
              ] if name.startswith('zero') else []
     return pytest.param(name, marks=marks, id=name)
 
@@ -159,7 +160,8 @@ def test_growth_token_budget_lr_schedule_resume_and_early_stop(engine, tmp_path,
 @pytest.mark.parametrize('engine,callbacks,pack,message', [
     pytest.param('fsdp2', ['memory_backoff'], {'memory_backoff': {}}, 'callbacks: memory_backoff: pass_limit is not '
                  'supported under fsdp2', id='fsdp2-memory_backoff'),
-    pytest.param('zero3', ['batch_growth'], {'batch_growth': {'micro_batch_cap': 1}, 'integration': {'oom_recovery': True}},
+    pytest.param('zero3', ['batch_growth'],
+                 {'batch_growth': {'micro_batch_cap': 1}, 'integration': {'oom_recovery': True}},
                  'dynamic_callbacks.batch_growth.micro_batch_cap: pieces is not supported under deepspeed',
                  id='zero3-pieces', marks=pytest.mark.skipif(not _deepspeed_available(), reason='no deepspeed')),
 ])

@@ -1,4 +1,4 @@
-"""A plain ``transformers.Trainer`` (no ms-swift trainer): ``install()`` makes the flags work; without it, one warning."""
+"""A plain ``transformers.Trainer`` (no ms-swift trainer): ``install()`` makes the flags work; without it, a warning."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def _trainer(tiny_llama, gsm8k_16, output_dir, callbacks, **args):
     rows = []
     for line in open(gsm8k_16, encoding='utf-8'):
         messages = json.loads(line)['messages']
-        rows.append({'input_ids': tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)['input_ids']})
+        encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
+        rows.append({'input_ids': encoded['input_ids']})
     torch.manual_seed(0)
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(r=4, target_modules=['q_proj', 'v_proj']))
@@ -76,7 +77,8 @@ def _trainer(tiny_llama, gsm8k_16, output_dir, callbacks, **args):
         use_cpu=True,
         dataloader_num_workers=0,
         **args)
-    trainer = Trainer(model=model, args=targs, train_dataset=_Rows(rows), data_collator=_collate(tokenizer.pad_token_id))
+    trainer = Trainer(model=model, args=targs, train_dataset=_Rows(rows),
+                      data_collator=_collate(tokenizer.pad_token_id))
     for cb in callbacks:
         trainer.add_callback(cb)
     return trainer

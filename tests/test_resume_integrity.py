@@ -70,10 +70,10 @@ def _write_hf(path, step: int, run_id: str, digest: str) -> None:
 
 
 def test_settings_changes_lists_each_changed_setting():
-    old = {'integration': {'record_samples': False, 'oom_recovery': 'auto'}, 'batch_growth': {'interval': 2, 'maximum': 4},
-           'training_log': {'every': 1}}
-    new = {'integration': {'record_samples': True, 'oom_recovery': 'auto'}, 'batch_growth': {'interval': 3, 'maximum': 4},
-           'training_log': {'every': 5}, 'lr_schedule': {'warmup': 2}}
+    old = {'integration': {'record_samples': False, 'oom_recovery': 'auto'},
+           'batch_growth': {'interval': 2, 'maximum': 4}, 'training_log': {'every': 1}}
+    new = {'integration': {'record_samples': True, 'oom_recovery': 'auto'},
+           'batch_growth': {'interval': 3, 'maximum': 4}, 'training_log': {'every': 5}, 'lr_schedule': {'warmup': 2}}
     assert settings_changes(old, new, ignore=('integration.record_samples', 'training_log')) == {
         'batch_growth.interval': [2, 3], 'lr_schedule': [None, {'warmup': 2}]}
     assert settings_changes(old, old) == {}

@@ -113,7 +113,8 @@ def tiny_overrides(model: str, arch: str, dataset: str, output_dir: str) -> dict
     """Swap the real model and data of a shipped config for the tiny ones and make it a few CPU steps."""
     return dict(model=model, **MODEL_FLAGS[arch], use_hf=False, dataset=[dataset], torch_dtype='float32',
                 max_steps=6, split_dataset_ratio=0.25, eval_steps=3, save_steps=3, logging_steps=1,
-                per_device_eval_batch_size=2, gradient_checkpointing=False, gradient_accumulation_steps=1, dataloader_num_workers=0,
+                per_device_eval_batch_size=2, gradient_checkpointing=False, gradient_accumulation_steps=1,
+                dataloader_num_workers=0,
                 report_to=['none'], check_model=False, add_version=False, dataset_num_proc=1, max_length=1024,
                 output_dir=output_dir, external_plugins=[], dataloader_pin_memory=False)
 

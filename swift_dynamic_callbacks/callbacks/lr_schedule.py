@@ -75,7 +75,8 @@ class LRScheduleCallback(DynamicCallback):
         message = (f'warmup {self.config.warmup}, hold {self.config.hold}, cosine to x{self.config.min_ratio}; '
                    f'replaces the shape of lr_scheduler_type={replaced["lr_scheduler_type"]}')
         if replaced['warmup_steps'] or replaced['warmup_ratio']:
-            message += f' and its warmup (warmup_steps={replaced["warmup_steps"]}, warmup_ratio={replaced["warmup_ratio"]})'
+            message += (f' and its warmup (warmup_steps={replaced["warmup_steps"]}, '
+                        f'warmup_ratio={replaced["warmup_ratio"]})')
             logger.warning('lr_schedule: %s', message)
         protocol.record_decision(
             control, DecisionRecord(self.name, 'lr_schedule', 'start', {**self.schedule(), 'replaced': replaced},

@@ -185,8 +185,8 @@ class TrainingLogCallback(DynamicCallback):
                 line['tokens_per_s'] = round((tokens - self._mark[2]) / elapsed, 2)
             elif tokens > 0:  # first line after the start: the integration's rate since its previous log line
                 line['tokens_per_s'] = _number(logs.get('dynamic/tokens_per_s'))
-        line['dynamic'] = {k: v for k, v in logs.items()
-                           if k.startswith('dynamic/') and not k.startswith('dynamic/memory_') and _number(v) is not None}
+        line['dynamic'] = {k: v for k, v in logs.items() if k.startswith('dynamic/')
+                           and not k.startswith('dynamic/memory_') and _number(v) is not None}
         line['memory'] = dict(self.memory)
         self._mark = (now, samples, tokens)
         self._write(args, state, line)

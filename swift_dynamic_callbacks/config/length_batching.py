@@ -85,8 +85,9 @@ class LengthBatchingConfig(Settings):
 
     def cross_checks(self) -> None:
         if self.splits_passes and self.bucketing:
-            raise ConfigError('bucketing: split: passes keeps the micro-batches as the host draws them (only the passes '
-                              'are cut), so bucketing does not apply; set bucketing: false, or split: micro_batches')
+            raise ConfigError('bucketing: split: passes keeps the micro-batches as the host draws them (only the '
+                              'passes are cut), so bucketing does not apply; set bucketing: false, or split: '
+                              'micro_batches')
 
     def pass_limit(self) -> dict[str, Any]:
         """The pass limit ``split: passes`` requests: ``{'tokens': max_tokens}`` (token_budget) or, for rules,
