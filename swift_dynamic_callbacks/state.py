@@ -164,10 +164,19 @@ def read_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The payload of a checkpoint, or ``None`` when the checkpoint was written without the pack.
 
     Raises:
-        StateError: the file exists but is not a valid pack state.
+        StateError: the file exists but is not a valid pack state, or it is missing while the checkpoint's
+            ``trainer_state.json`` says the pack wrote one (resumed without it, samples would be skipped or repeated).
     """
     path = os.path.join(checkpoint_dir, STATE_FILE)
     if not os.path.exists(path):
+        if _names_pack_state(checkpoint_dir):
+            raise StateError(
+                f'{path} is missing, but {os.path.join(checkpoint_dir, "trainer_state.json")} names the pack state '
+                f'({BINDING_KEY} under stateful_callbacks): the checkpoint was written with the pack and its data '
+                'position, batch size and callback states are in that file. Restore the file from a copy of the '
+                f'checkpoint; to resume anyway on purpose, delete the {BINDING_KEY} entry from trainer_state.json: '
+                'the run then resumes like a plain checkpoint (position from global_step at the current batch size, '
+                'exact only if the batch size never changed; callbacks start fresh)')
         return None
     try:
         with open(path, encoding='utf-8') as f:
@@ -178,6 +187,16 @@ def read_state(checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
             payload.get('components'), dict):
         raise StateError(f'{path} is not a swift-dynamic-callbacks state file of format {FORMAT_VERSION}')
     return payload
+
+
+def _names_pack_state(checkpoint_dir: str | os.PathLike) -> bool:
+    """Whether the checkpoint's ``trainer_state.json`` has the pack's entry (written with every pack state)."""
+    try:
+        with open(os.path.join(checkpoint_dir, 'trainer_state.json'), encoding='utf-8') as f:
+            hf_state = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(hf_state, dict) and BINDING_KEY in (hf_state.get('stateful_callbacks') or {})
 
 
 def restore_components(components: Iterable[Stateful], payload: Mapping[str, Any], *, source: str = STATE_FILE

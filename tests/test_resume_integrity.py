@@ -17,7 +17,8 @@ import pytest
 from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.integrations import swift as plugin
 from swift_dynamic_callbacks.state import (BINDING_KEY, STATE_FILE, StateError, build_payload, check_binding,
-                                           file_digest, restore_components, settings_changes, write_state)
+                                           file_digest, read_state, restore_components, settings_changes,
+                                           write_state)
 from swift_runs import decisions, run_sft
 
 GROWTH = {'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4}
@@ -174,3 +175,31 @@ def test_ignore_data_skip_is_refused_with_the_packs_state(saved_run, tmp_path, t
     start, never silently resumed at the next unseen sample."""
     with pytest.raises(ConfigError, match=r'ignore_data_skip: true cannot be honoured when resuming from .*-4'):
         _resume(tiny_llama, gsm8k_16, saved_run, str(tmp_path / 'skip'), 'checkpoint-4', ignore_data_skip=True)
+
+
+def test_a_missing_state_file_is_refused_when_trainer_state_names_it(tmp_path):
+    """A checkpoint whose trainer_state.json names the pack state but whose state file is gone is refused (naming the
+    file and how to resume anyway); a checkpoint written without the pack still reads as ``None``."""
+    (tmp_path / 'trainer_state.json').write_text(json.dumps(
+        {'global_step': 4, 'stateful_callbacks': {BINDING_KEY: {'attributes': {'run_id': 'r'}}}}))
+    with pytest.raises(StateError, match=rf'{STATE_FILE} is missing.*delete the {BINDING_KEY} entry'):
+        read_state(tmp_path)
+    (tmp_path / 'trainer_state.json').write_text(json.dumps({'global_step': 4, 'stateful_callbacks': {}}))
+    assert read_state(tmp_path) is None
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_without_its_state_file_is_refused(saved_run, tmp_path, tiny_llama, gsm8k_16):
+    """Measured before: a pack checkpoint without dynamic_callbacks_state.json resumed by step arithmetic and trained
+    samples twice. Now refused at start; with the entry removed from trainer_state.json it resumes on purpose."""
+    target = str(tmp_path / 'missing')
+    shutil.copytree(saved_run, target)
+    os.remove(os.path.join(target, 'checkpoint-4', STATE_FILE))
+    with pytest.raises(StateError, match=f'{STATE_FILE} is missing'):
+        _resume(tiny_llama, gsm8k_16, target, str(tmp_path / 'resumed'), 'checkpoint-4')
+    hf_file = os.path.join(target, 'checkpoint-4', 'trainer_state.json')
+    hf = json.loads(open(hf_file).read())
+    del hf['stateful_callbacks'][BINDING_KEY]
+    open(hf_file, 'w').write(json.dumps(hf))
+    out = _resume(tiny_llama, gsm8k_16, target, str(tmp_path / 'on_purpose'), 'checkpoint-4')
+    assert [d['reason'] for d in decisions(out) if d['kind'] == 'resume'][-1] == 'no_pack_state'
