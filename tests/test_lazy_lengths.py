@@ -108,11 +108,20 @@ def test_loader_refines_estimates_and_notes_micro_batches_over_the_budget():
 
 
 @pytest.mark.e2e
-def test_swift_sft_lazy_length_batching(tmp_path, tiny_llama, fixture_dir):
+def test_swift_sft_lazy_length_batching(tmp_path, tiny_llama, fixture_dir, monkeypatch):
     """``lazy_tokenize: true`` + length_batching: one ``length_estimate`` record, a sample encoded (not every row),
-    every row once, and no micro-batch over the budget on real tokens unless an ``over_estimate`` record says it ran
-    as passes within it."""
+    every row once, and no micro-batch over the budget on real tokens (the collated ``input_ids``) unless an
+    ``over_estimate`` record says it ran as passes within it."""
     import swift_dynamic_callbacks as sdc
+    drawn = []  # (indices, padded tokens of the collated micro-batch)
+    next_step = ElasticDataLoader.next_step
+
+    def traced(self, entries):
+        pairs = next_step(self, entries)
+        drawn.extend((list(indices), batch['input_ids'].numel()) for indices, batch in pairs if indices)
+        return pairs
+
+    monkeypatch.setattr(ElasticDataLoader, 'next_step', traced)
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
     from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
@@ -132,3 +141,6 @@ def test_swift_sft_lazy_length_batching(tmp_path, tiny_llama, fixture_dir):
     overruns = [d for d in records if d['kind'] == 'over_estimate']
     assert logs[-1]['dynamic/estimate_overruns'] == len(overruns)
     assert all(d['reason'] == 'split' for d in overruns)
+    recorded = {tuple(d['values']['indices']) for d in overruns}
+    over = [(indices, padded) for indices, padded in drawn if len(indices) > 1 and padded > 600]
+    assert drawn and all(tuple(indices[:32]) in recorded for indices, _ in over), over
