@@ -35,7 +35,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import distributed
 from .policies import length as length_policy
-from .policies.data_plan import epoch_steps, step_sizes, steps_to_budget
+from .policies.data_plan import epoch_steps, step_sizes, steps_in_epoch, steps_to_budget
+from .loader_state import LoaderState
 from .rows import item_lengths, row_cost
 
 
@@ -105,7 +106,7 @@ class _PlannedBatchSampler:
                    for s in sizes if s)
 
 
-class ElasticDataLoader:
+class ElasticDataLoader(LoaderState):
     """Training loader whose per-device batch size can change at any optimizer-step boundary.
 
     Args:
@@ -121,9 +122,11 @@ class ElasticDataLoader:
             called once after ``lengths``; only for the logged padding. ``None``: the lengths.
 
     State (``state_dict``): ``epoch``, ``position`` (samples of this rank's epoch shard consumed),
-    ``batch_size``, ``num_pieces``, ``samples_seen`` (this rank, all epochs); with a batch plan also ``plan``,
-    ``order_plan`` (the plan that laid out the current epoch's order) and ``plan_sizes`` (the micro-batch sizes
-    left in the epoch, run-length encoded).
+    ``batch_size``, ``num_pieces``, ``entries_per_step``, ``samples_seen`` (this rank, all epochs), ``rest`` (this
+    rank's unconsumed samples of the epoch, packed: what a resume on another number of processes re-deals); with a
+    batch plan also ``plan``, ``order_plan`` (the plan that laid out the current epoch's order) and ``plan_sizes``
+    (the micro-batch sizes left in the epoch, run-length encoded); after such a re-deal, ``redealt`` (the epoch's
+    samples consumed before it, how many it dealt, over how many processes).
     """
 
     state_key = 'integration.data'
@@ -155,7 +158,11 @@ class ElasticDataLoader:
         # rank whose shard is a sample short runs its last step with fewer samples, or as placeholders only
         # (``padding`` counts the samples it lacked). Without a batch plan; a plan agrees its own step counts.
         self._span = max(distributed.gather_objects(len(self._order)))
+        self._full_span, self._full_len = self._span, len(self._order)  # of an epoch that was not re-dealt
         self._padding = 0
+        #: the current epoch was re-dealt at a resume on another number of processes (:meth:`resume_from_rests`):
+        #: ``consumed`` (samples of the epoch before it, all ranks), ``dealt`` (samples it dealt), ``world``
+        self.redealt: dict[str, int] | None = None
         self._lengths_fn = lengths
         self._lengths: list[int] | None = None
         self._real_fn = real_tokens
@@ -215,8 +222,8 @@ class ElasticDataLoader:
     # ---- position ----------------------------------------------------------------------------------
     @property
     def epoch_size(self) -> int:
-        """Samples of the epoch as steps count them: the largest rank's shard (this rank's own without peers)."""
-        return self._span if self.plan is None else len(self._order)
+        """Samples of a whole epoch as steps count them: the largest rank's shard (this rank's own without peers)."""
+        return self._full_span if self.plan is None else self._full_len
 
     @property
     def remaining(self) -> int:
@@ -231,15 +238,27 @@ class ElasticDataLoader:
     @property
     def epoch_progress(self) -> float:
         """Data epochs done, fractional (``epoch + position / epoch_size``; the same on every rank)."""
+        return self.epoch + self.coverage
+
+    @property
+    def coverage(self) -> float:
+        """The fraction of the current epoch's data used (a re-dealt epoch counts what was used before it)."""
         if self.plan is None:
-            return self.epoch + ((self.position + self._padding) / self._span if self._span else 1.0)
-        if self.epoch_complete or not self._order:
-            return self.epoch + 1.0
-        return self.epoch + min(self.position / len(self._order), 1.0 - 1e-6)  # not done while steps are left
+            done = (self.position + self._padding) / self._span if self._span else 1.0
+        elif self.epoch_complete or not self._order:
+            done = 1.0
+        else:
+            done = min(self.position / len(self._order), 1.0 - 1e-6)  # not done while steps are left
+        if self.redealt is None:
+            return done
+        total = max(len(self.dataset), 1)
+        covered = (self.redealt['consumed'] + done * self.redealt['dealt']) / total
+        return covered if done >= 1.0 else min(covered, 1.0 - 1e-6)
 
     def start_next_epoch(self) -> None:
         self.epoch += 1
         self.position = self._padding = 0
+        self._span, self.redealt = self._full_span, None
         self._order_plan = self.plan if self.plan is not None and self.plan.bucketing else None
         self._order, self._chunks = self._layout(self.epoch, self._order_plan)
         self._needs_epoch_seed = True
@@ -372,10 +391,32 @@ class ElasticDataLoader:
         """
         entries = self.entries_per_step
         if self.plan is None:
+            if self.redealt is not None:
+                steps = self._redealt_steps(budget_epochs, self._span, self.position + self._padding,
+                                            lambda samples: steps_in_epoch(samples, self.batch_size, entries))
+                if budget_epochs < self.epoch + 1 - 1e-9:
+                    return steps
+                return steps + steps_to_budget(self.epoch + 1, 0, self.epoch_size, budget_epochs, self.batch_size,
+                                               entries)
             return steps_to_budget(self.epoch, self.position + self._padding, self.epoch_size, budget_epochs,
                                    self.batch_size, entries)
         epoch_size = max(self.epoch_size, 1)
         epoch, position, sizes, steps = self.epoch, self.position, list(self._sizes), 0
+        if self.redealt is not None:  # the rest of the re-dealt epoch, then whole epochs as below
+
+            def planned(target: int) -> int:
+                count, taken = 0, 0
+                for size in sizes:
+                    if taken >= target:
+                        break
+                    taken += size
+                    count += 1
+                return length_policy.steps_for(count, entries)
+
+            steps = self._redealt_steps(budget_epochs, len(self._order), self.position, planned)
+            if budget_epochs < self.epoch + 1 - 1e-9:
+                return max(distributed.gather_objects(steps))
+            position = epoch_size
         while epoch + position / epoch_size < budget_epochs - 1e-9:
             if position >= epoch_size:
                 epoch += 1
@@ -397,6 +438,15 @@ class ElasticDataLoader:
                 break
             position = epoch_size
         return max(distributed.gather_objects(steps))  # the ranks' plans differ: the most any rank needs
+
+    def _redealt_steps(self, budget_epochs: float, size: int, done: int, steps_for: Callable[[int], int]) -> int:
+        """Steps left in a re-dealt epoch (``size`` samples on this rank, ``done`` used) to reach the budget:
+        ``steps_for(samples still to draw)``."""
+        target = size
+        if budget_epochs < self.epoch + 1 - 1e-9:  # the budget ends inside this epoch
+            need = -(-round((budget_epochs - self.epoch) * len(self.dataset) * 1e9) // 10**9) - self.redealt['consumed']
+            target = min(size, -(-max(need, 0) * size // max(self.redealt['dealt'], 1)))
+        return steps_for(max(target - done, 0))
 
     def _restart(self) -> None:
         """Drop the running iterator (and whatever its workers prefetched); the next draw starts at ``position``."""
@@ -455,47 +505,3 @@ class ElasticDataLoader:
         if self.epoch_complete:
             self._iterator = None
         return out
-
-    # ---- state -------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        state = {
-            'epoch': self.epoch,
-            'position': self.position,
-            'batch_size': self.batch_size,
-            'num_pieces': self.num_pieces,
-            'samples_seen': self.samples_seen,
-            'epoch_size': len(self._order),
-        }
-        if self._padding:
-            state['padding'] = self._padding
-        if self.plan is not None:
-            state['plan'] = self.plan.to_json()
-            state['order_plan'] = self._order_plan.to_json() if self._order_plan is not None else None
-            state['plan_sizes'] = length_policy.run_length(self._sizes)
-            state['plan_steps'] = self._plan_steps
-        return state
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        from .state import StateError
-        epoch, position = int(state['epoch']), int(state['position'])
-        plan = length_policy.BatchPlan.from_json(state['plan']) if state.get('plan') else None
-        order_plan = length_policy.BatchPlan.from_json(state['order_plan']) if state.get('order_plan') else None
-        order, chunks = self._layout(epoch, order_plan)
-        if int(state.get('epoch_size', len(order))) != len(order):
-            raise StateError(f'the checkpoint was written for an epoch of {state["epoch_size"]} samples on this rank, '
-                             f'but the training dataset now gives {len(order)}; resume with the same dataset')
-        if not 0 <= position <= len(order):
-            raise StateError(f'corrupt loader state: position {position} outside the epoch of {len(order)} samples')
-        sizes = length_policy.from_run_length(state.get('plan_sizes', [])) if plan is not None else []
-        if plan is not None and sum(sizes) != len(order) - position:
-            raise StateError(f'corrupt loader state: planned micro-batches hold {sum(sizes)} samples, but '
-                             f'{len(order) - position} are left in the epoch')
-        self.epoch, self._order, self.position = epoch, order, position
-        self.plan, self._order_plan, self._chunks, self._sizes = plan, order_plan, chunks, sizes
-        self._plan_steps = int(state.get('plan_steps', length_policy.steps_for(len(sizes), self.entries_per_step)))
-        self._needs_epoch_seed = True
-        self.batch_size = int(state['batch_size'])
-        self.num_pieces = int(state.get('num_pieces', 1))
-        self.samples_seen = int(state.get('samples_seen', 0))
-        self._padding = int(state.get('padding', 0))
-        self._restart()

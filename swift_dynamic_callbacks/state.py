@@ -16,11 +16,15 @@ The settings it was written with are compared too (:func:`settings_changes`).
 
 from __future__ import annotations
 
+import array
+import base64
 import hashlib
 import json
 import os
+import sys
 import uuid
-from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+import zlib
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from .errors import StateError
 
@@ -225,3 +229,29 @@ def restore_components(components: Iterable[Stateful], payload: Mapping[str, Any
             raise StateError(f'{source}: {component.state_key}: {what} (a corrupt or edited state file; resume '
                              'from an intact checkpoint)') from e
     return missing
+
+
+def pack_indices(indices: Sequence[int]) -> str:
+    """A list of dataset indices as compact text for a state file (zlib-compressed little-endian uint32, base64)."""
+    values = array.array('I', indices)
+    if sys.byteorder == 'big':
+        values.byteswap()
+    return base64.b64encode(zlib.compress(values.tobytes(), 6)).decode('ascii')
+
+
+def unpack_indices(text: str) -> list[int]:
+    """The indices :func:`pack_indices` wrote.
+
+    Raises:
+        StateError: the text is not such a list."""
+    try:
+        data = zlib.decompress(base64.b64decode(text.encode('ascii'), validate=True))
+    except (ValueError, zlib.error, AttributeError) as e:
+        raise StateError(f'corrupt index list in the pack state: {e}') from e
+    if len(data) % 4:
+        raise StateError(f'corrupt index list in the pack state: {len(data)} bytes is not a whole number of indices')
+    values = array.array('I')
+    values.frombytes(data)
+    if sys.byteorder == 'big':
+        values.byteswap()
+    return values.tolist()

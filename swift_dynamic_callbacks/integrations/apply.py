@@ -15,6 +15,7 @@ from ..policies.length import BatchPlan, padding_fraction
 from ..records import DecisionRecord
 from .data import DataFeed
 from .decisions import Decisions
+from .layout import Layout
 from .lr import LRControl
 from .metrics import global_batch_size
 from .requests import changes_lr
@@ -33,10 +34,12 @@ class RequestApplier:
         lr: owns the LR scale and schedule.
         decisions: the records.
         refresh_budget: ``reason -> None``: the step budget after a change of the batch size or plan.
+        layout: converts requested per-device sizes to the current layout (a resume on another world size).
     """
 
     def __init__(self, feed: DataFeed, runner: StepRunner, lr: LRControl, decisions: Decisions,
-                 refresh_budget: Callable[[str], None]) -> None:
+                 refresh_budget: Callable[[str], None], layout: Layout) -> None:
+        self.layout = layout
         self.feed = feed
         self.runner = runner
         self.lr = lr
@@ -52,15 +55,21 @@ class RequestApplier:
             self.decisions.write(DecisionRecord('control_flags', field, reason, dict(values)))
 
     def _batch_size(self, request: protocol.BatchRequest) -> None:
+        """A per-device size in the run's reference layout, converted to the current one (:mod:`.layout`)."""
         loader = self.feed.loader
-        if request.batch_size is None or request.batch_size == loader.batch_size:
+        if request.batch_size is None:
+            return
+        size, exact = self.layout.per_device(request.batch_size)
+        if size == loader.batch_size:
             return
         old = loader.batch_size
-        loader.set_batch_size(request.batch_size)
+        loader.set_batch_size(size)
         self.refresh_budget('batch_size')
-        self._note('batch_size',
-                   {'old': old, 'new': request.batch_size, 'global_batch_size': global_batch_size(loader)},
-                   'new_dataloader' if request.via_dataloader else 'request')
+        values = {'old': old, 'new': size, 'global_batch_size': global_batch_size(loader)}
+        if self.layout.changed:
+            values.update(requested=request.batch_size, global_batch_kept=exact)
+            self.decisions.complete(lambda r: r.kind == 'batch_size', values)
+        self._note('batch_size', values, 'new_dataloader' if request.via_dataloader else 'request')
 
     def _batch_plan(self, request: protocol.BatchRequest) -> None:
         """Hand the plan to the loader and add what it plans for the rest of the epoch to the plan's record."""

@@ -36,6 +36,8 @@ class StepBudget:
         self.epoch_budget: float | None = None  # num_train_epochs (or a sample budget as epochs of data)
         self.reason = 'epoch_budget'
         self.scheduler_steps: int | None = None  # the LR schedule's length in budget runs
+        #: the schedule's length a resumed checkpoint saved: the LR by step stays the saved run's, whatever layout
+        self.saved_scheduler_steps: int | None = None
         self._user_max_steps: int | None = None
 
     def begin(self) -> None:
@@ -74,6 +76,8 @@ class StepBudget:
         self.epoch_budget = epochs
         self.reason = reason
         self.scheduler_steps = steps_to_budget(0, 0, loader.epoch_size, epochs, batch_size, entries)
+        if self.saved_scheduler_steps is not None:
+            self.scheduler_steps = int(self.saved_scheduler_steps)
         values = {'num_train_epochs': epochs, 'max_steps': self.scheduler_steps}
         if reason == 'sample_budget':
             values = {'budget_samples': budget_samples, 'epochs': epochs, 'max_steps': self.scheduler_steps}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any, Iterable, Mapping
 
@@ -18,10 +19,14 @@ from .. import distributed
 from ..config import to_mapping
 from ..config.integration import IntegrationConfig
 from ..config.launch import ignore_data_skip_error
+from ..policies.data_plan import per_device_batch
 from ..records import DecisionRecord
 from ..state import (BINDING_KEY, STATE_FILE, StateError, binding_entry, build_payload, check_binding, file_digest,
                      new_run_id, read_state, restore_components, settings_changes, write_state)
 from .decisions import Decisions
+from .layout import Layout
+
+logger = logging.getLogger('swift_dynamic_callbacks')
 
 CONFIG_FILE = 'dynamic_callbacks_config.json'
 #: settings that do not change what is trained: a resume may change them without ``allow_config_change``
@@ -124,8 +129,10 @@ class Checkpoints:
                 'integration', 'config_change', 'resume', {'setting': key, 'old': old, 'new': new},
                 f'{key} changed at resume: {old!r} -> {new!r} (allow_config_change)'))
 
-    def restore_loader(self, loader: Any, fingerprint: Mapping[str, Any]) -> None:
-        """Put a freshly built loader at the resumed checkpoint's data position (this rank's)."""
+    def restore_loader(self, loader: Any, fingerprint: Mapping[str, Any], layout: Layout) -> None:
+        """Put a freshly built loader at the resumed checkpoint's data position (this rank's); on another number of
+        processes or another ``gradient_accumulation_steps``, the samples left in the epoch re-dealt
+        (:meth:`_redeal`)."""
         checkpoint = self.checkpoint
         if not checkpoint:
             return
@@ -134,9 +141,11 @@ class Checkpoints:
             if self.trainer.args.ignore_data_skip:
                 raise ignore_data_skip_error(checkpoint)
             self._check_same_data(checkpoint, fingerprint)
-            restore_components([loader], {'components': {
-                loader.state_key: _rank_state(payload['components'], loader.state_key)}},
-                source=os.path.join(checkpoint, STATE_FILE))
+            states = _rank_states(payload['components'], loader.state_key)
+            if self._redeal(loader, states, layout):
+                return
+            restore_components([loader], {'components': {loader.state_key: states[distributed.rank()]}},
+                               source=os.path.join(checkpoint, STATE_FILE))
             self.decisions.write(DecisionRecord('integration', 'resume', 'checkpoint', {
                 'checkpoint': os.path.basename(checkpoint), 'epoch': loader.epoch, 'position': loader.position,
                 'batch_size': loader.batch_size, 'num_pieces': loader.num_pieces}, 'resumed at the next unseen sample'))
@@ -158,6 +167,47 @@ class Checkpoints:
             'integration', 'resume', 'no_pack_state',
             {'global_step': global_step, 'epoch': epoch, 'position': position},
             f'{checkpoint} has no pack state; position derived from global_step at a constant batch size'))
+
+    def _redeal(self, loader: Any, states: list[Mapping[str, Any]], layout: Layout) -> bool:
+        """Resume ``loader`` from every saved rank's rest of the epoch when the layout changed (processes, micro-batches
+        a step) or the epoch was re-dealt before; keep the global batch. Returns whether it did; writes the
+        ``elastic_resume`` record."""
+        world, entries = distributed.world_size(), loader.entries_per_step
+        old_world = len(states)
+        old_entries = int(states[0].get('entries_per_step', entries))
+        if (old_world, old_entries) == (world, entries) and not states[0].get('redealt'):
+            return False
+        source = os.path.join(self.checkpoint, STATE_FILE)
+        if getattr(loader, 'streaming', False):
+            raise StateError(f'{source} was written by {old_world} processes and is resumed by {world}: a stream is '
+                             'read rank::world, so its position cannot be re-dealt; resume a streaming run with the '
+                             'same number of processes')
+        if layout.world is None:  # a checkpoint from before the layout was saved: the one it was written in
+            layout.world, layout.entries = old_world, old_entries
+        old_batch = int(states[0]['batch_size'])
+        global_batch = old_batch * old_entries * old_world
+        batch_size, exact = per_device_batch(global_batch, world, entries)
+        try:
+            dealt = loader.resume_from_rests(states, rank=distributed.rank(), world=world, batch_size=batch_size)
+        except StateError as e:
+            raise StateError(f'{source}: {e}') from e
+        if (old_world, old_entries) == (world, entries):
+            return True  # an epoch re-dealt at an earlier resume, resumed as it was saved: nothing new to record
+        kept = 'kept' if exact else f'not divisible: {batch_size * entries * world} samples a step now'
+        message = (f'resumed on {world} process(es) with {entries} micro-batches a step from a checkpoint of '
+                   f'{old_world} with {old_entries}: the {dealt["left_in_epoch"]} samples left in epoch '
+                   f'{dealt["epoch"]} re-dealt rank::{world} (none repeated or skipped); per-device batch '
+                   f'{old_batch} -> {batch_size}, global batch {global_batch} {kept}')
+        if not exact:
+            logger.warning('swift-dynamic-callbacks: %s', message)
+        self.decisions.write(DecisionRecord('integration', 'elastic_resume', 'layout', {
+            'checkpoint': os.path.basename(self.checkpoint), 'old_world': old_world, 'new_world': world,
+            'old_entries': old_entries, 'new_entries': entries, 'old_batch_size': old_batch,
+            'new_batch_size': batch_size, 'old_global_batch': global_batch,
+            'new_global_batch': batch_size * entries * world, 'global_batch_kept': exact,
+            'samples_seen': sum(int(s.get('samples_seen', 0)) for s in states), **dealt,
+            'dealt': 'the ranks\' unconsumed samples interleaved in their order, dealt rank::world'}, message))
+        return True
 
     def _check_same_data(self, checkpoint: str, now: Mapping[str, Any]) -> None:
         """Refuse a resume over another training dataset than the one the checkpoint's position counts in."""
@@ -194,13 +244,6 @@ class Checkpoints:
         self.trainer.state.stateful_callbacks[BINDING_KEY] = binding_entry(payload, file_digest(path))
 
 
-def _rank_state(components: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    """This rank's entry of a per-rank state (``<key>.ranks``, written by several processes), else ``key``'s."""
-    ranks = components.get(f'{key}.ranks')
-    if not ranks:
-        return components[key]
-    if len(ranks) != distributed.world_size():
-        raise StateError(f'the checkpoint was written by {len(ranks)} processes and is resumed by '
-                         f'{distributed.world_size()}: each process\'s data shard and position would change; resume '
-                         'with the same number of processes')
-    return ranks[distributed.rank()]
+def _rank_states(components: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
+    """Every saved rank's entry of a per-rank state (``<key>.ranks``: several processes), else ``[key's entry]``."""
+    return list(components.get(f'{key}.ranks') or [components[key]])

@@ -32,6 +32,7 @@ from .checkpoint import Checkpoints
 from .data import DataFeed, check_supported
 from .decisions import Decisions
 from .engines import Engine
+from .layout import Layout
 from .lr import LRControl
 from .metrics import Metrics
 from .requests import agree_step, load_replay, request_to_json, set_request
@@ -49,8 +50,9 @@ class Integration:
 
     State (key ``integration``): the requests still pending on ``control`` when the checkpoint was written (e.g. made
     in ``on_step_end`` of the saved step) with the decision records that go with them (set again on resume, applied
-    and written at the first step), the pass limit, the OOM count and the tokens seen. The loader's state is saved
-    under ``integration.data``. The epoch budget and the schedule length are derived from the arguments again; the
+    and written at the first step), the pass limit, the OOM count, the tokens seen, the run's reference layout and
+    the LR schedule's length. The loader's state is saved under ``integration.data``. The epoch budget and the
+    schedule length are derived from the arguments again (the saved length is used when the layout changed); the
     LR scale is in ``scheduler.pt``.
     """
 
@@ -68,7 +70,9 @@ class Integration:
         self.runner = StepRunner(trainer, Engine(trainer), oom_recovery=False, single_sample_retries=0)
         self.metrics = Metrics(self.config)
         self.checkpoints = Checkpoints(trainer, self.config, self.pack_config, self.decisions)
-        self.applier = RequestApplier(self.feed, self.runner, self.lr, self.decisions, self.refresh_budget)
+        self.layout = Layout()
+        self.applier = RequestApplier(self.feed, self.runner, self.lr, self.decisions, self.refresh_budget,
+                                      self.layout)
         self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
         self.replay: dict[int, protocol.BatchRequest] | None = None  # step -> recorded request (replay setting)
 
@@ -113,7 +117,18 @@ class Integration:
         """``get_train_dataloader``: the pack's loader, at the resumed position, with the run's step budget."""
         loader = self.feed.build(host_loader)
         initial_batch_size = loader.batch_size
-        self.checkpoints.restore_loader(loader, self.feed.fingerprint)
+        self.layout.begin(distributed.world_size(), loader.entries_per_step, initial_batch_size)
+        self.checkpoints.restore_loader(loader, self.feed.fingerprint, self.layout)
+        if self.checkpoints.payload is not None and self.layout.batch != initial_batch_size:
+            self.decisions.write(DecisionRecord(
+                'integration', 'resume', 'batch_setting', {'run': self.layout.batch, 'now': initial_batch_size,
+                                                           'batch_size': loader.batch_size},
+                f'per_device_train_batch_size is {initial_batch_size} now and was {self.layout.batch} when the run '
+                f'started: it only sets a fresh run\'s first batch; the resumed run continues at batch size '
+                f'{loader.batch_size} (its callbacks decide the size; processes and gradient_accumulation_steps may '
+                'change, the global batch is kept)'))
+        if not self.layout.changed:  # the same layout derives the same schedule length from the arguments
+            self.budget.saved_scheduler_steps = None
         self.metrics.samples_at_start = loader.samples_seen
         self.budget.derive(loader, initial_batch_size)
         return loader
@@ -231,12 +246,16 @@ class Integration:
             'held_decisions': [r.to_json() for r in self.decisions.held],
             'pass_limit': self.runner.pass_limit,
             'oom_count': self.runner.oom_count,
+            'layout': self.layout.state_dict(),
+            'scheduler_steps': self.budget.scheduler_steps,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.decisions.held = [DecisionRecord(**r) for r in state.get('held_decisions', [])]
         self.runner.pass_limit = state.get('pass_limit')
         self.runner.oom_count = int(state.get('oom_count', 0))
+        self.layout.load_state_dict(state.get('layout'))
+        self.budget.saved_scheduler_steps = state.get('scheduler_steps')
         self.metrics.load_state_dict(state)
         pending = state.get('pending_request')
         if pending:

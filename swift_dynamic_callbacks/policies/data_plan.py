@@ -88,3 +88,29 @@ def steps_to_budget(epoch: int, position: int, epoch_size: int, budget_epochs: f
         steps += steps_in_epoch(epoch_size - position, batch_size, entries)
         epoch, position = epoch + 1, 0
     return steps
+
+
+def redeal(rests: list[list[int]], world: int) -> list[list[int]]:
+    """Deal the samples a run on ``len(rests)`` processes left in an epoch to ``world`` processes.
+
+    ``rests[q]`` is old rank ``q``'s unconsumed samples, in its order. They are interleaved round-robin (rank 0's
+    next, rank 1's next, ...: the order in which the old ranks would have drawn them) and dealt ``rank::world``, so
+    every sample left is dealt exactly once and the new shards differ by at most one sample.
+    """
+    if world < 1:
+        raise ValueError(f'redeal: world must be >= 1, got {world}')
+    longest = max((len(r) for r in rests), default=0)
+    merged = [rest[k] for k in range(longest) for rest in rests if k < len(rest)]
+    return [merged[rank::world] for rank in range(world)]
+
+
+def per_device_batch(global_batch: int, world: int, entries: int) -> tuple[int, bool]:
+    """The per-device micro-batch that keeps ``global_batch`` samples a step on ``world`` processes with ``entries``
+    micro-batches each; ``(size, exact)``. When it does not divide, the nearest size (at least 1) and ``False``."""
+    if global_batch < 1 or world < 1 or entries < 1:
+        raise ValueError(f'per_device_batch: need global_batch, world, entries >= 1; got {global_batch}, {world}, '
+                         f'{entries}')
+    size, left = divmod(global_batch, world * entries)
+    if left == 0:
+        return size, True
+    return max(1, round(global_batch / (world * entries))), False
