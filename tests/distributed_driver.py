@@ -17,7 +17,8 @@ Usage: ``python -m torch.distributed.run --nproc_per_node 2 tests/distributed_dr
   fraction}`` read by a fake memory probe), ``monitor_value`` (``{step: value}`` fed to early stopping);
 - ``replay_samples``: the ``dynamic_samples.rank<R>.jsonl`` files of a multi-process run: this (one-process) run
   trains, at every step, on the union of the micro-batches the ranks trained on in that step (the reference with
-  the same global batch and the same samples per step);
+  the same global batch and the same samples per step; a step recorded with another number of micro-batches, as
+  after a resume on another world size, is the same samples cut again into this run's);
 - ``stop_at``: every rank stops (and saves) after this optimizer step, as a run killed right after a checkpoint;
 - ``initial_weights``: a ``rank0.initial.pt`` of a multi-process run: this run's trainable parameters start from
   those values (the engines initialise LoRA under another random stream than one process does).
@@ -112,9 +113,11 @@ def _replay_patch(paths: list[str]) -> None:
         batches = by_step.get(state['step'])
         if batches is None:
             raise RuntimeError(f'replay: no recorded micro-batches for step {state["step"]}')
-        if len(batches) != entries:
-            raise RuntimeError(f'replay: step {state["step"]} recorded {len(batches)} micro-batches, the reference '
-                               f'runs {entries} (set gradient_accumulation_steps to world x GA)')
+        if len(batches) != entries:  # another layout (a resume on another world size): the same samples, re-cut
+            flat = [i for batch in batches for i in batch]
+            base, extra = divmod(len(flat), entries)
+            sizes = [base] * (entries - extra) + [base + 1] * extra
+            batches = [flat[sum(sizes[:k]):sum(sizes[:k + 1])] for k in range(entries)]
         out = []
         for indices in batches:
             if not indices:
@@ -147,9 +150,11 @@ def main(spec_path: str) -> None:
 
     steps: list[dict] = []
     next_step = Integration.next_step
+    # decided before training, the same on every rank (saving is collective); a resumed run keeps the first run's
+    save_initial = not os.path.exists(os.path.join(output_dir, 'rank0.initial.pt'))
 
     def traced_next_step(self, num_batches, device, original):
-        if not steps and not os.path.exists(os.path.join(output_dir, f'rank{rank}.initial.pt')):
+        if not steps and save_initial:
             import torch  # the weights the engine starts from (after wrapping: FSDP2 shards each rank's own init)
             torch.save(_full_trainable(self.trainer), os.path.join(output_dir, f'rank{rank}.initial.pt'))
         noise = getattr(self.trainer.control, 'grad_noise_sample', None)

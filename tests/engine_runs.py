@@ -27,6 +27,7 @@ TIMEOUT_S = 300
 #: ``cpu`` (default: gloo, ``use_cpu: true``) or ``cuda`` (NCCL on 2+ GPUs: ``scripts/gpu_engines.sh``)
 DEVICE = os.environ.get('SDC_ENGINE_DEVICE', 'cpu')
 DEVICE_SFT: dict[str, Any] = {'use_cpu': True, 'ddp_backend': 'gloo'} if DEVICE == 'cpu' else {'ddp_backend': 'nccl'}
+ONE_PROCESS_SFT: dict[str, Any] = {'use_cpu': True} if DEVICE == 'cpu' else {}  # no process group to set up
 #: what a test engine name means: ms-swift settings, the driver's engine, accelerate's distributed type, wrapper class
 ENGINES: dict[str, dict[str, Any]] = {
     'ddp': {'sft': {}, 'driver': 'ddp', 'type': 'MULTI_CPU' if DEVICE == 'cpu' else 'MULTI_GPU',
@@ -86,21 +87,24 @@ def launch(workdir: str, spec: dict[str, Any], *, nproc: int, timeout: int = TIM
 
 def run_ranks(workdir: str, model: str, dataset: str, *, engine: str, callbacks: list[str], pack: dict[str, Any],
               faults: dict[str, Any] | None = None, output_dir: str | None = None, expect_failure: bool = False,
-              stop_at: int | None = None, **sft: Any) -> str:
-    """Two ranks under ``engine`` (a key of :data:`ENGINES`); returns the output directory (or the log on failure)."""
+              stop_at: int | None = None, nproc: int = 2, **sft: Any) -> str:
+    """``nproc`` ranks under ``engine`` (a key of :data:`ENGINES`); returns the output directory (or the log on
+    failure)."""
     from swift_dynamic_callbacks.tiny import offline_sft_kwargs
     out = output_dir or os.path.join(workdir, 'out')
     kwargs = offline_sft_kwargs(model, dataset, out, arch='qwen2', callbacks=callbacks, lora_dropout=0.0,
-                                **{**DEVICE_SFT, **ENGINES[engine]['sft'], **sft})
+                                **{**(DEVICE_SFT if nproc > 1 else ONE_PROCESS_SFT), **ENGINES[engine]['sft'], **sft})
     spec = {'sft': kwargs, 'pack': pack, 'faults': faults or {}, 'engine': ENGINES[engine]['driver'],
             'stop_at': stop_at}
-    log = launch(workdir, spec, nproc=2, expect_failure=expect_failure)
+    log = launch(workdir, spec, nproc=nproc, expect_failure=expect_failure)
     return log if expect_failure else out
 
 
 def reference(workdir: str, model: str, dataset: str, source: str, *, gradient_accumulation_steps: int,
-              max_steps: int, world: int = 2, stop_at: int | None = None, **sft: Any) -> str:
-    """One process over the multi-process run ``source``'s micro-batches, starting weights and LR scales."""
+              max_steps: int, world: int = 2, stop_at: int | None = None, samples: list[str] | None = None,
+              **sft: Any) -> str:
+    """One process over the multi-process run ``source``'s micro-batches (or those of the trace files
+    ``samples``), starting weights and LR scales."""
     from swift_dynamic_callbacks.tiny import offline_sft_kwargs
     out = os.path.join(workdir, 'out')
     pack = {'integration': {'record_samples': True, 'replay': os.path.join(source, 'dynamic_decisions.jsonl')},
@@ -109,7 +113,8 @@ def reference(workdir: str, model: str, dataset: str, source: str, *, gradient_a
                                 gradient_accumulation_steps=gradient_accumulation_steps * world, max_steps=max_steps,
                                 **({'use_cpu': True} if DEVICE == 'cpu' else {}), **sft)
     spec = {'sft': kwargs, 'pack': pack, 'engine': 'single',
-            'replay_samples': [os.path.join(source, f'dynamic_samples.rank{r}.jsonl') for r in range(world)],
+            'replay_samples': samples or [os.path.join(source, f'dynamic_samples.rank{r}.jsonl')
+                                          for r in range(world)],
             'initial_weights': os.path.join(source, 'rank0.initial.pt'), 'stop_at': stop_at}
     launch(workdir, spec, nproc=1)
     return out

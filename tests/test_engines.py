@@ -19,8 +19,8 @@ import os
 
 import pytest
 
-from engine_runs import (assert_engine, assert_same_steps, assert_same_weights, decision_keys, reference,
-                         run_ranks, traces)
+from engine_runs import (assert_engine, assert_same_steps, assert_same_weights, decision_keys, max_difference,
+                         reference, run_ranks, traces, weights)
 from swift_runs import indices_by_epoch, read_jsonl, sample_trace
 
 pytestmark = [pytest.mark.engines, pytest.mark.distributed, pytest.mark.e2e]
@@ -175,3 +175,85 @@ def test_sharded_engines_refuse_at_start(engine, callbacks, pack, message, tmp_p
     assert 'ConfigError' in text and message in text
     assert not os.path.exists(os.path.join(str(tmp_path / engine), 'out', 'rank0.trace.json')) or not traces(
         os.path.join(str(tmp_path / engine), 'out'))[0]['steps']
+
+
+def _rows_by_rank(out: str, world: int) -> list[list[dict]]:
+    return [read_jsonl(os.path.join(out, f'dynamic_samples.rank{r}.jsonl'))
+            if os.path.exists(os.path.join(out, f'dynamic_samples.rank{r}.jsonl')) else [] for r in range(world)]
+
+
+ELASTIC = {  # source world -> (per-device batch, resumed worlds); the global batch 6 (or 4) divides every new world
+    2: (3, (1, 3)),
+    1: (4, (2, )),
+}
+
+
+@pytest.fixture(scope='module')
+def elastic_sources(tmp_path_factory, tiny_qwen, dataset_15):
+    """One uninterrupted DDP run per source world (2 epochs of 15 samples, checkpoint at step 2)."""
+    sources = {}
+    for world, (batch, _) in ELASTIC.items():
+        workdir = str(tmp_path_factory.mktemp(f'elastic-{world}'))
+        out = run_ranks(workdir, tiny_qwen, dataset_15, engine='ddp', callbacks=['training_log'],
+                        pack={'integration': {'record_samples': True}, 'training_log': {}}, nproc=world,
+                        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_train_epochs=2,
+                        max_steps=-1, save_steps=2, learning_rate=1e-3, lr_scheduler_type='linear', warmup_steps=0)
+        sources[world] = out
+    return sources
+
+
+@pytest.mark.parametrize('old,new', [(2, 1), (2, 3), (1, 2)], ids=['2to1', '2to3', '1to2'])
+def test_resume_on_another_number_of_processes(old, new, elastic_sources, tmp_path, tiny_qwen, dataset_15):
+    """A DDP run (or one process) resumed from its step-2 checkpoint on another number of processes: an
+    ``elastic_resume`` record, the global batch kept (per-device batch derived again), the same samples a step, every
+    sample of every epoch once over both runs, the LR at every step the uninterrupted run's, the new ranks' weights
+    equal, and (2 -> 1) equal to one process's over the same samples a step."""
+    import shutil
+    batch, _ = ELASTIC[old]
+    source = elastic_sources[old]
+    target = str(tmp_path / 'out')
+    shutil.copytree(source, target)
+    kept = [[row for row in rows if row['step'] <= 2] for rows in _rows_by_rank(target, old)]
+    written = [len(rows) for rows in _rows_by_rank(target, new)]
+    run_ranks(str(tmp_path / 'resumed'), tiny_qwen, dataset_15, engine='ddp',
+              callbacks=['training_log'], pack={'integration': {'record_samples': True}, 'training_log': {}},
+              nproc=new, output_dir=target, resume_from_checkpoint=os.path.join(target, 'checkpoint-2'),
+              per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_train_epochs=2, max_steps=-1,
+              save_steps=2, learning_rate=1e-3, lr_scheduler_type='linear', warmup_steps=0)
+    resumed = [rows[n:] for rows, n in zip(_rows_by_rank(target, new), written)]
+    full = traces(source, old)
+    now = traces(target, new)
+    if new > 1:
+        assert {(t['distributed_type'], t['wrapper']) for t in now} == {('MULTI_CPU', 'DistributedDataParallel')}
+        assert_same_steps(*now[:2])
+    (record, ) = [d for d in read_jsonl(os.path.join(target, 'dynamic_decisions.jsonl'))
+                  if d['kind'] == 'elastic_resume']
+    values = record['values']
+    assert (values['old_world'], values['new_world'], values['global_batch_kept']) == (old, new, True)
+    assert values['new_batch_size'] * new == batch * old
+    per_step = {}
+    for rows in kept + resumed:
+        for row in rows:
+            per_step.setdefault(row['epoch'], []).extend(i for b in row['batches'] for i in b)
+            per_step[('step', row['step'])] = per_step.get(('step', row['step']), 0) + sum(map(len, row['batches']))
+    assert sorted(per_step[0]) == list(range(N_SAMPLES)) and sorted(per_step[1]) == list(range(N_SAMPLES))
+    expected = {}
+    for rows in _rows_by_rank(source, old):
+        for row in rows:
+            expected[row['step']] = expected.get(row['step'], 0) + sum(map(len, row['batches']))
+    assert {k[1]: v for k, v in per_step.items() if isinstance(k, tuple)} == expected  # the same samples a step
+    lrs = {s['step']: s['lr'] for s in full[0]['steps']}
+    assert [s['step'] for s in now[0]['steps']] == [s for s in sorted(lrs) if s > 2]
+    assert all(s['lr'] == pytest.approx(lrs[s['step']], rel=1e-6) for s in now[0]['steps'])
+    if new > 1:
+        assert max_difference(weights(target, 0), weights(target, 1)) <= 1e-7
+    if (old, new) == (2, 1):
+        merged = str(tmp_path / 'merged.jsonl')
+        with open(merged, 'w', encoding='utf-8') as f:
+            for rows in kept + resumed:
+                f.writelines(json.dumps(row) + '\n' for row in rows)
+        ref = reference(str(tmp_path / 'ref'), tiny_qwen, dataset_15, target, gradient_accumulation_steps=1,
+                        max_steps=max(expected), world=old, samples=[merged], per_device_train_batch_size=batch,
+                        learning_rate=1e-3, lr_scheduler_type='linear', warmup_steps=0)
+        difference = max_difference(weights(target, 0), weights(ref, 0))
+        assert difference <= 1e-5, f'{difference:.3g} from one process over the same samples a step'
