@@ -257,3 +257,31 @@ def test_resume_on_another_number_of_processes(old, new, elastic_sources, tmp_pa
                         learning_rate=1e-3, lr_scheduler_type='linear', warmup_steps=0)
         difference = max_difference(weights(target, 0), weights(ref, 0))
         assert difference <= 1e-5, f'{difference:.3g} from one process over the same samples a step'
+
+
+def test_stream_resume_on_two_processes_draws_the_uninterrupted_rows(tmp_path, tiny_qwen, dataset_15):
+    """``streaming: true`` under DDP on 2 processes, batch growth, checkpointed at step 3 and resumed: every rank draws
+    the rows (and batch sizes) of the uninterrupted run at every resumed step. On another number of processes the
+    stream's position cannot be re-dealt: refused, naming why."""
+    import shutil
+    pack = {'integration': {'record_samples': True},
+            'batch_growth': {'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 2}}
+    common = dict(streaming=True, dataset_shuffle=False, max_steps=6, save_steps=3, gradient_accumulation_steps=1)
+    full = run_ranks(str(tmp_path / 'full'), tiny_qwen, dataset_15, engine='ddp', callbacks=['batch_growth'],
+                     pack=pack, **common)
+    assert_same_steps(*assert_engine(full, 'ddp'))
+    target = str(tmp_path / 'out')
+    shutil.copytree(full, target)
+    written = [len(rows) for rows in _rows_by_rank(target, 2)]
+    run_ranks(str(tmp_path / 'resumed'), tiny_qwen, dataset_15, engine='ddp', callbacks=['batch_growth'], pack=pack,
+              output_dir=target, resume_from_checkpoint=os.path.join(target, 'checkpoint-3'), **common)
+    assert_engine(target, 'ddp')
+    for rank, (straight, now) in enumerate(zip(_rows_by_rank(full, 2), _rows_by_rank(target, 2))):
+        resumed = [(r['step'], r['batch_size'], r['batches']) for r in now[written[rank]:]]
+        assert resumed == [(r['step'], r['batch_size'], r['batches']) for r in straight if r['step'] > 3], rank
+        assert len(resumed) == 3
+    refused = shutil.copytree(full, str(tmp_path / 'one'))
+    log = run_ranks(str(tmp_path / 'one-run'), tiny_qwen, dataset_15, engine='ddp', callbacks=['batch_growth'],
+                    pack=pack, nproc=1, output_dir=refused, expect_failure=True,
+                    resume_from_checkpoint=os.path.join(refused, 'checkpoint-3'), **common)
+    assert 'resume a streaming run with the same number of processes' in open(log).read()

@@ -116,8 +116,9 @@ GROWTH_KTO = {'initial': 2, 'factor': 2, 'interval': 2, 'maximum': 4}  # KTO nee
 MAX_TOKENS = 400
 
 
-def run_rlhf(tmp_path, model: str, arch: str, rlhf_type: str, dataset: str, section: dict, callbacks: list[str]) -> str:
-    out = tmp_path / f'out-{rlhf_type}'
+def run_rlhf(tmp_path, model: str, arch: str, rlhf_type: str, dataset: str, section: dict, callbacks: list[str],
+             out: str | None = None, **overrides) -> str:
+    out = out or tmp_path / f'out-{rlhf_type}'
     config = {
         'model': model, **MODEL_FLAGS[arch], 'rlhf_type': rlhf_type, 'tuner_type': 'lora',
         'torch_dtype': 'float32', 'dataset': [dataset], 'dataset_shuffle': False, 'num_train_epochs': 1,
@@ -125,7 +126,7 @@ def run_rlhf(tmp_path, model: str, arch: str, rlhf_type: str, dataset: str, sect
         'learning_rate': 1e-3, 'logging_steps': 1, 'save_steps': 1000, 'check_model': False, 'report_to': ['none'],
         'add_version': False, 'dataloader_num_workers': 0, 'dataloader_pin_memory': False, 'dataset_num_proc': 1,
         'split_dataset_ratio': 0.0, 'max_length': 1024, 'output_dir': str(out), 'callbacks': callbacks,
-        'dynamic_callbacks': {'integration': {'record_samples': True}, **section},
+        'dynamic_callbacks': {'integration': {'record_samples': True}, **section}, **overrides,
     }
     path = tmp_path / f'{rlhf_type}.yaml'
     path.write_text(yaml.safe_dump(config), encoding='utf-8')
@@ -185,3 +186,25 @@ def test_rlhf_batch_growth_every_pair_once(request, tmp_path, rlhf_type, arch):
         assert padded <= MAX_TOKENS or len(batch) == 1
         assert float(log['dynamic/tokens_per_batch']) == padded  # what the model ran: both rows of every pair
     assert any(len(b) < s for row in trace for b, s in [(row['batches'][0], row['batch_size'])]), 'budget never bound'
+
+
+@pytest.mark.e2e
+def test_dpo_resume_draws_and_trains_what_the_uninterrupted_run_did(tiny_llama, tmp_path):
+    """DPO with batch growth (1, 2, 4, then the last pair), checkpointed at step 2 and resumed: the resumed steps take
+    the pairs, batch sizes and losses of the uninterrupted run."""
+    import shutil
+    data = write_pairs(tmp_path / 'pairs.jsonl')
+    section = {'batch_growth': GROWTH}
+    full = run_rlhf(tmp_path, tiny_llama, 'llama', 'dpo', data, section, ['batch_growth'], save_steps=2)
+    target = str(tmp_path / 'resumed')
+    shutil.copytree(full, target)
+    written = len(sample_trace(target))
+    logged = len(train_logs(target))
+    run_rlhf(tmp_path, tiny_llama, 'llama', 'dpo', data, section, ['batch_growth'], out=target, save_steps=2,
+             resume_from_checkpoint=os.path.join(target, 'checkpoint-2'))
+    straight = [(row['step'], row['batches']) for row in sample_trace(full)]
+    resumed = [(row['step'], row['batches']) for row in sample_trace(target)[written:]]
+    assert resumed == [s for s in straight if s[0] > 2] and len(resumed) >= 2
+    losses = {row['global_step/max_steps']: row['loss'] for row in train_logs(full)}
+    after = train_logs(target)[logged:]
+    assert after and all(row['loss'] == pytest.approx(losses[row['global_step/max_steps']], rel=1e-5) for row in after)
