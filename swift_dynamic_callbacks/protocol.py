@@ -17,6 +17,7 @@ flag                        set by               read by                      cl
 ``new_lr_schedule``         any callback         same                         same
 ``new_batch_plan``          any callback         same                         same
 ``new_pass_limit``          any callback         same                         same
+``new_optimizer_scale``     any callback         same                         same
 ``dynamic_decisions``       any callback         integration: written to the  drained (emptied) at every step
                             (append only)        decision log (rank 0)        boundary, log and save
 ``dynamic_metrics``         any callback         integration: merged into     never; a key keeps its last value
@@ -69,6 +70,10 @@ Semantics:
   whole; all values ``None`` removes it. After an out-of-memory error inside a step the integration retries the
   step's passes at half the pass size, lowers the limit itself and reports it in ``oom_event`` (an
   :class:`OomEvent`); ``pass_size`` is the largest pass (samples) of the step that just ended.
+- ``new_optimizer_scale = {'weight_decay': w, 'beta2_power': p}`` sets every optimizer param group's weight decay
+  to ``w`` times its configured value and Adam's ``beta2`` to its configured value to the power ``p`` (either key may
+  be left out: that setting stays as configured). Absolute, not cumulative, like ``new_lr_scale``; the values live
+  in the optimizer's param groups, so ``optimizer.pt`` saves them and a resume restores them.
 - ``new_batch_plan = {...}`` (a :class:`~swift_dynamic_callbacks.policies.length.BatchPlan` as a mapping:
   ``mode`` ``token_budget``/``rules``, ``max_tokens``, ``rules``, ``bucketing``, ``bucket_width``,
   ``bucket_fill``, ``seed``) asks for length-aware batching: from the next step on, each micro-batch's size
@@ -127,6 +132,7 @@ NEW_LR_SCALE = 'new_lr_scale'
 NEW_LR_SCHEDULE = 'new_lr_schedule'
 NEW_BATCH_PLAN = 'new_batch_plan'
 NEW_PASS_LIMIT = 'new_pass_limit'
+NEW_OPTIMIZER_SCALE = 'new_optimizer_scale'
 PASS_SIZE = 'pass_size'
 OOM_EVENT = 'oom_event'
 DYNAMIC_DECISIONS = 'dynamic_decisions'
@@ -141,7 +147,7 @@ NONFINITE_LOG_KEY = 'dynamic/nonfinite_steps'
 
 #: Flags that request a change and are cleared once the integration applied them.
 REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE,
-                 NEW_LR_SCHEDULE, NEW_PASS_LIMIT, NEW_BATCH_PLAN)
+                 NEW_LR_SCHEDULE, NEW_PASS_LIMIT, NEW_BATCH_PLAN, NEW_OPTIMIZER_SCALE)
 #: Every attribute this protocol defines on ``TrainerControl``.
 ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE, PASS_SIZE,
                              OOM_EVENT, FAIL_FAST, DISABLED, LOSS_NONFINITE)
@@ -156,6 +162,7 @@ CONTROLS: dict[str, tuple[str, tuple[str, ...]]] = {
     'lr_schedule': ('the LR schedule', (NEW_LR_SCHEDULE, )),
     'pass_limit': ('the pass limit', (NEW_PASS_LIMIT, )),
     'batch_plan': ('the batch plan', (NEW_BATCH_PLAN, )),
+    'optimizer_scale': ('the optimizer\'s weight decay and beta2', (NEW_OPTIMIZER_SCALE, )),
 }
 
 
@@ -170,6 +177,7 @@ class BatchRequest:
         lr_schedule: requested LR schedule mapping, or ``None``.
         batch_plan: requested length-aware batch plan mapping, or ``None``.
         pass_limit: requested pass limit mapping, or ``None``.
+        optimizer_scale: requested factors on the optimizer's weight decay / power on its beta2, or ``None``.
         via_dataloader: True when the size came from the seed form (``new_dataloader``).
     """
 
@@ -179,12 +187,14 @@ class BatchRequest:
     lr_schedule: Mapping[str, Any] | None = None
     batch_plan: Mapping[str, Any] | None = None
     pass_limit: Mapping[str, Any] | None = None
+    optimizer_scale: Mapping[str, float] | None = None
     via_dataloader: bool = False
 
     @property
     def empty(self) -> bool:
         return (self.batch_size is None and self.num_pieces is None and self.lr_scale is None
-                and self.lr_schedule is None and self.batch_plan is None and self.pass_limit is None)
+                and self.lr_schedule is None and self.batch_plan is None and self.pass_limit is None
+                and self.optimizer_scale is None)
 
 
 @dataclass(frozen=True)
@@ -307,6 +317,23 @@ def request_pass_limit(control: Any, limit: Mapping[str, Any]) -> None:
     setattr(control, NEW_PASS_LIMIT, check_pass_limit(limit))
 
 
+#: the keys of ``new_optimizer_scale``
+OPTIMIZER_SCALE_KEYS = ('weight_decay', 'beta2_power')
+
+
+def check_optimizer_scale(scale: Any) -> dict[str, float]:
+    """Validate an optimizer scale mapping (keys :data:`OPTIMIZER_SCALE_KEYS`, finite values > 0); returns it."""
+    if not isinstance(scale, Mapping) or not scale or set(scale) - set(OPTIMIZER_SCALE_KEYS):
+        raise ValueError(f'control.{NEW_OPTIMIZER_SCALE} must be a mapping with keys among '
+                         f'{", ".join(OPTIMIZER_SCALE_KEYS)}; got {scale!r}')
+    return {k: _positive_float(f'{NEW_OPTIMIZER_SCALE}[{k!r}]', scale[k]) for k in OPTIMIZER_SCALE_KEYS if k in scale}
+
+
+def request_optimizer_scale(control: Any, scale: Mapping[str, float]) -> None:
+    """Ask for the optimizer's weight decay and beta2 relative to their configured values from the next step on."""
+    setattr(control, NEW_OPTIMIZER_SCALE, check_optimizer_scale(scale))
+
+
 def check_batch_plan(plan: Any) -> dict[str, Any]:
     """Validate a batch plan mapping (:class:`~swift_dynamic_callbacks.policies.length.BatchPlan`); returns it
     complete (defaults filled in)."""
@@ -403,8 +430,12 @@ def pending_request(control: Any) -> BatchRequest:
     batch_plan = getattr(control, NEW_BATCH_PLAN, None)
     if batch_plan is not None:
         batch_plan = check_batch_plan(batch_plan)
+    optimizer_scale = getattr(control, NEW_OPTIMIZER_SCALE, None)
+    if optimizer_scale is not None:
+        optimizer_scale = check_optimizer_scale(optimizer_scale)
     return BatchRequest(batch_size=batch_size, num_pieces=num_pieces, lr_scale=lr_scale, lr_schedule=lr_schedule,
-                        pass_limit=pass_limit, batch_plan=batch_plan, via_dataloader=via_dataloader)
+                        pass_limit=pass_limit, batch_plan=batch_plan, optimizer_scale=optimizer_scale,
+                        via_dataloader=via_dataloader)
 
 
 def has_pending_request(control: Any) -> bool:
@@ -412,7 +443,8 @@ def has_pending_request(control: Any) -> bool:
         return True
     return bool(getattr(control, SHOULD_UPDATE_DATALOADER, False)) or any(
         getattr(control, flag, None) is not None
-        for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE, NEW_LR_SCHEDULE, NEW_PASS_LIMIT))
+        for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE, NEW_LR_SCHEDULE, NEW_PASS_LIMIT,
+                     NEW_OPTIMIZER_SCALE))
 
 
 def clear_requests(control: Any) -> None:
@@ -425,6 +457,7 @@ def clear_requests(control: Any) -> None:
     control.new_lr_schedule = None
     control.new_batch_plan = None
     control.new_pass_limit = None
+    control.new_optimizer_scale = None
 
 
 def drain_decisions(control: Any) -> list:

@@ -350,8 +350,8 @@ def test_controls_are_claimed_at_train_begin_on_a_hand_built_trainer():
     args = TrainingArguments(output_dir='unused', report_to=[])
     growth, lr = BatchGrowthCallback(), LRScheduleCallback()
     schedule = BatchScheduleCallback(BatchScheduleConfig(schedule={0: 2}))
-    assert growth.controls == ('batch_size', 'num_pieces', 'lr_scale') and schedule.controls == ('batch_size',
-                                                                                                  'num_pieces')
+    assert growth.controls == ('batch_size', 'num_pieces', 'lr_scale', 'optimizer_scale')
+    assert schedule.controls == ('batch_size', 'num_pieces')
     state, control = TrainerState(max_steps=10), TrainerControl()
     growth.on_train_begin(args, state, control)
     lr.on_train_begin(args, state, control)  # a different control: fine

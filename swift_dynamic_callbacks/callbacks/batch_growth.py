@@ -9,8 +9,9 @@ from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.batch_growth import (POLICIES, RANK_LOCAL_POLICIES, BatchGrowthConfig, checked_size,  # noqa: F401
                                    import_callable)
-from ..policies.growth import (critical_batch, ema, interval_size, loss_variability_size, lr_scale, noise_scale_size,
-                               noise_scale_terms, pieces_for_cap, seesaw_cuts, seesaw_size)
+from ..policies.growth import (critical_batch, ema, interval_size, late_switch_size, loss_variability_size, lr_scale,
+                               noise_scale_size, noise_scale_terms, optimizer_scale, pieces_for_cap, seesaw_cuts,
+                               seesaw_size)
 from ..policies.schedule import scheduled_value
 from ..records import DecisionRecord
 from .base import DynamicCallback
@@ -20,13 +21,14 @@ class BatchGrowthCallback(DynamicCallback):
 
     Hooks: ``on_train_begin`` (first request, unless resumed), ``on_step_end`` (policy; requests a change for the
     next step, or holds it for the epoch end with ``apply_at: epoch``), ``on_epoch_end`` (held change).
-    Flags set: ``new_batch_size``, ``new_num_pieces`` (micro-batch cap), ``new_lr_scale``, ``dynamic_decisions``.
+    Flags set: ``new_batch_size``, ``new_num_pieces`` (micro-batch cap), ``new_lr_scale``, ``dynamic_decisions``;
+    ``new_optimizer_scale`` with ``weight_decay_scaling`` / ``beta2_scaling``.
     Hooks also: ``on_log`` (collects training losses for the loss_variability policy).
     Flags also: ``measure_grad_noise`` (noise_scale policy); reads ``grad_noise_sample`` in ``on_step_end`` and
     publishes ``dynamic/grad_noise_scale`` (critical global batch, samples) in ``dynamic_metrics``.
     Seesaw: ``on_step_end`` reads the next step's LR from ``lr_scheduler.get_last_lr()`` (the schedule's factor is
     that LR over ``learning_rate`` and the LR scale this callback has in effect) and grows once per cut by
-    ``factor`` since the schedule's peak.
+    ``factor`` since the schedule's peak. Late switch: ``on_step_end`` reads ``global_step / max_steps``.
     State: ``batch_size`` (last requested), ``pending`` (held for the epoch end), ``losses`` (loss_variability
     window), ``noise`` (noise_scale EMAs and sample count), ``seesaw`` (schedule peak, cuts so far, LR scale in
     effect); the loader's position and the LR scale are restored by the integration.
@@ -43,6 +45,7 @@ class BatchGrowthCallback(DynamicCallback):
         self.noise: dict[str, Any] = {'g2': None, 'trace': None, 'tokens_per_sample': None, 'count': 0}
         self.critical_per_device: float | None = None
         self.seesaw: dict[str, Any] = {'peak': 0.0, 'cuts': 0, 'scale': 1.0, 'factor': None}
+        self.done = 0.0  # late_switch: the fraction of the run's optimizer steps behind (derived from the state)
         self._fn = self.config.resolved_function() if self.config.policy == 'callable' else None
 
     # ---- policy ----------------------------------------------------------------------------------------
@@ -65,6 +68,8 @@ class BatchGrowthCallback(DynamicCallback):
                                     maximum=c.maximum) if due and warm else current
         elif c.policy == 'seesaw':
             size = seesaw_size(self.seesaw['cuts'], initial=c.initial, factor=c.factor, maximum=c.maximum)
+        elif c.policy == 'late_switch':
+            size = late_switch_size(self.done, initial=c.initial, maximum=c.maximum, switch_at=c.switch_at)
         else:
             size = checked_size(self._fn(step, current), f'for (step={step}, batch_size={current})')
         return min(size, c.maximum)
@@ -119,6 +124,7 @@ class BatchGrowthCallback(DynamicCallback):
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
         if self.config.policy == 'seesaw' and lr_scheduler is not None:
             self.observe_lr(float(lr_scheduler.get_last_lr()[0]), float(args.learning_rate))
+        self.done = state.global_step / state.max_steps if state.max_steps else 0.0
         sample = protocol.grad_noise_sample(control) if self.config.policy == 'noise_scale' else None
         if sample is not None:
             passes = args.gradient_accumulation_steps * max(getattr(args, 'world_size', 1), 1)
@@ -150,9 +156,13 @@ class BatchGrowthCallback(DynamicCallback):
         old = self.batch_size
         pieces = pieces_for_cap(size, c.micro_batch_cap)
         scale = lr_scale(size, c.reference_batch or c.initial, c.lr_scaling)
+        optimizer = optimizer_scale(size / (c.reference_batch or c.initial), scale,
+                                    weight_decay=c.weight_decay_scaling, beta2=c.beta2_scaling)
         protocol.request_batch_size(control, size)
         protocol.request_num_pieces(control, pieces)
         protocol.request_lr_scale(control, scale)
+        if optimizer:
+            protocol.request_optimizer_scale(control, optimizer)
         per_step = args.gradient_accumulation_steps * max(getattr(args, 'world_size', 1), 1)
         extra = {}
         if c.policy == 'noise_scale' and self.critical_per_device is not None:
@@ -161,6 +171,8 @@ class BatchGrowthCallback(DynamicCallback):
             factor = self.seesaw['factor']
             extra = {'lr_cuts': self.seesaw['cuts'],
                      'schedule_factor': None if factor is None else round(factor / (self.seesaw['peak'] or 1.0), 6)}
+        if optimizer:
+            extra['optimizer_scale'] = optimizer
             self.seesaw['scale'] = scale
         protocol.record_decision(
             control,

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 
 from . import (Check, Choice, ConfigError, Int, IntTable, Number, Reads, Settings, setting)
 
-POLICIES = ('interval', 'table', 'callable', 'loss_variability', 'noise_scale', 'seesaw')
+POLICIES = ('interval', 'table', 'callable', 'loss_variability', 'noise_scale', 'seesaw', 'late_switch')
 #: Policies that decide from values of this rank (losses, gradients, a user function): rank 0 decides for all.
 RANK_LOCAL_POLICIES = ('callable', 'loss_variability', 'noise_scale')
 #: Modules the command line never imports (they cost seconds): a ``function`` whose module needs one of them is
@@ -109,7 +109,9 @@ class BatchGrowthConfig(Settings):
             ``interval`` steps, grow toward the critical batch size estimated from the gradient noise scale, see
             below) or ``seesaw`` (Seesaw, arXiv 2510.14717: whenever the LR schedule has cut the LR by another
             ``factor`` since its peak, grow the batch by ``factor`` and cut the LR by only ``sqrt(factor)``, up to
-            ``maximum``; needs ``lr_scaling: sqrt``; see ``policies.growth.seesaw_size``).
+            ``maximum``; needs ``lr_scaling: sqrt``; see ``policies.growth.seesaw_size``) or ``late_switch`` (arXiv
+            2602.14208: ``initial`` until ``switch_at`` of the run's optimizer steps, then ``maximum``;
+            ``policies.growth.late_switch_size``).
         initial: per-device batch size at the start (and before the first ``table`` key).
         factor: growth factor, in (1, 8]; fractional factors round up and every growth adds >= 1. For
             ``seesaw`` it is also the LR cut (``alpha``) that triggers one growth.
@@ -135,6 +137,12 @@ class BatchGrowthConfig(Settings):
         threshold: coefficient of variation above which the loss counts as noisy (default 0.05: step-to-step
             loss of an LLM fine-tune at a small batch typically varies by 5-15 % of its value, and by less once the
             batch averages enough samples).
+        switch_at: late_switch: the fraction of the run (``global_step / max_steps``) at which the batch switches
+            from ``initial`` to ``maximum`` (default 0.75: late, as the paper's hard tasks prefer).
+        weight_decay_scaling: ``none`` (default) or ``power_lines``: when the batch changes, scale the optimizer's
+            weight decay so ``B / (lr * weight_decay)`` stays constant (``policies.growth.optimizer_scale``).
+        beta2_scaling: ``none`` (default) or ``half_life``: when the batch changes, set Adam's beta2 to
+            ``beta2 ** (batch / reference_batch)`` so its half-life in samples stays fixed.
         noise_decay: EMA decay of the noise-scale terms (default 0.95, about 20 steps of memory: one step's
             estimate from a single small pass is very noisy, and McCandlish et al. smooth both terms the same way).
             The noise_scale policy also waits for ``window`` measured steps before its first decision.
@@ -165,6 +173,9 @@ class BatchGrowthConfig(Settings):
     window: int = setting(Int(2), 20)
     threshold: float = setting(Number(0, float('inf'), low_open=True, high_open=True), 0.05)
     noise_decay: float = setting(Number(0, 1, high_open=True), 0.95)
+    switch_at: float = setting(Number(0, 1, low_open=True, high_open=True), 0.75)
+    weight_decay_scaling: str = setting(Choice(('none', 'power_lines')), 'none')
+    beta2_scaling: str = setting(Choice(('none', 'half_life')), 'none')
 
     reads = (
         Reads('policy', {
@@ -174,10 +185,11 @@ class BatchGrowthConfig(Settings):
             'loss_variability': ('factor', 'interval', 'delay', 'window', 'threshold'),
             'noise_scale': ('factor', 'interval', 'delay', 'window', 'noise_decay'),
             'seesaw': ('factor', ),
+            'late_switch': ('switch_at', ),
         }),
         Reads('lr_scaling', {'sqrt': ('reference_batch', ), 'linear': ('reference_batch', ), 'none': ()}),
     )
-    controls = ('batch_size', 'num_pieces', 'lr_scale')
+    controls = ('batch_size', 'num_pieces', 'lr_scale', 'optimizer_scale')
 
     def cross_checks(self) -> None:
         if self.maximum < self.initial:

@@ -233,6 +233,8 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
                               f'per optimizer step to compare gradients, but gradient_accumulation_steps is '
                               f'{accumulation:g} and micro_batch_cap is {cap}; set gradient_accumulation_steps >= 2 '
                               '(or a micro_batch_cap below maximum)')
+    if growth is not None:
+        _check_optimizer_scaling(growth, settings)
     memory = configs.get('memory_backoff')
     if memory is not None and memory.probe == 'auto' and memory.cpu_budget_gib is None and _flag(settings, 'use_cpu'):
         raise ConfigError(f'{SECTION}.memory_backoff.cpu_budget_gib: use_cpu: true trains on the CPU, where memory '
@@ -249,6 +251,26 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
         raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs:g}')
     _check_rlhf(pack, settings, configs, uses)
     return notes
+
+
+#: ``optim`` values whose param groups have no ``betas`` (HF's names; the rest are Adam-family or Lion)
+NO_BETAS_OPTIMIZERS = ('sgd', 'adafactor', 'adagrad', 'rmsprop', 'rmsprop_bnb', 'rmsprop_bnb_8bit',
+                       'rmsprop_bnb_32bit', 'lomo', 'adalomo', 'schedule_free_sgd')
+
+
+def _check_optimizer_scaling(growth: Any, settings: Mapping[str, Any]) -> None:
+    """batch_growth's optimizer rescaling needs what it scales: a weight decay > 0, an optimizer with betas."""
+    if growth.weight_decay_scaling != 'none':
+        decay = _number(settings, 'weight_decay', 0.1)  # ms-swift's default
+        if not decay:
+            raise ConfigError(f'{SECTION}.batch_growth.weight_decay_scaling: {growth.weight_decay_scaling} scales the '
+                              f'weight decay with the batch, but weight_decay is {decay:g}: nothing would change; set '
+                              'weight_decay > 0, or weight_decay_scaling: none')
+    optim = str(settings.get('optim') or '').strip().lower()
+    if growth.beta2_scaling != 'none' and optim in NO_BETAS_OPTIMIZERS:
+        raise ConfigError(f'{SECTION}.batch_growth.beta2_scaling: {growth.beta2_scaling} sets Adam\'s beta2, but optim '
+                          f'{optim} has no betas; use an Adam-family optimizer (adamw_torch, adamw_torch_fused, ...) '
+                          'or beta2_scaling: none')
 
 
 def group_by_length_error(processes: str) -> ConfigError:

@@ -16,13 +16,14 @@ from ..records import DecisionRecord
 from .data import DataFeed
 from .decisions import Decisions
 from .layout import Layout
+from .optimizer import OptimizerScale
 from .lr import LRControl
 from .metrics import global_batch_size
 from .requests import changes_lr
 from .steps import StepRunner
 
 #: the request fields, in the order they are applied (the batch before the plan cut from it; the LR last)
-FIELDS = ('batch_size', 'batch_plan', 'num_pieces', 'pass_limit', 'lr')
+FIELDS = ('batch_size', 'batch_plan', 'num_pieces', 'pass_limit', 'lr', 'optimizer_scale')
 
 
 class RequestApplier:
@@ -35,11 +36,13 @@ class RequestApplier:
         decisions: the records.
         refresh_budget: ``reason -> None``: the step budget after a change of the batch size or plan.
         layout: converts requested per-device sizes to the current layout (a resume on another world size).
+        optimizer: owns the optimizer's weight decay and beta2.
     """
 
     def __init__(self, feed: DataFeed, runner: StepRunner, lr: LRControl, decisions: Decisions,
-                 refresh_budget: Callable[[str], None], layout: Layout) -> None:
+                 refresh_budget: Callable[[str], None], layout: Layout, optimizer: OptimizerScale) -> None:
         self.layout = layout
+        self.optimizer = optimizer
         self.feed = feed
         self.runner = runner
         self.lr = lr
@@ -122,3 +125,16 @@ class RequestApplier:
         self.decisions.complete(changes_lr, {'old_lr': old_lr, 'new_lr': new_lr}, f'lr {old_lr:.4g} -> {new_lr:.4g}')
         if scaled:
             self._note('lr_scale', {'old': old_scale, 'new': request.lr_scale, 'old_lr': old_lr, 'new_lr': new_lr})
+
+    def _optimizer_scale(self, request: protocol.BatchRequest) -> None:
+        """The optimizer's weight decay and beta2; the records that asked get the old and new values."""
+        if request.optimizer_scale is None or dict(request.optimizer_scale) == self.optimizer.scale:
+            return
+        old = self.optimizer.current()
+        self.optimizer.set_scale(request.optimizer_scale)
+        new = self.optimizer.current()
+        values = {'old_weight_decay': old['weight_decay'], 'new_weight_decay': new['weight_decay'],
+                  'old_beta2': old['beta2'], 'new_beta2': new['beta2']}
+        self.decisions.complete(lambda r: 'optimizer_scale' in r.values, values)
+        self._note('optimizer_scale', {'scale': dict(request.optimizer_scale), **values})
+

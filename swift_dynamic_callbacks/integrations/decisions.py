@@ -26,6 +26,7 @@ COVERED_BY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     'batch_plan': (('batch_plan', ), ()),
     'num_pieces': (('num_pieces', ), ('num_pieces', )),
     'pass_limit': (('pass_limit', 'oom'), ()),
+    'optimizer_scale': (('optimizer_scale', ), ('optimizer_scale', )),
     'lr_schedule': (LR_RECORD_KINDS, ()),
     'lr_scale': (('lr_scale', ), ('lr_scale', )),
 }

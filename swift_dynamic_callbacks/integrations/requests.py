@@ -37,6 +37,7 @@ _SETTERS = {
     'lr_schedule': protocol.request_lr_schedule,
     'batch_plan': protocol.request_batch_plan,
     'pass_limit': protocol.request_pass_limit,
+    'optimizer_scale': protocol.request_optimizer_scale,
 }
 
 
@@ -110,7 +111,7 @@ def merge_step(votes: Iterable[tuple[protocol.BatchRequest, DecisionRecord | Non
 
 def merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchRequest:
     """The one request all ranks apply: identical requests pass; otherwise the smallest batch and LR scale, most
-    pieces, and the lowest rank's LR schedule."""
+    pieces, and the lowest rank's LR schedule, plan and optimizer scale."""
     requests = list(requests)
     sizes = [r.batch_size for r in requests if r.batch_size is not None]
     pieces = [r.num_pieces for r in requests if r.num_pieces is not None]
@@ -124,6 +125,7 @@ def merge_requests(requests: Iterable[protocol.BatchRequest]) -> protocol.BatchR
         lr_schedule=schedules[0] if schedules else None,
         pass_limit=merge_limits(limits) if limits else None,
         batch_plan=next((r.batch_plan for r in requests if r.batch_plan is not None), None),
+        optimizer_scale=next((r.optimizer_scale for r in requests if r.optimizer_scale is not None), None),
         via_dataloader=any(r.via_dataloader for r in requests))
 
 

@@ -33,6 +33,7 @@ from .data import DataFeed, check_supported
 from .decisions import Decisions
 from .engines import Engine
 from .layout import Layout
+from .optimizer import OptimizerScale
 from .lr import LRControl
 from .metrics import Metrics
 from .requests import agree_step, load_replay, request_to_json, set_request
@@ -50,10 +51,10 @@ class Integration:
 
     State (key ``integration``): the requests still pending on ``control`` when the checkpoint was written (e.g. made
     in ``on_step_end`` of the saved step) with the decision records that go with them (set again on resume, applied
-    and written at the first step), the pass limit, the OOM count, the tokens seen, the run's reference layout and
-    the LR schedule's length. The loader's state is saved under ``integration.data``. The epoch budget and the
-    schedule length are derived from the arguments again (the saved length is used when the layout changed); the
-    LR scale is in ``scheduler.pt``.
+    and written at the first step), the pass limit, the OOM count, the tokens seen, the run's reference layout,
+    the optimizer's configured weight decay / beta2 and their scale, and the LR schedule's length. The loader's
+    state is saved under ``integration.data``. The epoch budget and the schedule length are derived from the
+    arguments again (the saved length is used when the layout changed); the LR scale is in ``scheduler.pt``.
     """
 
     state_key = 'integration'
@@ -71,8 +72,9 @@ class Integration:
         self.metrics = Metrics(self.config)
         self.checkpoints = Checkpoints(trainer, self.config, self.pack_config, self.decisions)
         self.layout = Layout()
+        self.optimizer = OptimizerScale(trainer)
         self.applier = RequestApplier(self.feed, self.runner, self.lr, self.decisions, self.refresh_budget,
-                                      self.layout)
+                                      self.layout, self.optimizer)
         self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
         self.replay: dict[int, protocol.BatchRequest] | None = None  # step -> recorded request (replay setting)
 
@@ -247,6 +249,7 @@ class Integration:
             'pass_limit': self.runner.pass_limit,
             'oom_count': self.runner.oom_count,
             'layout': self.layout.state_dict(),
+            'optimizer': self.optimizer.state_dict(),
             'scheduler_steps': self.budget.scheduler_steps,
         }
 
@@ -255,6 +258,7 @@ class Integration:
         self.runner.pass_limit = state.get('pass_limit')
         self.runner.oom_count = int(state.get('oom_count', 0))
         self.layout.load_state_dict(state.get('layout'))
+        self.optimizer.load_state_dict(state.get('optimizer'))
         self.budget.saved_scheduler_steps = state.get('scheduler_steps')
         self.metrics.load_state_dict(state)
         pending = state.get('pending_request')

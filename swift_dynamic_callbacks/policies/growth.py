@@ -71,6 +71,43 @@ def pieces_for_cap(batch_size: int, micro_batch_cap: int | None) -> int:
     return max(1, -(-batch_size // micro_batch_cap))
 
 
+def late_switch_size(done: float, *, initial: int, maximum: int, switch_at: float) -> int:
+    """Late switching (arXiv 2602.14208): the small batch for most of the run, the large one after a late switch.
+
+    ``done`` is the fraction of the run's optimizer steps behind (``global_step / max_steps``; before the switch
+    the batch is constant, so this is also the fraction of its samples). Below ``switch_at`` the batch is
+    ``initial``; from it on, ``maximum``. On hard tasks the small batch keeps the gradient noise that helps most of
+    training, and the loss catches up with the large-batch trajectory quickly after the switch.
+    """
+    if not 0 < switch_at < 1:
+        raise ValueError(f'late_switch_size: switch_at must be in (0, 1), got {switch_at}')
+    return maximum if done >= switch_at else initial
+
+
+def optimizer_scale(ratio: float, lr_factor: float, *, weight_decay: str, beta2: str) -> dict[str, float]:
+    """Factors on AdamW's weight decay and power on Adam's beta2 for a batch ``ratio`` times the reference one
+    (``{}``: nothing to scale).
+
+    - ``weight_decay: power_lines`` (Bergsma et al. 2025, arXiv 2505.13738): keep the timescale
+      ``tau = B / (eta * lambda * D)`` constant, so ``lambda' = lambda * ratio / lr_factor`` (``lr_factor``: the LR
+      scale applied for the same batch; with the sqrt rule the decay grows by ``sqrt(ratio)``).
+    - ``beta2: half_life`` (Marek et al. 2025, arXiv 2507.07101): keep beta2's half-life fixed in samples, so
+      ``beta2' = beta2 ** ratio``.
+    """
+    if ratio <= 0 or lr_factor <= 0:
+        raise ValueError(f'optimizer_scale: ratio and lr_factor must be > 0, got {ratio}, {lr_factor}')
+    out = {}
+    if weight_decay == 'power_lines':
+        out['weight_decay'] = ratio / lr_factor
+    elif weight_decay != 'none':
+        raise ValueError(f'optimizer_scale: weight_decay must be power_lines or none, got {weight_decay!r}')
+    if beta2 == 'half_life':
+        out['beta2_power'] = float(ratio)
+    elif beta2 != 'none':
+        raise ValueError(f'optimizer_scale: beta2 must be half_life or none, got {beta2!r}')
+    return out
+
+
 def lr_scale(global_batch: int, reference_batch: int, rule: str) -> float:
     """LR factor for a global batch relative to the one the configured LR is meant for.
 
