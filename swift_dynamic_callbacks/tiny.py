@@ -16,6 +16,7 @@ import gzip
 import json
 import os
 import random
+import re
 import shutil
 import struct
 import tempfile
@@ -250,13 +251,16 @@ def _messages(user: str, assistant: str) -> dict[str, Any]:
     return {'messages': [{'role': 'user', 'content': user}, {'role': 'assistant', 'content': assistant}]}
 
 
-def write_gsm8k_dataset(dest_file: str | Path, n: int | None = None, split: str = 'train') -> Path:
+def write_gsm8k_dataset(dest_file: str | Path, n: int | None = None, split: str = 'train', *,
+                        calculator: bool = True) -> Path:
     """Writes GSM8K rows as a ``messages``-format JSONL file for ``swift sft --dataset``.
 
     Args:
         dest_file: Output ``.jsonl`` path; parent directories are created.
         n: Number of rows (the first ``n`` of the vendored ones: 500 train, 100 test); all if None.
         split: ``'train'`` (GSM8K train rows) or ``'test'`` (held-out GSM8K test rows, for evaluation).
+        calculator: keep GSM8K's calculator annotations (``<<3*6=18>>``) in the answers; ``False`` drops them (the
+            plain reasoning a small model can imitate; the main job's setting).
 
     Returns:
         ``dest_file`` as a :class:`~pathlib.Path`.
@@ -270,7 +274,8 @@ def write_gsm8k_dataset(dest_file: str | Path, n: int | None = None, split: str 
     if n is not None and not 1 <= n <= limit:
         raise ValueError(f'n must be between 1 and {limit} for split={split!r} (or None for all), got n={n!r}')
     rows = _gsm8k_rows(split)[:n]
-    return _write_jsonl(dest_file, [_messages(r['question'], r['answer']) for r in rows])
+    answers = [r['answer'] if calculator else re.sub(r'<<[^>]*>>', '', r['answer']) for r in rows]
+    return _write_jsonl(dest_file, [_messages(r['question'], a) for r, a in zip(rows, answers)])
 
 
 def write_mixed_length_dataset(dest_file: str | Path, n: int = 64, seed: int = 0) -> Path:

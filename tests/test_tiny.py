@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,16 @@ def test_held_out_test_rows_are_vendored_and_disjoint_from_train(tmp_path: Path)
         tiny.write_gsm8k_dataset(tmp_path / 'dev.jsonl', split='dev')
     with pytest.raises(ValueError, match=r'between 1 and 100 .*test.*got n=101'):
         tiny.write_gsm8k_dataset(tmp_path / 'big.jsonl', n=101, split='test')
+
+
+def test_calculator_annotations_can_be_dropped(tmp_path: Path) -> None:
+    """The main job trains on GSM8K answers without ``<<3*6=18>>``: the rest of each answer is kept as it was."""
+    kept = _read_jsonl(tiny.write_gsm8k_dataset(tmp_path / 'kept.jsonl', n=20))
+    plain = _read_jsonl(tiny.write_gsm8k_dataset(tmp_path / 'plain.jsonl', n=20, calculator=False))
+    answers = [(k['messages'][1]['content'], p['messages'][1]['content']) for k, p in zip(kept, plain)]
+    assert any('<<' in k for k, _ in answers) and not any('<<' in p or '>>' in p for _, p in answers)
+    assert all(re.sub(r'<<[^>]*>>', '', k) == p and p.rstrip().split('#### ')[-1] == k.rstrip().split('#### ')[-1]
+               for k, p in answers)
 
 
 @pytest.mark.parametrize('arch', tiny.ARCHS)
