@@ -439,25 +439,15 @@ def pending_request(control: Any) -> BatchRequest:
 
 
 def has_pending_request(control: Any) -> bool:
-    if getattr(control, NEW_BATCH_PLAN, None) is not None:
-        return True
+    """Whether any request flag (:data:`REQUEST_FLAGS`) is set."""
     return bool(getattr(control, SHOULD_UPDATE_DATALOADER, False)) or any(
-        getattr(control, flag, None) is not None
-        for flag in (NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE, NEW_LR_SCHEDULE, NEW_PASS_LIMIT,
-                     NEW_OPTIMIZER_SCALE))
+        getattr(control, flag, None) is not None for flag in REQUEST_FLAGS if flag != SHOULD_UPDATE_DATALOADER)
 
 
 def clear_requests(control: Any) -> None:
     """Reset the request flags (the integration calls this once it has applied them)."""
-    control.should_update_dataloader = False
-    control.new_dataloader = None
-    control.new_batch_size = None
-    control.new_num_pieces = None
-    control.new_lr_scale = None
-    control.new_lr_schedule = None
-    control.new_batch_plan = None
-    control.new_pass_limit = None
-    control.new_optimizer_scale = None
+    for flag in REQUEST_FLAGS:
+        setattr(control, flag, False if flag == SHOULD_UPDATE_DATALOADER else None)
 
 
 def drain_decisions(control: Any) -> list:
