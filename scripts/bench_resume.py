@@ -13,18 +13,16 @@ before it; ``tests/test_elastic_resume.py`` checks that at any position, this sc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from bench_scale import write_rows  # noqa: E402  (a sibling script)
+from bench_scale import run_child, write_rows  # noqa: E402  (a sibling script)
 
 CHILD = r'''
 import json, sys, time
@@ -55,13 +53,10 @@ print('BENCH ' + json.dumps({'first_step_s': round(marks['first_step'] - t0, 2)}
 
 
 def run(spec: dict, threads: int) -> float:
-    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]),
-           'OMP_NUM_THREADS': str(threads), 'TOKENIZERS_PARALLELISM': 'false'}
-    result = subprocess.run([sys.executable, '-c', CHILD, json.dumps(spec)], capture_output=True, text=True, env=env)
-    for line in result.stdout.splitlines():
-        if line.startswith('BENCH '):
-            return json.loads(line[6:])['first_step_s']
-    raise RuntimeError(f'the run failed:\n{result.stderr[-3000:]}')
+    seconds, error = run_child(CHILD, spec, threads)
+    if seconds is None:
+        raise RuntimeError(f'the run failed:\n{error}')
+    return seconds
 
 
 def main() -> None:

@@ -78,15 +78,23 @@ def write_rows(path: str, n: int) -> str:
     return path
 
 
-def run(spec: dict, threads: int) -> float | None:
+def run_child(child: str, spec: dict, threads: int) -> tuple[float | None, str]:
+    """Run ``child`` (Python source printing a ``BENCH {...first_step_s...}`` line) in a fresh process on ``spec``;
+    ``(first_step_s or None, the tail of its stderr)``."""
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]),
            'OMP_NUM_THREADS': str(threads), 'TOKENIZERS_PARALLELISM': 'false'}
-    result = subprocess.run([sys.executable, '-c', CHILD, json.dumps(spec)], capture_output=True, text=True, env=env)
+    result = subprocess.run([sys.executable, '-c', child, json.dumps(spec)], capture_output=True, text=True, env=env)
     for line in result.stdout.splitlines():
         if line.startswith('BENCH '):
-            return json.loads(line[6:])['first_step_s']
-    print(result.stderr[-3000:], file=sys.stderr)
-    return None
+            return json.loads(line[6:])['first_step_s'], ''
+    return None, result.stderr[-3000:]
+
+
+def run(spec: dict, threads: int) -> float | None:
+    seconds, error = run_child(CHILD, spec, threads)
+    if seconds is None:
+        print(error, file=sys.stderr)
+    return seconds
 
 
 def main() -> None:
