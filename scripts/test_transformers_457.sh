@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# End-to-end tests (real tiny `swift sft` LoRA runs, incl. batch growth) under transformers 4.57.6, in their own venv (.venv-tf457).
+# End-to-end tests (real tiny `swift sft` LoRA runs, incl. batch growth) and the padding-free tests under transformers 4.57.6, in their own venv (.venv-tf457).
 # The pins are the combination checked with `pip check` and the e2e tests: ms-swift 4.6.0 accepts transformers
 # 4.57.6 as is; peft / trl / accelerate are pinned to the releases pip resolves for it today, so a later release
 # that drops 4.57 support cannot break this job. torch is pinned in the same pip command so pip takes the CPU wheel.
@@ -44,3 +44,5 @@ fi
 echo "[test_transformers_457] environment ready in $(( $(date +%s) - start ))s"
 
 "$TF457_VENV/bin/python" -m pytest tests/test_e2e_swift.py tests/test_batch_growth.py -m e2e -q -p no:cacheprovider "$@"
+# padding-free rows rely on transformers' packed-sequence masks (position_ids): every equality / no-cross-attention test
+"$TF457_VENV/bin/python" -m pytest tests/test_padding_free.py -q -p no:cacheprovider "$@"

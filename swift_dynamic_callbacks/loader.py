@@ -23,6 +23,12 @@ plan change; under data parallelism the ranks then agree on the number of optimi
 (:func:`~.policies.length.agreed_steps`) and a rank with fewer splits its largest micro-batches
 (:func:`~.policies.length.equalize_steps`), so no rank waits in an all-reduce for another. The remaining sizes are
 part of the state, so a resume continues with exactly the micro-batches the interrupted run would have drawn.
+
+Balanced global steps (a plan with ``mode: balanced``, :mod:`.policies.balance`): every rank lays the whole epoch
+(all ranks' samples, ``global_order``) out the same way and takes its share, so each optimizer step holds exactly the
+global batch, of samples of similar length, dealt so the ranks' work is even. When the batch size changes inside an
+epoch, the samples all ranks have left are laid out again for the new size (collective; the epoch then counts as
+re-dealt, like a resume on another number of processes, and its order is in the state).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import distributed
 from .policies import length as length_policy
-from .policies.data_plan import epoch_steps, step_sizes, steps_in_epoch, steps_to_budget
+from .policies.balance import DEFAULT_WORK_COEF, balanced_layout, rank_sizes
+from .policies.data_plan import epoch_steps, redeal, step_sizes, steps_in_epoch, steps_to_budget
 from .loader_state import LoaderState
 from .rows import item_lengths, row_cost
 
@@ -120,6 +127,9 @@ class ElasticDataLoader(LoaderState):
             tokens a sample costs in a micro-batch (:func:`row_cost`: a DPO pair counts both its rows).
         real_tokens: ``() -> real tokens of every index, or None`` (samples of several rows: the sum of their rows),
             called once after ``lengths``; only for the logged padding. ``None``: the lengths.
+        global_order: ``epoch -> every rank's dataset indices in the host's order`` (the same on every rank), for
+            balanced steps under several processes; one process: ``epoch_order``.
+        work_coef: ``a`` of a row's work ``a x L + L^2`` (:func:`~.policies.balance.work_coefficient`).
 
     State (``state_dict``): ``epoch``, ``position`` (samples of this rank's epoch shard consumed),
     ``batch_size``, ``num_pieces``, ``entries_per_step``, ``samples_seen`` (this rank, all epochs), ``rest`` (this
@@ -140,8 +150,16 @@ class ElasticDataLoader(LoaderState):
                  entries_per_step: int,
                  loader_kwargs: Mapping[str, Any] | None = None,
                  lengths: Callable[[], Sequence[int]] | None = None,
-                 real_tokens: Callable[[], Sequence[int] | None] | None = None) -> None:
+                 real_tokens: Callable[[], Sequence[int] | None] | None = None,
+                 global_order: Callable[[int], Sequence[int]] | None = None,
+                 work_coef: float = DEFAULT_WORK_COEF) -> None:
         self.dataset = dataset
+        self._global_order = global_order
+        self.work_coef = float(work_coef)
+        #: balanced steps: per step of the current layout, (rank work spread, spread of the host-order deal)
+        self._spreads: list[tuple[float, float]] = []
+        #: the spreads of the step drawn last (balanced steps), read by the integration's metrics
+        self.step_spread: tuple[float, float] | None = None
         self.collate_fn = collate_fn
         self._epoch_order = epoch_order
         self.batch_size = batch_size
@@ -177,6 +195,7 @@ class ElasticDataLoader(LoaderState):
         self._sizes: list[int] = []  # planned micro-batch sizes left in the epoch (with a plan)
         self._plan_steps = 0  # optimizer steps left in the epoch, agreed by all ranks (with a plan)
         self.token_stats = [0, 0, 0]  # real tokens, padded tokens, micro-batches drawn since the last read
+        self.spread_stats = [0.0, 0.0, 0]  # balanced steps: spread, unbalanced spread, steps since the last read
         self._sampler = _PlannedBatchSampler(self)
         # Every DataLoader iterator draws its base seed from a generator. A plain loader draws it from the global
         # torch RNG once per epoch (when the epoch's iterator starts); this one restarts its iterator on every
@@ -259,8 +278,8 @@ class ElasticDataLoader(LoaderState):
         self.epoch += 1
         self.position = self._padding = 0
         self._span, self.redealt = self._full_span, None
-        self._order_plan = self.plan if self.plan is not None and self.plan.bucketing else None
-        self._order, self._chunks = self._layout(self.epoch, self._order_plan)
+        self._order_plan = self.plan if self.plan is not None and self.plan.lays_out else None
+        self._order, self._chunks = self._layout(self.epoch, self._order_plan, keep=True)
         self._needs_epoch_seed = True
         self._replan()
         self._restart()
@@ -268,19 +287,39 @@ class ElasticDataLoader(LoaderState):
     def set_batch_size(self, batch_size: int) -> None:
         if batch_size != self.batch_size:
             self.batch_size = batch_size
+            self._relayout()
             self._replan()
             self._restart()
 
     def set_entries_per_step(self, entries: int) -> None:
         if entries != self.entries_per_step:
             self.entries_per_step = entries
+            self._relayout()
             self._replan()
             self._restart()
+
+    def _relayout(self) -> None:
+        """Balanced steps after a change of the global batch: lay the epoch (at its start) or the samples every rank
+        has left (inside it: collective, the epoch counts as re-dealt) out again for the new size."""
+        if self._order_plan is None or not self._order_plan.balanced:
+            return
+        positions = distributed.gather_objects(self.position)  # every rank, so every rank takes the same branch
+        if self.redealt is None and not any(positions):
+            self._order, self._chunks = self._layout(self.epoch, self._order_plan, keep=True)
+            return
+        rests = distributed.gather_objects(self._order[self.position:])
+        consumed = int((self.redealt or {}).get('consumed', 0)) + sum(positions)
+        merged = redeal(rests, 1)[0]  # the order in which the ranks would have drawn them
+        world = distributed.world_size()
+        self._order, self._chunks = self._balanced(merged, self.epoch, salt=consumed, keep=True), None
+        self.position = self._padding = 0
+        self.redealt = {'consumed': consumed, 'dealt': len(merged), 'world': world}
+        self._span = -(-len(merged) // world)
 
     # ---- length-aware batching ---------------------------------------------------------------------------
     @property
     def order_bucketed(self) -> bool:
-        """Whether the current epoch's order was laid out by a bucketing plan."""
+        """Whether the current epoch's order was laid out by a plan (bucketing or balanced steps)."""
         return self._order_plan is not None
 
     @property
@@ -314,23 +353,48 @@ class ElasticDataLoader(LoaderState):
             return False
         self.lengths  # noqa: B018  (fail here, not in the middle of a step, when lengths are unavailable)
         self.plan = plan
-        if self.position == 0:
-            self._order_plan = plan if plan.bucketing else None
-            self._order, self._chunks = self._layout(self.epoch, self._order_plan)
+        if self.position == 0 and self.redealt is None:
+            self._order_plan = plan if plan.lays_out else None
+            self._order, self._chunks = self._layout(self.epoch, self._order_plan, keep=True)
         self._replan()
         self._restart()
         return True
 
-    def _layout(self, epoch: int, plan: length_policy.BatchPlan | None) -> tuple[list[int], list[int] | None]:
+    def _layout(self, epoch: int, plan: length_policy.BatchPlan | None, *,
+                keep: bool = False) -> tuple[list[int], list[int] | None]:
+        """This rank's order of ``epoch`` and its chunks; ``keep``: it becomes the current layout (balanced steps
+        keep their spreads)."""
+        if plan is not None and plan.balanced:
+            order = self._global_order or (self._epoch_order if distributed.world_size() == 1 else None)
+            if order is None:
+                raise ValueError('balanced steps under several processes need the epoch order of every rank '
+                                 '(global_order); this loader was built without it')
+            return self._balanced(list(order(epoch)), epoch, plan=plan, keep=keep), None
         base = list(self._epoch_order(epoch))
         if plan is None or not plan.bucketing:
             return base, None
         return length_policy.epoch_layout(base, self.lengths, plan, epoch)
 
-    def _plan_rest(self) -> list[int]:
+    def _balanced(self, order: list[int], epoch: int, *, plan: length_policy.BatchPlan | None = None, salt: int = 0,
+                  keep: bool) -> list[int]:
+        """This rank's share of ``order`` (all ranks' samples) laid out in balanced steps at the current size."""
+        plan = plan or self._order_plan
+        layout = balanced_layout(order, self.lengths, world=distributed.world_size(), batch=self.batch_size,
+                                 entries=self.entries_per_step, seed=plan.seed + salt, epoch=epoch,
+                                 jitter=plan.bucket_width, coef=self.work_coef, padding_free=plan.padding_free)
+        if keep:
+            self._spreads = list(zip(layout.spread, layout.unbalanced))
+        return layout.shares[distributed.rank()]
+
+    def _sizes_for(self, order: Sequence[int], start: int, chunks: Sequence[int] | None) -> list[int]:
+        """The plan's micro-batch sizes of ``order`` from ``start``."""
+        if self.plan.balanced:
+            return rank_sizes(len(order) - start, self.batch_size, self.entries_per_step)
         lengths = self.lengths
-        return length_policy.plan_sizes([lengths[i] for i in self._order], self.position, self._chunks, self.plan,
-                                        self.batch_size)
+        return length_policy.plan_sizes([lengths[i] for i in order], start, chunks, self.plan, self.batch_size)
+
+    def _plan_rest(self) -> list[int]:
+        return self._sizes_for(self._order, self.position, self._chunks)
 
     def _replan(self) -> None:
         """Plan the rest of the epoch's micro-batches; under data parallelism agree on its optimizer steps."""
@@ -343,6 +407,8 @@ class ElasticDataLoader(LoaderState):
         # a rank with too few samples to fill as many steps (a shard a sample short, every sample alone) runs each
         # of its samples alone and then placeholder steps, so every rank still ends the epoch at the same step
         own = min(steps, length_policy.steps_for(self.remaining, entries))
+        if self.plan.balanced:  # the steps are the layout's: a rank with fewer ends with placeholder steps
+            own = length_policy.steps_for(len(sizes), entries)
         self._sizes = length_policy.equalize_steps(sizes, entries, own)
         self._plan_steps = steps
 
@@ -362,7 +428,21 @@ class ElasticDataLoader(LoaderState):
         _, padded = length_policy.padding(batches)
         real_tokens = self.real_tokens
         real = sum(real_tokens[i] for i in self._order[self.position:start])
-        return real, padded, len(batches)
+        return real, real if self.plan.padding_free else padded, len(batches)
+
+    def planned_spread(self) -> dict[str, float]:
+        """Balanced steps: the mean rank work spread of the current layout's steps, and of the host-order deal of
+        the same samples (empty otherwise)."""
+        if not self._spreads:
+            return {}
+        n = len(self._spreads)
+        return {'planned_rank_work_spread': round(sum(s for s, _ in self._spreads) / n, 6),
+                'unbalanced_rank_work_spread': round(sum(u for _, u in self._spreads) / n, 6)}
+
+    def take_spread_stats(self) -> tuple[float, float, int]:
+        """``(sum of spreads, sum of unbalanced spreads, steps)`` of the balanced steps drawn since the last call."""
+        stats, self.spread_stats = tuple(self.spread_stats), [0.0, 0.0, 0]
+        return stats
 
     def _refine(self, indices: list[int], costs: list[int | None]) -> None:
         """Replace estimated lengths by the real costs of rows just encoded; note a micro-batch over the budget."""
@@ -420,9 +500,8 @@ class ElasticDataLoader(LoaderState):
         while epoch + position / epoch_size < budget_epochs - 1e-9:
             if position >= epoch_size:
                 epoch += 1
-                order, chunks = self._layout(epoch, self.plan if self.plan.bucketing else None)
-                sizes = length_policy.plan_sizes([self.lengths[i] for i in order], 0, chunks, self.plan,
-                                                 self.batch_size)
+                order, chunks = self._layout(epoch, self.plan if self.plan.lays_out else None)
+                sizes = self._sizes_for(order, 0, chunks)
                 position = 0
                 continue
             fraction = min(budget_epochs - epoch, 1.0)
@@ -476,6 +555,12 @@ class ElasticDataLoader(LoaderState):
         if self.plan is not None:
             planned = self._sizes[:entries]
             sizes = (0, ) * (entries - len(planned)) + tuple(planned)  # a short last step: empty ones first
+            self.step_spread = None
+            if self._order_plan is not None and self._order_plan.balanced and self._spreads:
+                step = min(self.position // max(self.batch_size * entries, 1), len(self._spreads) - 1)
+                self.step_spread = self._spreads[step]
+                self.spread_stats = [self.spread_stats[0] + self.step_spread[0],
+                                     self.spread_stats[1] + self.step_spread[1], self.spread_stats[2] + 1]
         else:
             sizes = step_sizes(self.remaining, self.batch_size, entries)
             # the samples the largest shard takes in this step; a shorter shard lacks at most one of them
@@ -495,8 +580,9 @@ class ElasticDataLoader(LoaderState):
                 self._refine(indices, costs)
             if self.plan is not None:
                 lengths = [self.lengths[i] for i in indices]
-                self.token_stats[0] += sum(self.real_tokens[i] for i in indices)
-                self.token_stats[1] += len(lengths) * max(lengths)
+                real = sum(self.real_tokens[i] for i in indices)
+                self.token_stats[0] += real
+                self.token_stats[1] += real if self.plan.padding_free else len(lengths) * max(lengths)
                 self.token_stats[2] += 1
             out.append((list(indices), batch))
         if self.plan is not None:

@@ -48,7 +48,10 @@ class LoaderState:
         epoch, position = int(state['epoch']), int(state['position'])
         plan = length_policy.BatchPlan.from_json(state['plan']) if state.get('plan') else None
         order_plan = length_policy.BatchPlan.from_json(state['order_plan']) if state.get('order_plan') else None
-        order, chunks = self._layout(epoch, order_plan)
+        # balanced steps lay an epoch out for the batch it ran at (a change inside an epoch re-deals it)
+        self.batch_size = int(state['batch_size'])
+        self.entries_per_step = int(state.get('entries_per_step', self.entries_per_step))
+        order, chunks = self._layout(epoch, order_plan, keep=True)
         if int(state.get('epoch_size', len(order))) != len(order):
             raise StateError(f'the checkpoint was written for an epoch of {state["epoch_size"]} samples on this rank, '
                              f'but the training dataset now gives {len(order)}; resume with the same dataset')
@@ -62,9 +65,7 @@ class LoaderState:
         self.plan, self._order_plan, self._chunks, self._sizes = plan, order_plan, chunks, sizes
         self._plan_steps = int(state.get('plan_steps', length_policy.steps_for(len(sizes), self.entries_per_step)))
         self._needs_epoch_seed = True
-        self.batch_size = int(state['batch_size'])
         self.num_pieces = int(state.get('num_pieces', 1))
-        self.entries_per_step = int(state.get('entries_per_step', self.entries_per_step))
         self.samples_seen = int(state.get('samples_seen', 0))
         self._padding = int(state.get('padding', 0))
         self._restart()
@@ -102,12 +103,15 @@ class LoaderState:
         own = states[rank] if same_world else first
         plan = length_policy.BatchPlan.from_json(own['plan']) if own.get('plan') else None
         order_plan = length_policy.BatchPlan.from_json(own['order_plan']) if own.get('order_plan') else None
+        self.batch_size = int(batch_size if batch_size is not None else own['batch_size'])
+        self._spreads = []
         share, chunks = (rests[rank], None) if same_world else (redeal(rests, world)[rank], None)
-        if order_plan is not None and order_plan.bucketing and not same_world:
+        if order_plan is not None and order_plan.balanced and not same_world:  # balanced steps for the new world
+            share = self._balanced(redeal(rests, 1)[0], epoch, plan=order_plan, salt=consumed, keep=True)
+        elif order_plan is not None and order_plan.bucketing and not same_world:
             share, chunks = length_policy.epoch_layout(share, self.lengths, order_plan, epoch)
         self.epoch, self._order, self.position, self._padding = epoch, share, 0, 0
         self.plan, self._order_plan, self._chunks = plan, order_plan, chunks
-        self.batch_size = int(batch_size if batch_size is not None else own['batch_size'])
         self.num_pieces = int(own.get('num_pieces', 1))
         saved = [int(s.get('samples_seen', 0)) for s in states]
         self.samples_seen = saved[rank] if same_world else (sum(saved) if rank == 0 else 0)

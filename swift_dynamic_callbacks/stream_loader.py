@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Mapping
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import distributed
+from .errors import ConfigError
 from .loader import EmptyMicroBatch
 from .rows import item_lengths, row_cost, row_tokens
 from .policies import length as length_policy
@@ -208,6 +209,9 @@ class StreamLoader:
         """Use ``plan`` from the next unseen row on (a new window starts there); False when it is already the plan."""
         if plan == self.plan:
             return False
+        if plan.balanced:
+            raise ConfigError('length_batching.mode: balanced is not supported with streaming: true (it lays out the '
+                              'whole epoch across ranks; a stream is read in windows); use token_budget or rules')
         if self.plan is not None and not self._window_done():  # the rest of the current window, in stream order
             rest = self._window_rows[self._window_taken:]
             rest.sort(key=lambda item: item[0])
@@ -217,6 +221,13 @@ class StreamLoader:
         self._window_taken = 0
         self._window_start = self.position
         return True
+
+    def planned_spread(self) -> dict[str, float]:
+        """Balanced steps are not laid out on a stream: nothing to report (the elastic loader's call)."""
+        return {}
+
+    def take_spread_stats(self) -> tuple[float, float, int]:
+        return 0.0, 0.0, 0
 
     def start_next_epoch(self) -> None:
         self.epoch += 1
@@ -298,7 +309,7 @@ class StreamLoader:
                 lengths = [item_lengths(row, k) for k, row in rows]
                 costs = [row_cost(v) for v in lengths]
                 self.token_stats[0] += sum(row_tokens(v) for v in lengths)
-                self.token_stats[1] += len(costs) * max(costs)
+                self.token_stats[1] += sum(costs) if self.plan.padding_free else len(costs) * max(costs)
                 self.token_stats[2] += 1
             out.append((indices, self.collate_fn([row for _, row in rows])))
         if self.plan is None or self._window_done():

@@ -11,7 +11,8 @@ from .base import DynamicCallback
 
 
 class LengthBatchingCallback(DynamicCallback):
-    """Asks the integration for length-aware micro-batches (token budget or length rules) and bucketed epochs.
+    """Asks the integration for length-aware micro-batches (token budget or length rules) and bucketed epochs, or
+    balanced global steps (``mode: balanced``), optionally padding-free.
 
     The integration decides every micro-batch's size from its samples' lengths before collating it, keeps the
     position in samples (exactly-once epochs, exact resume), makes every rank run the same number of optimizer
@@ -47,13 +48,20 @@ class LengthBatchingCallback(DynamicCallback):
             return  # resumed with the same settings: the loader's state already holds the plan
         reason = 'start' if self.plan is None else 'settings_changed'
         protocol.request_batch_plan(control, plan)
-        what = (f'max {plan["max_tokens"]} padded tokens' if plan['mode'] == 'token_budget' else
-                'sizes by ' + ', '.join(f'>{t}: {s}' for t, s in plan['rules']))
+        if plan['mode'] == 'balanced':
+            message = (f'balanced: every step the global batch, of similar lengths (jitter {plan["bucket_width"]}), '
+                       'ranks\' work even, micro-batches of the per-device size')
+        else:
+            rules = ', '.join(f'>{t}: {s}' for t, s in plan['rules'])
+            what = (f'max {plan["max_tokens"]} {"real" if plan["padding_free"] else "padded"} tokens'
+                    if plan['mode'] == 'token_budget' else f'sizes by {rules}')
+            message = (f'{plan["mode"]}: {what} per micro-batch, bucketing '
+                       f'{"on (width " + str(plan["bucket_width"]) + ")" if plan["bucketing"] else "off"}')
+        if plan['padding_free']:
+            message += '; padding-free (one packed row a micro-batch)'
         protocol.record_decision(
             control,
-            DecisionRecord(self.name, 'batch_plan', reason, {'old': self.plan, 'new': plan},
-                           message=f'{plan["mode"]}: {what} per micro-batch, bucketing '
-                           f'{"on (width " + str(plan["bucket_width"]) + ")" if plan["bucketing"] else "off"}',
+            DecisionRecord(self.name, 'batch_plan', reason, {'old': self.plan, 'new': plan}, message=message,
                            step=state.global_step))
         self.plan = plan
 

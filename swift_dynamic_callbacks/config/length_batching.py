@@ -42,7 +42,11 @@ class LengthBatchingConfig(Settings):
             refused under FSDP2 and DeepSpeed like every pass limit, and cannot be combined with
             ``memory_backoff`` (both set the pass limit).
         mode: ``token_budget`` (a micro-batch holds as many samples as fit in ``max_tokens`` padded tokens,
-            ``samples x longest``) or ``rules`` (the longest sample picks the size from ``rules``).
+            ``samples x longest``), ``rules`` (the longest sample picks the size from ``rules``) or ``balanced``
+            (every optimizer step takes exactly the global batch, ``per_device x gradient_accumulation_steps x
+            processes`` samples, of similar length, dealt so that every rank's work ``a x L + L^2`` is even;
+            micro-batches of the per-device size; ``bucket_width`` is the relative length jitter of the layout:
+            :mod:`~..policies.balance`).
         max_tokens: padded-token budget of one micro-batch (token_budget). A sample longer than this runs alone
             (a warning record lists such samples).
         rules: ``{longer_than: samples}``: a micro-batch whose longest sample is longer than ``longer_than`` tokens
@@ -57,6 +61,9 @@ class LengthBatchingConfig(Settings):
             form reasonably large micro-batches). Larger: fewer micro-batches, a little more padding.
         seed: seed of the bucketed order (with the epoch number); ``None``: ``data_seed``, else ``seed`` of the
             training arguments.
+        padding_free: run every micro-batch as one packed row (``position_ids`` restarting per row, no padding; the
+            token budget then counts real tokens). Needs ``attn_impl`` sdpa or eager (proved on the model at train
+            start: no attention across rows); not with ``split: passes`` or ``swift rlhf``.
 
     In both modes the trainer's per-device batch size (``per_device_train_batch_size``, or what a batch callback
     set) is the most samples a micro-batch holds: set it to the largest count you allow for short samples.
@@ -72,9 +79,10 @@ class LengthBatchingConfig(Settings):
     bucket_width: float = setting(Number(0, 10), 0.03)
     bucket_fill: float = setting(Number(0, 1), 0.5)
     seed: int | None = setting(Int(optional=True), None)
+    padding_free: bool = setting(Flag(), False)
 
     reads = (
-        Reads('mode', {'token_budget': ('max_tokens', ), 'rules': ('rules', )}),
+        Reads('mode', {'token_budget': ('max_tokens', ), 'rules': ('rules', ), 'balanced': ()}),
         Reads('bucketing', {True: ('bucket_width', 'bucket_fill', 'seed'), False: ()}),
     )
 
@@ -84,6 +92,14 @@ class LengthBatchingConfig(Settings):
         return self.split == 'passes'
 
     def cross_checks(self) -> None:
+        if self.mode == 'balanced' and (self.splits_passes or not self.bucketing):
+            raise ConfigError(f'mode: balanced lays every epoch out in balanced steps of micro-batches of the '
+                              f'per-device size, so it needs split: micro_batches and bucketing: true (got split: '
+                              f'{self.split}, bucketing: {str(self.bucketing).lower()}); for a pass limit add '
+                              'memory_backoff')
+        if self.padding_free and self.splits_passes:
+            raise ConfigError('padding_free: true needs split: micro_batches (a padding-free plan cuts the '
+                              'micro-batches by their real tokens); got split: passes')
         if self.splits_passes and self.bucketing:
             raise ConfigError('bucketing: split: passes keeps the micro-batches as the host draws them (only the '
                               'passes are cut), so bucketing does not apply; set bucketing: false, or split: '
@@ -104,4 +120,4 @@ class LengthBatchingConfig(Settings):
         return BatchPlan(mode=self.mode, max_tokens=self.max_tokens, rules=tuple(self.rules.items()),
                          bucketing=self.bucketing, bucket_width=float(self.bucket_width),
                          bucket_fill=float(self.bucket_fill),
-                         seed=self.seed if self.seed is not None else default_seed)
+                         seed=self.seed if self.seed is not None else default_seed, padding_free=self.padding_free)

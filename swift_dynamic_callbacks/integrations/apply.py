@@ -81,12 +81,14 @@ class RequestApplier:
         loader = self.feed.loader
         plan = BatchPlan.from_json(request.batch_plan)
         old = loader.plan.to_json() if loader.plan is not None else None
+        self.runner.set_padding_free(plan.padding_free, self.runner.trainer.model)
         if not loader.set_plan(plan):
             return
         self.refresh_budget('batch_plan')
         real, padded, batches = loader.planned_padding()
         applied = {'micro_batches_left': batches, 'planned_padding_fraction': round(padding_fraction(real, padded), 6),
                    'bucketed_from_epoch': loader.epoch if loader.order_bucketed else loader.epoch + 1}
+        applied.update(loader.planned_spread())
         if self.decisions.covers('batch_plan'):
             self.decisions.complete(lambda r: r.kind == 'batch_plan', applied)
         else:

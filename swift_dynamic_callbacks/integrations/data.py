@@ -23,6 +23,7 @@ from ..config.integration import IntegrationConfig
 from ..config.launch import group_by_length_error
 from ..lengths import cache_dir, estimate_lengths, is_lazy, mean_ratio
 from ..loader import ElasticDataLoader
+from ..policies.balance import work_coefficient
 from ..policies.length import BatchPlan
 from ..records import DecisionRecord
 from ..rows import dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths, row_cost
@@ -104,7 +105,9 @@ class DataFeed:
             entries_per_step=args.gradient_accumulation_steps,
             loader_kwargs=loader_kwargs,
             lengths=lambda: self.dataset_lengths(dataset),
-            real_tokens=lambda: dataset_real_tokens(dataset))
+            real_tokens=lambda: dataset_real_tokens(dataset),
+            global_order=global_order_fn(dataset, args),
+            work_coef=model_work_coefficient(trainer))
         self.fingerprint = dataset_fingerprint(dataset)
         return self.loader
 
@@ -248,15 +251,37 @@ def epoch_order_fn(host_loader: Any, dataset: Any, args: Any) -> Callable[[int],
         return host_order
     if getattr(args, 'group_by_length', False):
         raise group_by_length_error(f'world size {world}')
-    rank, n = distributed.rank(), len(dataset)
+    rank, every = distributed.rank(), global_order_fn(dataset, args)
+
+    def shard_order(epoch: int) -> list[int]:
+        return every(epoch)[rank::world]
+
+    return shard_order
+
+
+def global_order_fn(dataset: Any, args: Any) -> Callable[[int], list[int]] | None:
+    """``epoch -> all samples in the order the ranks' shards are dealt from`` (several processes; ``None`` on one:
+    the host's sampler order is the epoch order there): a seeded permutation (``data_seed + epoch``), or the
+    dataset order without ``train_dataloader_shuffle``. The same on every rank."""
+    if distributed.world_size() == 1:
+        return None
+    n = len(dataset)
     seed = args.data_seed if args.data_seed is not None else 0
     shuffle = getattr(args, 'train_dataloader_shuffle', True)
 
-    def shard_order(epoch: int) -> list[int]:
+    def every(epoch: int) -> list[int]:
         if not shuffle:
-            return list(range(rank, n, world))
+            return list(range(n))
         generator = torch.Generator()
         generator.manual_seed(seed + epoch)
-        return torch.randperm(n, generator=generator).tolist()[rank::world]
+        return torch.randperm(n, generator=generator).tolist()
 
-    return shard_order
+    return every
+
+
+def model_work_coefficient(trainer: Any) -> float:
+    """``a`` of a row's work ``a x L + L^2`` for the trainer's model (its config's hidden and intermediate sizes; a
+    7B decoder's when it has none)."""
+    config = getattr(getattr(trainer, 'model', None), 'config', None)
+    config = getattr(config, 'text_config', None) or config
+    return work_coefficient(getattr(config, 'hidden_size', None), getattr(config, 'intermediate_size', None))

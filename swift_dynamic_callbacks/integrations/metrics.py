@@ -60,11 +60,13 @@ class Metrics:
         if self._token_mark is None:
             self._token_mark = (time.monotonic(), distributed.sum_ints([self.tokens_seen])[0])
 
-    def count(self, batches: Iterable[Any]) -> None:
-        """Add the tokens of a step's real micro-batches (without and with padding)."""
+    def count(self, batches: Iterable[Any], *, padding_free: bool = False) -> None:
+        """Add the tokens of a step's real micro-batches (without and with padding; ``padding_free``: they run as
+        packed rows, so without)."""
         batches = list(batches)
-        self.tokens_seen += sum(count_tokens(batch) for batch in batches)
-        self.padded_tokens_seen += sum(count_tokens(batch, padded=True) for batch in batches)
+        tokens = sum(count_tokens(batch) for batch in batches)
+        self.tokens_seen += tokens
+        self.padded_tokens_seen += tokens if padding_free else sum(count_tokens(b, padded=True) for b in batches)
 
     def update_logs(self, logs: dict[str, Any], control: Any, loader: Any, parts: Mapping[str, float],
                     *, step_lr: float | None, estimate_overruns: int) -> None:
@@ -123,9 +125,14 @@ class Metrics:
         """Padded tokens per micro-batch and padding fraction of the micro-batches drawn since the last log line
         (all ranks), from the samples' lengths (a batch plan is set)."""
         real, padded, batches = distributed.sum_ints(loader.take_token_stats())
+        spread, unbalanced, steps = loader.take_spread_stats()
+        values = {}
+        if steps:  # balanced steps (the same figures on every rank: they come from the layout)
+            values['dynamic/rank_work_spread'] = round(spread / steps, 6)
+            values['dynamic/rank_work_spread_unbalanced'] = round(unbalanced / steps, 6)
         if not batches:
-            return {}
-        return {'dynamic/tokens_per_batch': round(padded / batches, 3),
+            return values
+        return {**values, 'dynamic/tokens_per_batch': round(padded / batches, 3),
                 'dynamic/padding_fraction': round(padding_fraction(real, padded), 6)}
 
     def speed_values(self, loader: Any, runtime: float) -> dict[str, float]:

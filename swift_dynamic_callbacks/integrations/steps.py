@@ -33,6 +33,7 @@ from ..policies.data_plan import piece_bounds
 from ..policies.memory import oom_backoff, pass_cap, pieces_needed
 from ..records import DecisionRecord
 from .engines import Engine, select_engine
+from .padding_free import check_packed_attention, flatten_rows
 from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, restore_grads, row_tokens, \
     split_micro_batch
 
@@ -82,6 +83,7 @@ class StepRunner:
         self._template: Mapping[str, Any] | None = None  # the last real micro-batch (placeholder passes copy a row)
         self._checked = False
         self._can_split: bool | None = None  # whether a micro-batch may run as several passes (checked once)
+        self.padding_free = False  # every pass runs as one packed row (a batch plan's padding_free)
 
     def begin(self, config: IntegrationConfig, pack_config: Mapping[str, Any]) -> DecisionRecord:
         """At train start: choose the engine adapter, refuse what it cannot run (``config.engines``), decide whether
@@ -118,6 +120,20 @@ class StepRunner:
             raise ConfigError(f'{setting}: a micro-batch cannot run as several passes with packing / padding_free: '
                               'a packed micro-batch is one [1, N] row and cannot be split')
         self.engine.refuse(feature, setting)
+
+    def set_padding_free(self, on: bool, model: Any) -> None:
+        """Run every pass as one packed row from now on (``on``), after proving the model keeps packed rows apart
+        (:func:`.padding_free.check_packed_attention`); refused under ``swift rlhf`` and ms-swift's own packing."""
+        if on and not self.padding_free:
+            setting = 'length_batching.padding_free'
+            if is_pairs(self.trainer):
+                raise ConfigError(f'{setting}: not supported under swift rlhf (a sample is several rows whose loss '
+                                  'pairs them; they are not flattened)')
+            args = self.trainer.args
+            if getattr(args, 'padding_free', False) or getattr(args, 'packing', False):
+                raise ConfigError(f'{setting}: ms-swift\'s padding_free / packing already pack the rows; use one')
+            check_packed_attention(model, setting)
+        self.padding_free = bool(on)
 
     def splittable(self) -> bool:
         """Whether a micro-batch may run as several passes here (checked once)."""
@@ -267,7 +283,7 @@ class StepRunner:
             self._current = (index, start, stop)
             self.max_pass = max(self.max_pass, stop - start)
             with self.engine.pass_context(model, sync=final and last):
-                loss = run(dict(part))
+                loss = run(flatten_rows(part) if self.padding_free else dict(part))
             total = loss if total is None else total + loss
             if probe is not None:
                 probe.after_pass(model, part, num_items_in_batch)

@@ -121,6 +121,8 @@ class Integration:
         initial_batch_size = loader.batch_size
         self.layout.begin(distributed.world_size(), loader.entries_per_step, initial_batch_size)
         self.checkpoints.restore_loader(loader, self.feed.fingerprint, self.layout)
+        if loader.plan is not None and loader.plan.padding_free:  # a resumed plan is not requested again
+            self.runner.set_padding_free(True, self.trainer.model)
         if self.checkpoints.payload is not None and self.layout.batch != initial_batch_size:
             self.decisions.write(DecisionRecord(
                 'integration', 'resume', 'batch_setting', {'run': self.layout.batch, 'now': initial_batch_size,
@@ -172,7 +174,7 @@ class Integration:
         pairs = loader.next_step(num_batches)
         self.feed.report_step(splittable=self.runner.splittable())
         real = [batch for indices, batch in pairs if indices]
-        self.metrics.count(real)
+        self.metrics.count(real, padding_free=self.runner.padding_free)
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
         counted = real or ([{'labels': torch.full((1, 1), -100)}] if distributed.world_size() > 1 else [])
         _, num_items_in_batch = original(iter(counted), len(counted), device)

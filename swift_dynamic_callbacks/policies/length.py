@@ -10,7 +10,12 @@ A :class:`BatchPlan` says how many samples a micro-batch may hold, given its lon
 - ``token_budget``: ``floor(max_tokens / longest)`` (at least 1), so ``samples x longest <= max_tokens``; a single
   sample longer than ``max_tokens`` goes alone (:func:`over_budget` lists them for a warning);
 - ``rules``: the size of the last rule ``[longer_than, samples]`` with ``longest > longer_than`` (the seed's rule
-  ``[[0, 8], [1024, 2]]``: longest > 1024 tokens -> 2 samples, else 8).
+  ``[[0, 8], [1024, 2]]``: longest > 1024 tokens -> 2 samples, else 8);
+- ``balanced``: every micro-batch holds the per-device batch size, and the epoch is laid out in balanced global
+  steps (:mod:`.balance`; the layout and sizes there, not here).
+
+With ``padding_free`` a micro-batch runs as one concatenated row, so it costs its real tokens: the token budget
+bounds ``sum of lengths`` instead of ``samples x longest``.
 
 The trainer's current per-device batch size (``cap``) stays an upper bound on the samples of a micro-batch.
 
@@ -39,7 +44,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-MODES = ('token_budget', 'rules')
+MODES = ('token_budget', 'rules', 'balanced')
 DEFAULT_RULES: tuple[tuple[int, int], ...] = ((0, 8), (1024, 2))
 
 
@@ -57,6 +62,8 @@ class BatchPlan:
         bucket_fill: fraction of a full micro-batch (the plan's limit for the bucket's longest sample) a bucket
             holds before the next one may open (0: width alone; 1: at least one full micro-batch a bucket).
         seed: seed of the bucketed order (with the epoch number).
+        padding_free: micro-batches run as one concatenated row each (``position_ids`` restarting per row); the
+            token budget counts real tokens.
     """
 
     mode: str = 'token_budget'
@@ -66,6 +73,7 @@ class BatchPlan:
     bucket_width: float = 0.03
     bucket_fill: float = 0.5
     seed: int = 0
+    padding_free: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,24 +93,38 @@ class BatchPlan:
         object.__setattr__(self, 'bucket_fill', float(fill))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f'seed: expected an integer, got {self.seed!r}')
+        if not isinstance(self.padding_free, bool):
+            raise ValueError(f'padding_free: expected true or false, got {self.padding_free!r}')
+
+    @property
+    def balanced(self) -> bool:
+        """Whether epochs are laid out in balanced global steps (``mode: balanced``)."""
+        return self.mode == 'balanced'
+
+    @property
+    def lays_out(self) -> bool:
+        """Whether the plan lays each epoch out itself (bucketing, or balanced steps)."""
+        return self.bucketing or self.balanced
 
     def limit(self, longest: int) -> int:
         """Most samples of a micro-batch whose longest sample has ``longest`` tokens (at least 1)."""
         if self.mode == 'token_budget':
             return max(1, self.max_tokens // max(longest, 1))
+        if self.mode == 'balanced':
+            return 1 << 30  # the per-device batch size (the cap) decides
         return rule_size(self.rules, longest)
 
     def to_json(self) -> dict[str, Any]:
         return {'mode': self.mode, 'max_tokens': self.max_tokens, 'rules': [list(r) for r in self.rules],
                 'bucketing': self.bucketing, 'bucket_width': self.bucket_width, 'bucket_fill': self.bucket_fill,
-                'seed': self.seed}
+                'seed': self.seed, 'padding_free': self.padding_free}
 
     @classmethod
     def from_json(cls, mapping: Mapping[str, Any]) -> 'BatchPlan':
         if not isinstance(mapping, Mapping):
             raise ValueError(f'a batch plan is a mapping, got {mapping!r}')
         unknown = sorted(set(mapping) - {'mode', 'max_tokens', 'rules', 'bucketing', 'bucket_width', 'bucket_fill',
-                                  'seed'})
+                                  'seed', 'padding_free'})
         if unknown:
             raise ValueError(f'unknown batch plan key(s) {", ".join(unknown)}')
         return cls(**dict(mapping))
@@ -141,19 +163,21 @@ def rule_size(rules: Sequence[tuple[int, int]], longest: int) -> int:
 
 def greedy_pieces(lengths: Sequence[int], plan: BatchPlan, cap: int | None = None) -> list[int]:
     """Cut consecutive samples into pieces: add a sample while the piece (with it) stays within the plan's limit
-    for its longest sample (and ``cap``). A sample that the limit does not allow next to anything goes alone."""
+    for its longest sample (and ``cap``); padding-free under a token budget, while its real tokens stay within
+    ``max_tokens``. A sample that the limit does not allow next to anything goes alone."""
     sizes: list[int] = []
-    count, longest = 0, 0
+    count, longest, total = 0, 0, 0
+    by_sum = plan.padding_free and plan.mode == 'token_budget'
     for length in lengths:
         new_longest = max(longest, length)
-        limit = plan.limit(new_longest)
+        limit = plan.limit(new_longest) if not by_sum else (count + 1 if total + length <= plan.max_tokens else count)
         if cap is not None:
             limit = min(limit, cap)
         if count and count + 1 > limit:
             sizes.append(count)
-            count, longest = 1, length
+            count, longest, total = 1, length, length
         else:
-            count, longest = count + 1, new_longest
+            count, longest, total = count + 1, new_longest, total + length
     if count:
         sizes.append(count)
     return sizes

@@ -1,0 +1,52 @@
+"""``NPROC_PER_NODE=2 swift-dynamic sft run.yaml`` (the user's route; real DDP on CPU: ``use_cpu: true``) with balanced
+global steps, padding-free micro-batches and a batch change inside the epoch: every sample exactly once over both
+ranks, every step the global batch, the ranks' work spread logged, the engine DDP."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from swift_runs import decisions, indices_by_epoch, read_jsonl, sample_trace, sft_kwargs
+
+pytestmark = [pytest.mark.distributed, pytest.mark.engines, pytest.mark.e2e]
+
+
+def test_two_processes_balanced_padding_free_with_a_batch_change(tmp_path, tiny_qwen):
+    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    n = 27
+    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=n))
+    out = str(tmp_path / 'out')
+    config = sft_kwargs(tiny_qwen, 'qwen2', data, out, max_steps=-1, num_train_epochs=1, max_length=2048,
+                        per_device_train_batch_size=2, gradient_accumulation_steps=1, lora_dropout=0.0)
+    config.update(report_to='none', use_cpu=True, ddp_backend='gloo', callbacks=['batch_schedule', 'length_batching'],
+                  dynamic_callbacks={'batch_schedule': {'schedule': {0: 2, 2: 3}},
+                                     'length_batching': {'mode': 'balanced', 'padding_free': True},
+                                     'integration': {'record_samples': True}})
+    path = tmp_path / 'run.yaml'
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = {**os.environ, 'NPROC_PER_NODE': '2', 'MASTER_PORT': str(29500 + os.getpid() % 2000),
+           'OMP_NUM_THREADS': '1'}
+    result = subprocess.run([sys.executable, '-m', 'swift_dynamic_callbacks.cli', 'sft', str(path)],
+                            capture_output=True, text=True, env=env, timeout=900, start_new_session=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    traces = [sample_trace(out, rank) for rank in (0, 1)]
+    a, b = (indices_by_epoch(t)[0] for t in traces)
+    assert not set(a) & set(b) and sorted(a + b) == list(range(n))  # exactly once over both ranks
+    per_step = [sum(map(len, r0['batches'])) + sum(map(len, r1['batches'])) for r0, r1 in zip(*traces)]
+    assert per_step[:2] == [4, 4] and set(per_step[2:-1]) == {6} and 0 < per_step[-1] <= 6  # the global batch
+    records = decisions(out)
+    [engine] = [d for d in records if d['kind'] == 'engine']
+    assert engine['reason'] == 'ddp' and engine['values']['world_size'] == 2
+    [plan] = [d for d in records if d['kind'] == 'batch_plan']
+    assert 0 <= plan['values']['planned_rank_work_spread'] <= plan['values']['unbalanced_rank_work_spread']
+    logs = [row for row in read_jsonl(os.path.join(out, 'logging.jsonl')) if 'loss' in row]
+    assert all(row['dynamic/padding_fraction'] == 0.0 for row in logs)
+    spread = [row['dynamic/rank_work_spread'] for row in logs]
+    unbalanced = [row['dynamic/rank_work_spread_unbalanced'] for row in logs]
+    assert all(0 <= s < 0.1 for s in spread[:-1])  # the last step: one sample on rank 0, none on rank 1 (spread 1)
+    assert sum(spread) < sum(unbalanced)
