@@ -251,3 +251,33 @@ def test_swift_sft_balanced_steps_keep_the_global_batch(tmp_path, tiny_qwen):
     assert len(logs) == 6 and all(row['dynamic/padding_fraction'] < 0.2 for row in logs)
     [plan] = [d for d in decisions(out) if d['kind'] == 'batch_plan']
     assert plan['values']['new']['mode'] == 'balanced' and plan['values']['planned_rank_work_spread'] == 0.0
+
+
+def test_resume_on_one_process_lays_two_ranks_rests_out_again(monkeypatch):
+    """Two ranks stop after 3 steps; one process resumes from both states: the samples they left are laid out in
+    balanced steps of the new global batch, each used once."""
+    lengths = lognormal_lengths(70, seed=7)
+
+    def every(epoch):
+        return torch.randperm(70, generator=torch.Generator().manual_seed(epoch)).tolist()
+
+    monkeypatch.setattr(distributed, 'world_size', lambda: 2)
+    monkeypatch.setattr(distributed, 'gather_objects', lambda value: [value, value])
+    states, seen = [], []
+    for rank in (0, 1):
+        monkeypatch.setattr(distributed, 'rank', lambda rank=rank: rank)
+        loader = make_loader(lengths, batch_size=3, entries=1, global_order=every)
+        loader.set_plan(PLAN)
+        for _ in range(3):
+            seen += [i for indices, _ in loader.next_step(1) for i in indices]
+        states.append(json.loads(json.dumps(loader.state_dict())))
+    monkeypatch.setattr(distributed, 'world_size', lambda: 1)
+    monkeypatch.setattr(distributed, 'rank', lambda: 0)
+    monkeypatch.setattr(distributed, 'gather_objects', lambda value: [value])
+    resumed = make_loader(lengths, batch_size=3, entries=1)
+    dealt = resumed.resume_from_rests(states, rank=0, world=1, batch_size=6)
+    assert dealt['left_in_epoch'] == 70 - 18 and resumed.plan == PLAN
+    rest = draw_epoch(resumed, 1)
+    assert [sum(map(len, s)) for s in rest] == [6] * 8 + [4]  # the global batch of 6 kept, the rest last
+    assert sorted(seen + [i for s in rest for b in s for i in b]) == list(range(70))
+    assert resumed.step_spread == (0.0, 0.0)  # one rank: nothing to balance, but the layout's figures are there
