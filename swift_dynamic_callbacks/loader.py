@@ -323,6 +323,11 @@ class ElasticDataLoader(LoaderState):
         return self._order_plan is not None
 
     @property
+    def balanced_steps(self) -> bool:
+        """Whether the current epoch is laid out in balanced global steps."""
+        return self._order_plan is not None and self._order_plan.balanced
+
+    @property
     def lengths(self) -> list[int]:
         """Tokens of every dataset index (computed once, by the ``lengths`` callable)."""
         if self._lengths is None:

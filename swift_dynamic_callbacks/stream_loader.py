@@ -222,6 +222,8 @@ class StreamLoader:
         self._window_start = self.position
         return True
 
+    balanced_steps = False  # a stream is never laid out in balanced steps
+
     def planned_spread(self) -> dict[str, float]:
         """Balanced steps are not laid out on a stream: nothing to report (the elastic loader's call)."""
         return {}

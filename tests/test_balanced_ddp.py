@@ -42,6 +42,9 @@ def test_two_processes_balanced_padding_free_with_a_batch_change(tmp_path, tiny_
     records = decisions(out)
     [engine] = [d for d in records if d['kind'] == 'engine']
     assert engine['reason'] == 'ddp' and engine['values']['world_size'] == 2
+    [change] = [d for d in records if d['kind'] == 'batch_size' and d['values']['old'] == 2]
+    layout = change['values']['balanced_layout']
+    assert layout['samples_left'] in (9, 10) and 'planned_rank_work_spread' in layout  # 19 left, laid out again
     [plan] = [d for d in records if d['kind'] == 'batch_plan']
     assert 0 <= plan['values']['planned_rank_work_spread'] <= plan['values']['unbalanced_rank_work_spread']
     logs = [row for row in read_jsonl(os.path.join(out, 'logging.jsonl')) if 'loss' in row]

@@ -69,6 +69,10 @@ class RequestApplier:
         loader.set_batch_size(size)
         self.refresh_budget('batch_size')
         values = {'old': old, 'new': size, 'global_batch_size': global_batch_size(loader)}
+        if loader.balanced_steps:  # the rest of the epoch was laid out again for the new global batch
+            relaid = {'balanced_layout': {'samples_left': loader.remaining, **loader.planned_spread()}}
+            values.update(relaid)
+            self.decisions.complete(lambda r: r.kind == 'batch_size', relaid)
         if self.layout.changed:
             values.update(requested=request.batch_size, global_batch_kept=exact)
             self.decisions.complete(lambda r: r.kind == 'batch_size', values)
