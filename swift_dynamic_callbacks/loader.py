@@ -310,11 +310,9 @@ class ElasticDataLoader(LoaderState):
         rests = distributed.gather_objects(self._order[self.position:])
         consumed = int((self.redealt or {}).get('consumed', 0)) + sum(positions)
         merged = redeal(rests, 1)[0]  # the order in which the ranks would have drawn them
-        world = distributed.world_size()
-        self._order, self._chunks = self._balanced(merged, self.epoch, salt=consumed, keep=True), None
-        self.position = self._padding = 0
-        self.redealt = {'consumed': consumed, 'dealt': len(merged), 'world': world}
-        self._span = -(-len(merged) // world)
+        self._chunks = None
+        self._take_share(self._balanced(merged, self.epoch, salt=consumed, keep=True), consumed=consumed,
+                         dealt=len(merged), world=distributed.world_size())
 
     # ---- length-aware batching ---------------------------------------------------------------------------
     @property

@@ -70,6 +70,14 @@ class LoaderState:
         self._padding = int(state.get('padding', 0))
         self._restart()
 
+    def _take_share(self, share: list[int], *, consumed: int, dealt: int, world: int) -> None:
+        """The rest of the epoch is ``share``: this rank's part of the ``dealt`` samples re-dealt over ``world``
+        processes after ``consumed`` samples of the epoch were used (a resume elsewhere, or balanced steps laid out
+        again)."""
+        self._order, self.position, self._padding = share, 0, 0
+        self.redealt = {'consumed': consumed, 'dealt': dealt, 'world': world}
+        self._span = -(-dealt // world)
+
     def resume_from_rests(self, states: Sequence[Mapping[str, Any]], *, rank: int, world: int,
                           batch_size: int | None = None) -> dict[str, Any]:
         """Resume as rank ``rank`` of ``world`` from the loader states of every rank of the saved run.
@@ -105,18 +113,21 @@ class LoaderState:
         order_plan = length_policy.BatchPlan.from_json(own['order_plan']) if own.get('order_plan') else None
         self.batch_size = int(batch_size if batch_size is not None else own['batch_size'])
         self._spreads = []
-        share, chunks = (rests[rank], None) if same_world else (redeal(rests, world)[rank], None)
-        if order_plan is not None and order_plan.balanced and not same_world:  # balanced steps for the new world
+        chunks = None
+        if same_world:
+            share = rests[rank]
+        elif order_plan is not None and order_plan.balanced:  # balanced steps for the new world
             share = self._balanced(redeal(rests, 1)[0], epoch, plan=order_plan, salt=consumed, keep=True)
-        elif order_plan is not None and order_plan.bucketing and not same_world:
-            share, chunks = length_policy.epoch_layout(share, self.lengths, order_plan, epoch)
-        self.epoch, self._order, self.position, self._padding = epoch, share, 0, 0
+        else:
+            share = redeal(rests, world)[rank]
+            if order_plan is not None and order_plan.bucketing:
+                share, chunks = length_policy.epoch_layout(share, self.lengths, order_plan, epoch)
+        self.epoch = epoch
+        self._take_share(share, consumed=consumed, dealt=left, world=world)
         self.plan, self._order_plan, self._chunks = plan, order_plan, chunks
         self.num_pieces = int(own.get('num_pieces', 1))
         saved = [int(s.get('samples_seen', 0)) for s in states]
         self.samples_seen = saved[rank] if same_world else (sum(saved) if rank == 0 else 0)
-        self.redealt = {'consumed': consumed, 'dealt': left, 'world': world}
-        self._span = -(-left // world)
         saved_entries = int(own.get('entries_per_step', self.entries_per_step))
         unchanged = (self.batch_size, self.entries_per_step) == (int(own['batch_size']), saved_entries)
         if same_world and plan is not None and unchanged:

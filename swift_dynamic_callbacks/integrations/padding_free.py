@@ -14,6 +14,7 @@ first row must not change the second row's logits (causal attention already keep
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any, Mapping
 
 import torch
@@ -60,9 +61,7 @@ def flatten_rows(batch: Mapping[str, Any]) -> dict[str, Any]:
     out['position_ids'] = torch.cat([torch.arange(n, device=ids.device) for n in lengths if n])[None]
     if isinstance(out.get('labels'), torch.Tensor):
         labels = out['labels'].clone()
-        starts = [0]
-        for n in lengths[:-1]:
-            starts.append(starts[-1] + n)
+        starts = [0, *accumulate(lengths[:-1])]  # where each row begins in the packed row
         labels[0, [s for s, n in zip(starts, lengths) if n]] = -100
         out['labels'] = labels
     out['use_cache'] = False

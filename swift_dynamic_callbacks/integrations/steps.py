@@ -44,6 +44,13 @@ PAIRS_WHY = ('a micro-batch of pairs is its chosen rows then its rejected rows (
              'the loss is a mean over pairs, so it cannot be split into smaller forward/backward passes')
 
 
+def host_packs_rows(trainer: Any) -> bool:
+    """Whether ms-swift already packs a micro-batch into one ``[1, N]`` row (``packing`` / ``padding_free``)."""
+    args = trainer.args
+    return bool(getattr(getattr(trainer, 'template', None), 'padding_free', False)
+                or getattr(args, 'padding_free', False) or getattr(args, 'packing', False))
+
+
 def is_pairs(trainer: Any) -> bool:
     """Whether a sample is several rows run together (``swift rlhf``: DPO/ORPO/... chosen + rejected, KTO
     completion + KL row; the template's ``mode`` is ``rlhf`` or ``kto``)."""
@@ -113,10 +120,7 @@ class StepRunner:
         ``pass_limit``)."""
         if is_pairs(self.trainer):
             raise ConfigError(f'{setting}: not supported under swift rlhf: {PAIRS_WHY}')
-        args = self.trainer.args
-        template = getattr(self.trainer, 'template', None)
-        if getattr(template, 'padding_free', False) or getattr(args, 'padding_free', False) or getattr(
-                args, 'packing', False):
+        if host_packs_rows(self.trainer):
             raise ConfigError(f'{setting}: a micro-batch cannot run as several passes with packing / padding_free: '
                               'a packed micro-batch is one [1, N] row and cannot be split')
         self.engine.refuse(feature, setting)
@@ -129,8 +133,7 @@ class StepRunner:
             if is_pairs(self.trainer):
                 raise ConfigError(f'{setting}: not supported under swift rlhf (a sample is several rows whose loss '
                                   'pairs them; they are not flattened)')
-            args = self.trainer.args
-            if getattr(args, 'padding_free', False) or getattr(args, 'packing', False):
+            if host_packs_rows(self.trainer):
                 raise ConfigError(f'{setting}: ms-swift\'s padding_free / packing already pack the rows; use one')
             check_packed_attention(model, setting)
         self.padding_free = bool(on)
