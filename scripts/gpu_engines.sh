@@ -7,12 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-if [ "$gpus" -lt 2 ]; then
-  echo "scripts/gpu_engines.sh needs at least 2 CUDA devices (found $gpus)" >&2
-  exit 2
-fi
-nvidia-smi --query-gpu=name,memory.total --format=csv
+. scripts/gpu_common.sh
+require_gpus 2 scripts/gpu_engines.sh
 export SDC_ENGINE_DEVICE=cuda
 "$PY" -m pytest -q -m engines -p no:cacheprovider "$@"
 "$PY" scripts/bench_engines.py --device cuda --steps 30 --repeats 3

