@@ -150,12 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--png', default=None, help='write a Pareto plot: mean eval loss vs optimizer steps')
     parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'bench_quality'))
     parser.add_argument('--jsonl', default=None, help='also append every result line to this file as it comes')
+    parser.add_argument('--skip-done', action='store_true',
+                        help='skip the (arm, seed) runs already in --jsonl: continue a study that was stopped, or add '
+                        'arms / LRs to it')
     parser.add_argument('--from-jsonl', nargs='+', default=None, metavar='FILE',
                         help='train nothing: print the table (and --png) of result lines saved by --jsonl, e.g. a '
                         'study run in parts; --samples / --eval-rows / --seeds only label the table then')
     args = parser.parse_args(argv)
     if not 1 <= args.samples <= 500:
         parser.error(f'--samples: between 1 and 500, got {args.samples}')
+    if args.skip_done and not args.jsonl:
+        parser.error('--skip-done: needs --jsonl (the file whose runs are skipped)')
     if args.from_jsonl:
         results = []
         for path in args.from_jsonl:
@@ -170,8 +175,15 @@ def main(argv: list[str] | None = None) -> int:
                               if a in args.arms]
     arms += [f'{a}@{lr:g}' for lr in args.arm_lrs for a in args.arms if f'{a}@{lr:g}' not in arms]
     results = []
+    if args.skip_done and os.path.exists(args.jsonl):
+        with open(args.jsonl, encoding='utf-8') as f:
+            results = [json.loads(line) for line in f if line.strip()]
+        results = [r for r in results if r['arm'] in arms and r['seed'] in args.seeds]
+    done = {(r['arm'], r['seed']) for r in results}
     for seed in args.seeds:
         for arm in arms:
+            if (arm, seed) in done:
+                continue
             result = run_arm(arm, seed, args, model, flags, train, test)
             print(json.dumps(result), flush=True)
             if args.jsonl:
