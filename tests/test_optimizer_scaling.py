@@ -4,6 +4,7 @@ one real ``swift sft`` run with a resume."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -39,6 +40,22 @@ def test_late_switch_is_monotone_and_one_of_the_two_sizes(a, b, switch_at, initi
     assert sizes[0] <= sizes[1] and set(sizes) <= {initial, maximum}
 
 
+@given(st.lists(st.tuples(st.floats(0, 1), st.booleans()), min_size=2, max_size=20), st.floats(0.01, 0.99),
+       st.integers(1, 8), st.integers(0, 8))
+def test_a_loss_plateau_only_brings_the_switch_forward(points, switch_at, initial, extra):
+    """With the plateau trigger the size is maximum from the plateau on (sticky) or from switch_at on, whichever is
+    first; without a plateau it is exactly the fraction rule."""
+    maximum = initial + extra
+    points = sorted(points)
+    fired = [any(p for _, p in points[:i + 1]) for i in range(len(points))]  # sticky: once plateaued, it stays
+    sizes = [late_switch_size(d, initial=initial, maximum=maximum, switch_at=switch_at, plateaued=f)
+             for (d, _), f in zip(points, fired)]
+    assert sizes == sorted(sizes)
+    for (done, _), plateaued, size in zip(points, fired, sizes):
+        assert size == (maximum if plateaued or done >= switch_at else initial)
+        assert size >= late_switch_size(done, initial=initial, maximum=maximum, switch_at=switch_at)
+
+
 @given(st.floats(0.05, 64), st.sampled_from(['sqrt', 'linear', 'none']))
 def test_power_lines_keeps_the_weight_decay_timescale_and_half_life_keeps_beta2_in_samples(ratio, rule):
     lr_factor = lr_scale(ratio, 1, rule)
@@ -71,6 +88,83 @@ def test_settings_are_validated_and_read_only_where_they_apply():
         BatchGrowthConfig(policy='late_switch', switch_at=1.0)
     with pytest.raises(ConfigError, match='weight_decay_scaling'):
         BatchGrowthConfig(weight_decay_scaling='linear')
+
+
+def test_the_plateau_trigger_settings_are_validated():
+    config = BatchGrowthConfig(policy='late_switch', switch_patience=3, window=5, switch_min_delta=0.01)
+    assert (config.switch_patience, config.window, config.switch_min_delta) == (3, 5, 0.01)
+    with pytest.raises(ConfigError, match='switch_patience'):
+        BatchGrowthConfig(policy='interval', switch_patience=3)  # not read by interval
+    with pytest.raises(ConfigError, match='switch_patience'):
+        BatchGrowthConfig(policy='late_switch', switch_patience=0)
+    with pytest.raises(ConfigError, match='switch_min_delta'):
+        BatchGrowthConfig(policy='late_switch', switch_patience=2, switch_min_delta=-0.1)
+    for name, value in (('window', 5), ('switch_min_delta', 0.01)):  # read only with the plateau trigger
+        with pytest.raises(ConfigError, match=f'{name}: policy late_switch reads it only with switch_patience'):
+            BatchGrowthConfig(policy='late_switch', **{name: value})
+
+
+def _late_switch_steps(cb, losses, *, max_steps=20):
+    """Log ``losses[k]`` and end optimizer step ``k + 1`` (HF order: on_step_end, then on_log); returns the control
+    of each step."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    args = TrainingArguments(output_dir='unused', gradient_accumulation_steps=1, report_to=[])
+    controls = []
+    for step, loss in enumerate(losses, start=1):
+        control = TrainerControl()
+        state = TrainerState(global_step=step, max_steps=max_steps)
+        cb.on_step_end(args, state, control)
+        cb.on_log(args, state, control, logs={'loss': loss})
+        controls.append(control)
+    return controls
+
+
+def test_a_flat_loss_switches_before_switch_at_and_a_falling_one_does_not():
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    config = BatchGrowthConfig(policy='late_switch', initial=1, maximum=4, switch_at=0.75, switch_patience=2,
+                               window=3, switch_min_delta=0.01)
+    flat = BatchGrowthCallback(config)
+    flat.batch_size = 1
+    controls = _late_switch_steps(flat, [2.0, 1.8, 1.6, 1.6, 1.6, 1.6, 1.6, 1.6])
+    # medians from the 3rd loss: 1.8, 1.6 (best), 1.6, 1.6 -> 2 values without a 0.01 drop after step 4's: fires at
+    # step 6's log; the request comes at step 7's end (the next policy check)
+    asked = [getattr(c, protocol.NEW_BATCH_SIZE, None) for c in controls]
+    assert asked == [None] * 6 + [4, None]
+    (record, ) = protocol.drain_decisions(controls[6])
+    assert record.values['trigger'] == 'loss_plateau' and record.values['smoothed_loss'] == pytest.approx(1.6)
+    waits = [protocol.current_metrics(c)['dynamic/late_switch_wait'] for c in controls]
+    assert waits == [0, 0, 0, 0, 0, 1, 0, 0] and flat.switch['plateaued']  # published at a step's end: the wait
+    # after the previous step's log
+    restored = BatchGrowthCallback(config)  # the trigger's state survives a checkpoint
+    restored.load_state_dict(json.loads(json.dumps(flat.state_dict())))
+    assert restored.switch == flat.switch
+
+    falling = BatchGrowthCallback(config)
+    falling.batch_size = 1
+    controls = _late_switch_steps(falling, [2.0 - 0.05 * k for k in range(20)])
+    switched = [step for step, c in enumerate(controls, start=1) if getattr(c, protocol.NEW_BATCH_SIZE, None)]
+    assert switched == [15]  # 15 / 20 = switch_at: the fraction rule, not the plateau
+    (record, ) = protocol.drain_decisions(controls[14])
+    assert record.values['trigger'] == 'switch_at' and not falling.switch['plateaued']
+
+
+def test_the_plateau_is_rank_0s(monkeypatch):
+    """The losses are this rank's: the size is broadcast from rank 0 with the plateau trigger on."""
+    from swift_dynamic_callbacks import distributed
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    sent = []
+
+    def broadcast(value):  # rank 0 has not plateaued
+        sent.append(value)
+        return 1
+
+    monkeypatch.setattr(distributed, 'broadcast_from_main', broadcast)
+    cb = BatchGrowthCallback(BatchGrowthConfig(policy='late_switch', initial=1, maximum=4, switch_patience=1,
+                                               window=2))
+    cb.batch_size = 1
+    controls = _late_switch_steps(cb, [1.0, 1.0, 1.0, 1.0])
+    assert cb.switch['plateaued'] and 4 in sent
+    assert all(getattr(c, protocol.NEW_BATCH_SIZE, None) is None for c in controls)
 
 
 def _launch(growth: dict, **settings):
@@ -173,3 +267,29 @@ def test_swift_sft_late_switch_rescales_the_optimizer_and_resumes_with_it(tmp_pa
         (pytest.approx(0.2), pytest.approx(0.95 ** 4))]
     state = json.load(open(os.path.join(target, f'checkpoint-{last}', 'dynamic_callbacks_state.json')))
     assert state['components']['integration']['optimizer']['configured'][0]['beta2'] == pytest.approx(0.95)
+
+
+@pytest.mark.e2e
+def test_swift_sft_late_switch_on_a_loss_plateau(tmp_path, tiny_llama, gsm8k_16):
+    """The plateau trigger in a real run: with ``switch_min_delta`` larger than any loss, no logged loss is an
+    improvement, so with ``window: 2`` (first judged value at the 2nd log) and ``switch_patience: 2`` the plateau is
+    declared at step 4's log and the switch to batch 4 comes at step 5's end, long before ``switch_at: 0.9``; every
+    sample is used exactly once and the training log carries the wait."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_runs import decisions, run_sft, sample_trace, train_logs
+    growth = {'policy': 'late_switch', 'initial': 1, 'maximum': 4, 'switch_at': 0.9, 'switch_patience': 2,
+              'window': 2, 'switch_min_delta': 100.0}
+    try:
+        sdc.register(batch_growth=growth, integration={'record_samples': True})
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'run'), callbacks=['batch_growth'],
+                      per_device_train_batch_size=1, gradient_accumulation_steps=1, num_train_epochs=1, max_steps=-1)
+    finally:
+        plugin._configured = None
+    (switch, ) = [d for d in decisions(out) if d['kind'] == 'batch_size' and d['reason'] == 'late_switch']
+    assert (switch['step'], switch['values']['old'], switch['values']['new']) == (5, 1, 4)
+    assert switch['values']['trigger'] == 'loss_plateau' and switch['values']['done'] < 0.9
+    used = [sum(len(b) for b in row['batches']) for row in sample_trace(out)]
+    assert used == [1] * 5 + [4, 4, 3]
+    assert sorted(i for row in sample_trace(out) for b in row['batches'] for i in b) == list(range(16))
+    assert [row['dynamic/late_switch_wait'] for row in train_logs(out)][:5] == [0, 0, 0, 1, 0]

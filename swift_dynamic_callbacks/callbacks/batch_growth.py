@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any, Mapping
 
 from .. import distributed, protocol
@@ -12,6 +13,7 @@ from ..config.batch_growth import (POLICIES, RANK_LOCAL_POLICIES, BatchGrowthCon
 from ..policies.growth import (critical_batch, ema, interval_size, late_switch_size, loss_variability_size, lr_scale,
                                noise_scale_size, noise_scale_terms, optimizer_scale, pieces_for_cap, seesaw_cuts,
                                seesaw_size)
+from ..policies.lr import PlateauState, plateau_step, smoothed
 from ..policies.schedule import scheduled_value
 from ..records import DecisionRecord
 from .base import DynamicCallback
@@ -28,10 +30,13 @@ class BatchGrowthCallback(DynamicCallback):
     publishes ``dynamic/grad_noise_scale`` (critical global batch, samples) in ``dynamic_metrics``.
     Seesaw: ``on_step_end`` reads the next step's LR from ``lr_scheduler.get_last_lr()`` (the schedule's factor is
     that LR over ``learning_rate`` and the LR scale this callback has in effect) and grows once per cut by
-    ``factor`` since the schedule's peak. Late switch: ``on_step_end`` reads ``global_step / max_steps``.
+    ``factor`` since the schedule's peak. Late switch: ``on_step_end`` reads ``global_step / max_steps``; with
+    ``switch_patience``, ``on_log`` also judges the smoothed training loss for a plateau (rank 0's verdict) and
+    ``on_step_end`` publishes ``dynamic/late_switch_wait`` (logged losses without improvement so far).
     State: ``batch_size`` (last requested), ``pending`` (held for the epoch end), ``losses`` (loss_variability
     window), ``noise`` (noise_scale EMAs and sample count), ``seesaw`` (schedule peak, cuts so far, LR scale in
-    effect); the loader's position and the LR scale are restored by the integration.
+    effect), ``switch`` (late_switch plateau trigger: recent losses, plateau state, whether it fired); the loader's
+    position and the LR scale are restored by the integration.
     """
 
     name = 'batch_growth'
@@ -46,6 +51,7 @@ class BatchGrowthCallback(DynamicCallback):
         self.critical_per_device: float | None = None
         self.seesaw: dict[str, Any] = {'peak': 0.0, 'cuts': 0, 'scale': 1.0, 'factor': None}
         self.done = 0.0  # late_switch: the fraction of the run's optimizer steps behind (derived from the state)
+        self.switch: dict[str, Any] = {'losses': [], 'plateau': asdict(PlateauState()), 'plateaued': False}
         self._fn = self.config.resolved_function() if self.config.policy == 'callable' else None
 
     # ---- policy ----------------------------------------------------------------------------------------
@@ -69,7 +75,8 @@ class BatchGrowthCallback(DynamicCallback):
         elif c.policy == 'seesaw':
             size = seesaw_size(self.seesaw['cuts'], initial=c.initial, factor=c.factor, maximum=c.maximum)
         elif c.policy == 'late_switch':
-            size = late_switch_size(self.done, initial=c.initial, maximum=c.maximum, switch_at=c.switch_at)
+            size = late_switch_size(self.done, initial=c.initial, maximum=c.maximum, switch_at=c.switch_at,
+                                    plateaued=self.switch['plateaued'])
         else:
             size = checked_size(self._fn(step, current), f'for (step={step}, batch_size={current})')
         return min(size, c.maximum)
@@ -83,6 +90,21 @@ class BatchGrowthCallback(DynamicCallback):
         s['factor'] = factor
         s['peak'] = max(s['peak'], factor)
         s['cuts'] = max(s['cuts'], seesaw_cuts(factor, s['peak'], self.config.factor))
+
+    def observe_loss(self, loss: float) -> bool:
+        """Late switch with ``switch_patience``: fold one logged training loss into the plateau judgement (the
+        median of the last ``window``, :func:`~.policies.lr.plateau_step`); returns whether the loss has plateaued
+        (sticky: once true, it stays)."""
+        c, sw = self.config, self.switch
+        if sw['plateaued'] or not math.isfinite(loss):
+            return sw['plateaued']
+        sw['losses'] = (sw['losses'] + [float(loss)])[-c.window:]
+        if len(sw['losses']) >= c.window:
+            plateau, fired = plateau_step(PlateauState(**sw['plateau']), smoothed(sw['losses'], c.window), mode='min',
+                                          min_delta=c.switch_min_delta, patience=c.switch_patience, cooldown=0)
+            sw['plateau'] = asdict(plateau)
+            sw['plateaued'] = fired
+        return sw['plateaued']
 
     def observe_noise(self, sample: protocol.GradNoiseSample, passes_per_step: int) -> float | None:
         """Fold one step's gradient norms into the EMAs; returns the critical global batch in samples."""
@@ -132,7 +154,10 @@ class BatchGrowthCallback(DynamicCallback):
             if critical is not None:
                 protocol.publish_metrics(control, {'dynamic/grad_noise_scale': round(critical, 3)})
         size = self.target(state.global_step, self.batch_size or self.config.initial)
-        if self.config.policy in RANK_LOCAL_POLICIES:  # judged on this rank's losses / gradients: rank 0's size
+        if self.config.switch_patience is not None:
+            protocol.publish_metrics(control, {'dynamic/late_switch_wait': self.switch['plateau']['wait']})
+        rank_local = self.config.policy in RANK_LOCAL_POLICIES or self.config.switch_patience is not None
+        if rank_local:  # judged on this rank's losses / gradients: rank 0's size
             size = distributed.broadcast_from_main(size)
         if size == self.batch_size:
             self.pending = None
@@ -145,6 +170,9 @@ class BatchGrowthCallback(DynamicCallback):
         loss = protocol.true_training_value(control, logs or {}, 'loss')  # NaN for HF's substitute of a NaN step
         if self.config.policy == 'loss_variability' and isinstance(loss, (int, float)) and math.isfinite(loss):
             self.losses = (self.losses + [float(loss)])[-self.config.window:]
+        if self.config.policy == 'late_switch' and self.config.switch_patience is not None:
+            if isinstance(loss, (int, float)):
+                self.observe_loss(float(loss))
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if self.pending is not None and self.pending != self.batch_size:
@@ -171,6 +199,11 @@ class BatchGrowthCallback(DynamicCallback):
             factor = self.seesaw['factor']
             extra = {'lr_cuts': self.seesaw['cuts'],
                      'schedule_factor': None if factor is None else round(factor / (self.seesaw['peak'] or 1.0), 6)}
+        if c.policy == 'late_switch' and reason == 'late_switch':
+            early = self.switch['plateaued'] and self.done < c.switch_at
+            extra = {'trigger': 'loss_plateau' if early else 'switch_at', 'done': round(self.done, 6)}
+            if early:
+                extra['smoothed_loss'] = self.switch['plateau']['best']
         if optimizer:
             extra['optimizer_scale'] = optimizer
             self.seesaw['scale'] = scale
@@ -201,6 +234,7 @@ class BatchGrowthCallback(DynamicCallback):
             'noise': dict(self.noise),
             'critical_per_device': self.critical_per_device,
             'seesaw': dict(self.seesaw),
+            'switch': {**self.switch, 'losses': list(self.switch['losses']), 'plateau': dict(self.switch['plateau'])},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -210,3 +244,7 @@ class BatchGrowthCallback(DynamicCallback):
         self.noise = {**self.noise, **state.get('noise', {})}
         self.critical_per_device = state.get('critical_per_device')
         self.seesaw = {**self.seesaw, **state.get('seesaw', {})}
+        switch = state.get('switch', {})
+        self.switch = {'losses': [float(x) for x in switch.get('losses', [])],
+                       'plateau': {**asdict(PlateauState()), **switch.get('plateau', {})},
+                       'plateaued': bool(switch.get('plateaued', False))}

@@ -110,8 +110,8 @@ class BatchGrowthConfig(Settings):
             below) or ``seesaw`` (Seesaw, arXiv 2510.14717: whenever the LR schedule has cut the LR by another
             ``factor`` since its peak, grow the batch by ``factor`` and cut the LR by only ``sqrt(factor)``, up to
             ``maximum``; needs ``lr_scaling: sqrt``; see ``policies.growth.seesaw_size``) or ``late_switch`` (arXiv
-            2602.14208: ``initial`` until ``switch_at`` of the run's optimizer steps, then ``maximum``;
-            ``policies.growth.late_switch_size``).
+            2602.14208: ``initial`` until ``switch_at`` of the run's optimizer steps, or earlier when the loss
+            plateaus (``switch_patience``), then ``maximum``; ``policies.growth.late_switch_size``).
         initial: per-device batch size at the start (and before the first ``table`` key).
         factor: growth factor, in (1, 8]; fractional factors round up and every growth adds >= 1. For
             ``seesaw`` it is also the LR cut (``alpha``) that triggers one growth.
@@ -132,13 +132,21 @@ class BatchGrowthConfig(Settings):
             ``initial``).
         apply_at: ``step`` (a change applies at the next optimizer step) or ``epoch`` (held until the next
             epoch boundary: fewer loader restarts).
-        window: logged losses the loss_variability policy looks at (default 20: with ``logging_steps: 1``, enough
+        window: logged losses the loss_variability policy looks at (late_switch with ``switch_patience``: their
+            median is the value judged for a plateau) (default 20: with ``logging_steps: 1``, enough
             values for a stable spread estimate, short enough to follow the run).
         threshold: coefficient of variation above which the loss counts as noisy (default 0.05: step-to-step
             loss of an LLM fine-tune at a small batch typically varies by 5-15 % of its value, and by less once the
             batch averages enough samples).
         switch_at: late_switch: the fraction of the run (``global_step / max_steps``) at which the batch switches
-            from ``initial`` to ``maximum`` (default 0.75: late, as the paper's hard tasks prefer).
+            from ``initial`` to ``maximum`` (default 0.75: late, as the paper's hard tasks prefer); with
+            ``switch_patience`` the latest point of the switch.
+        switch_patience: late_switch: also switch as soon as the training loss plateaus: ``switch_patience`` logged
+            losses in a row whose smoothed value (median of the last ``window``) does not improve on the best one by
+            more than ``switch_min_delta`` (``lr_schedule``'s plateau rule, ``policies.lr.plateau_step``; judged on
+            rank 0's losses). ``None`` (default): only ``switch_at``.
+        switch_min_delta: late_switch with ``switch_patience``: the smallest drop of the smoothed loss that counts
+            as an improvement (default 0.0).
         weight_decay_scaling: ``none`` (default) or ``power_lines``: when the batch changes, scale the optimizer's
             weight decay so ``B / (lr * weight_decay)`` stays constant (``policies.growth.optimizer_scale``).
         beta2_scaling: ``none`` (default) or ``half_life``: when the batch changes, set Adam's beta2 to
@@ -174,6 +182,8 @@ class BatchGrowthConfig(Settings):
     threshold: float = setting(Number(0, float('inf'), low_open=True, high_open=True), 0.05)
     noise_decay: float = setting(Number(0, 1, high_open=True), 0.95)
     switch_at: float = setting(Number(0, 1, low_open=True, high_open=True), 0.75)
+    switch_patience: int | None = setting(Int(1, optional=True), None)
+    switch_min_delta: float = setting(Number(0, float('inf'), high_open=True), 0.0)
     weight_decay_scaling: str = setting(Choice(('none', 'power_lines')), 'none')
     beta2_scaling: str = setting(Choice(('none', 'half_life')), 'none')
 
@@ -185,7 +195,7 @@ class BatchGrowthConfig(Settings):
             'loss_variability': ('factor', 'interval', 'delay', 'window', 'threshold'),
             'noise_scale': ('factor', 'interval', 'delay', 'window', 'noise_decay'),
             'seesaw': ('factor', ),
-            'late_switch': ('switch_at', ),
+            'late_switch': ('switch_at', 'switch_patience', 'switch_min_delta', 'window'),
         }),
         Reads('lr_scaling', {'sqrt': ('reference_batch', ), 'linear': ('reference_batch', ), 'none': ()}),
     )
@@ -197,6 +207,12 @@ class BatchGrowthConfig(Settings):
         if self.policy == 'seesaw' and self.lr_scaling != 'sqrt':
             raise ConfigError(f'lr_scaling: policy seesaw cuts the LR by sqrt(factor) for every batch x factor, so it '
                               f'needs lr_scaling: sqrt, got {self.lr_scaling!r}')
+        if self.policy == 'late_switch' and self.switch_patience is None:
+            for name, default in (('window', 20), ('switch_min_delta', 0.0)):
+                if getattr(self, name) != default:
+                    raise ConfigError(f'{name}: policy late_switch reads it only with switch_patience (the '
+                                      f'loss-plateau trigger), which is not set; got {getattr(self, name)!r}: set '
+                                      'switch_patience or remove it')
         if self.policy == 'table' and not self.table:
             raise ConfigError('table: the table policy needs at least one {step: batch_size} entry, got none')
         if self.policy == 'callable':

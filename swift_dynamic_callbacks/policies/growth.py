@@ -71,17 +71,19 @@ def pieces_for_cap(batch_size: int, micro_batch_cap: int | None) -> int:
     return max(1, -(-batch_size // micro_batch_cap))
 
 
-def late_switch_size(done: float, *, initial: int, maximum: int, switch_at: float) -> int:
+def late_switch_size(done: float, *, initial: int, maximum: int, switch_at: float, plateaued: bool = False) -> int:
     """Late switching (arXiv 2602.14208): the small batch for most of the run, the large one after a late switch.
 
     ``done`` is the fraction of the run's optimizer steps behind (``global_step / max_steps``; before the switch
     the batch is constant, so this is also the fraction of its samples). Below ``switch_at`` the batch is
-    ``initial``; from it on, ``maximum``. On hard tasks the small batch keeps the gradient noise that helps most of
-    training, and the loss catches up with the large-batch trajectory quickly after the switch.
+    ``initial``; from it on, ``maximum``. ``plateaued``: the small batch's loss has stopped improving (the loss
+    plateau trigger, judged as ``lr_schedule`` judges a plateau: :func:`~.lr.plateau_step` on the median of recent
+    logged losses; sticky once true), which switches earlier. On hard tasks the small batch keeps the gradient noise
+    that helps most of training, and the loss catches up with the large-batch trajectory quickly after the switch.
     """
     if not 0 < switch_at < 1:
         raise ValueError(f'late_switch_size: switch_at must be in (0, 1), got {switch_at}')
-    return maximum if done >= switch_at else initial
+    return maximum if plateaued or done >= switch_at else initial
 
 
 def optimizer_scale(ratio: float, lr_factor: float, *, weight_decay: str, beta2: str) -> dict[str, float]:
