@@ -40,6 +40,9 @@ COMPANIONS = {
     ('batch_growth', 'policy', 'callable'): {'function': FUNCTION},
     ('memory_backoff', 'probe', 'cpu'): {'cpu_budget_gib': 8.0},
     ('length_batching', 'split', 'passes'): {'bucketing': False},
+    # a selector that only one policy reads: its values need that policy beside them
+    ('batch_growth', 'switch_patience', 1): {'policy': 'late_switch'},
+    ('batch_growth', 'switch_patience', None): {'policy': 'late_switch'},
 }
 #: Settings a class always needs (no useful default).
 BASE = {'batch_schedule': {'schedule': {0: 2}}}
@@ -152,7 +155,13 @@ def reading_selector(section, cls, name) -> dict:
 def representative(row, choice):
     if row.classify is None:
         return choice
-    return next(v for v in (0, 1, 2, 5) if row.classify(v) == choice)
+    for value in (0, 1, 2, 5, None):  # None: an optional setting off
+        try:
+            if row.classify(value) == choice:
+                return value
+        except TypeError:  # a classifier of numbers only
+            continue
+    raise AssertionError(f'no representative value of {row.selector} for {choice!r}')
 
 
 # ---- every setting ---------------------------------------------------------------------------------------------
@@ -274,7 +283,7 @@ def test_a_setting_the_chosen_policy_does_not_read_is_refused(section, selector,
     with pytest.raises(ConfigError) as info:
         cls(**settings_)
     message = str(info.value)
-    shown = 'true' if value is True else 'false' if value is False else str(value)
+    shown = 'true' if value is True else 'false' if value is False else 'null' if value is None else str(value)
     assert message.startswith(f'{name}: only read by {selector}: '), message
     assert f'the configured {selector} is {shown}' in message, message
     # written in YAML with its default value it is refused too (the user wrote it, nothing reads it)

@@ -91,17 +91,20 @@ def test_settings_are_validated_and_read_only_where_they_apply():
 
 
 def test_the_plateau_trigger_settings_are_validated():
-    config = BatchGrowthConfig(policy='late_switch', switch_patience=3, window=5, switch_min_delta=0.01)
-    assert (config.switch_patience, config.window, config.switch_min_delta) == (3, 5, 0.01)
+    config = BatchGrowthConfig(policy='late_switch', switch_patience=3, switch_smooth=3, switch_min_delta=0.01)
+    assert (config.switch_patience, config.switch_smooth, config.switch_min_delta) == (3, 3, 0.01)
     with pytest.raises(ConfigError, match='switch_patience'):
         BatchGrowthConfig(policy='interval', switch_patience=3)  # not read by interval
     with pytest.raises(ConfigError, match='switch_patience'):
         BatchGrowthConfig(policy='late_switch', switch_patience=0)
     with pytest.raises(ConfigError, match='switch_min_delta'):
         BatchGrowthConfig(policy='late_switch', switch_patience=2, switch_min_delta=-0.1)
-    for name, value in (('window', 5), ('switch_min_delta', 0.01)):  # read only with the plateau trigger
-        with pytest.raises(ConfigError, match=f'{name}: policy late_switch reads it only with switch_patience'):
+    # read only with the plateau trigger
+    for name, value in (('switch_smooth', 3), ('switch_min_delta', 0.01)):
+        with pytest.raises(ConfigError, match=f'{name}: only read by switch_patience: >= 1'):
             BatchGrowthConfig(policy='late_switch', **{name: value})
+    with pytest.raises(ConfigError, match='window: only read by policy: loss_variability'):
+        BatchGrowthConfig(policy='late_switch', switch_patience=2, window=5)
 
 
 def _late_switch_steps(cb, losses, *, max_steps=20):
@@ -122,7 +125,7 @@ def _late_switch_steps(cb, losses, *, max_steps=20):
 def test_a_flat_loss_switches_before_switch_at_and_a_falling_one_does_not():
     from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
     config = BatchGrowthConfig(policy='late_switch', initial=1, maximum=4, switch_at=0.75, switch_patience=2,
-                               window=3, switch_min_delta=0.01)
+                               switch_smooth=3, switch_min_delta=0.01)
     flat = BatchGrowthCallback(config)
     flat.batch_size = 1
     controls = _late_switch_steps(flat, [2.0, 1.8, 1.6, 1.6, 1.6, 1.6, 1.6, 1.6])
@@ -160,7 +163,7 @@ def test_the_plateau_is_rank_0s(monkeypatch):
 
     monkeypatch.setattr(distributed, 'broadcast_from_main', broadcast)
     cb = BatchGrowthCallback(BatchGrowthConfig(policy='late_switch', initial=1, maximum=4, switch_patience=1,
-                                               window=2))
+                                               switch_smooth=2))
     cb.batch_size = 1
     controls = _late_switch_steps(cb, [1.0, 1.0, 1.0, 1.0])
     assert cb.switch['plateaued'] and 4 in sent
@@ -272,14 +275,14 @@ def test_swift_sft_late_switch_rescales_the_optimizer_and_resumes_with_it(tmp_pa
 @pytest.mark.e2e
 def test_swift_sft_late_switch_on_a_loss_plateau(tmp_path, tiny_llama, gsm8k_16):
     """The plateau trigger in a real run: with ``switch_min_delta`` larger than any loss, no logged loss is an
-    improvement, so with ``window: 2`` (first judged value at the 2nd log) and ``switch_patience: 2`` the plateau is
-    declared at step 4's log and the switch to batch 4 comes at step 5's end, long before ``switch_at: 0.9``; every
+    improvement, so with ``switch_smooth: 2`` (first judged value at the 2nd log) and ``switch_patience: 2`` the plateau
+    is declared at step 4's log and the switch to batch 4 comes at step 5's end, long before ``switch_at: 0.9``; every
     sample is used exactly once and the training log carries the wait."""
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_runs import decisions, run_sft, sample_trace, train_logs
     growth = {'policy': 'late_switch', 'initial': 1, 'maximum': 4, 'switch_at': 0.9, 'switch_patience': 2,
-              'window': 2, 'switch_min_delta': 100.0}
+              'switch_smooth': 2, 'switch_min_delta': 100.0}
     try:
         sdc.register(batch_growth=growth, integration={'record_samples': True})
         out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'run'), callbacks=['batch_growth'],

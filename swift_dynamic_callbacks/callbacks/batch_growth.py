@@ -93,14 +93,15 @@ class BatchGrowthCallback(DynamicCallback):
 
     def observe_loss(self, loss: float) -> bool:
         """Late switch with ``switch_patience``: fold one logged training loss into the plateau judgement (the
-        median of the last ``window``, :func:`~.policies.lr.plateau_step`); returns whether the loss has plateaued
-        (sticky: once true, it stays)."""
+        median of the last ``switch_smooth``, :func:`~.policies.lr.plateau_step`); returns whether the loss has
+        plateaued (sticky: once true, it stays)."""
         c, sw = self.config, self.switch
         if sw['plateaued'] or not math.isfinite(loss):
             return sw['plateaued']
-        sw['losses'] = (sw['losses'] + [float(loss)])[-c.window:]
-        if len(sw['losses']) >= c.window:
-            plateau, fired = plateau_step(PlateauState(**sw['plateau']), smoothed(sw['losses'], c.window), mode='min',
+        sw['losses'] = (sw['losses'] + [float(loss)])[-c.switch_smooth:]
+        if len(sw['losses']) >= c.switch_smooth:
+            plateau, fired = plateau_step(PlateauState(**sw['plateau']), smoothed(sw['losses'], c.switch_smooth),
+                                          mode='min',
                                           min_delta=c.switch_min_delta, patience=c.switch_patience, cooldown=0)
             sw['plateau'] = asdict(plateau)
             sw['plateaued'] = fired

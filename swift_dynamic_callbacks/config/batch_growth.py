@@ -132,8 +132,7 @@ class BatchGrowthConfig(Settings):
             ``initial``).
         apply_at: ``step`` (a change applies at the next optimizer step) or ``epoch`` (held until the next
             epoch boundary: fewer loader restarts).
-        window: logged losses the loss_variability policy looks at (late_switch with ``switch_patience``: their
-            median is the value judged for a plateau) (default 20: with ``logging_steps: 1``, enough
+        window: logged losses the loss_variability policy looks at (default 20: with ``logging_steps: 1``, enough
             values for a stable spread estimate, short enough to follow the run).
         threshold: coefficient of variation above which the loss counts as noisy (default 0.05: step-to-step
             loss of an LLM fine-tune at a small batch typically varies by 5-15 % of its value, and by less once the
@@ -142,11 +141,14 @@ class BatchGrowthConfig(Settings):
             from ``initial`` to ``maximum`` (default 0.75: late, as the paper's hard tasks prefer); with
             ``switch_patience`` the latest point of the switch.
         switch_patience: late_switch: also switch as soon as the training loss plateaus: ``switch_patience`` logged
-            losses in a row whose smoothed value (median of the last ``window``) does not improve on the best one by
-            more than ``switch_min_delta`` (``lr_schedule``'s plateau rule, ``policies.lr.plateau_step``; judged on
-            rank 0's losses). ``None`` (default): only ``switch_at``.
+            losses in a row whose smoothed value (median of the last ``switch_smooth``) does not improve on the best
+            one by more than ``switch_min_delta`` (``lr_schedule``'s plateau rule, ``policies.lr.plateau_step``;
+            judged on rank 0's losses). ``None`` (default): only ``switch_at``.
         switch_min_delta: late_switch with ``switch_patience``: the smallest drop of the smoothed loss that counts
             as an improvement (default 0.0).
+        switch_smooth: late_switch with ``switch_patience``: the plateau is judged on the median of the last
+            ``switch_smooth`` logged losses, once there are that many (default 5, as ``lr_schedule``'s ``smooth``: one
+            noisy batch moves a median by one rank at most).
         weight_decay_scaling: ``none`` (default) or ``power_lines``: when the batch changes, scale the optimizer's
             weight decay so ``B / (lr * weight_decay)`` stays constant (``policies.growth.optimizer_scale``).
         beta2_scaling: ``none`` (default) or ``half_life``: when the batch changes, set Adam's beta2 to
@@ -184,6 +186,7 @@ class BatchGrowthConfig(Settings):
     switch_at: float = setting(Number(0, 1, low_open=True, high_open=True), 0.75)
     switch_patience: int | None = setting(Int(1, optional=True), None)
     switch_min_delta: float = setting(Number(0, float('inf'), high_open=True), 0.0)
+    switch_smooth: int = setting(Int(1), 5)
     weight_decay_scaling: str = setting(Choice(('none', 'power_lines')), 'none')
     beta2_scaling: str = setting(Choice(('none', 'half_life')), 'none')
 
@@ -195,9 +198,11 @@ class BatchGrowthConfig(Settings):
             'loss_variability': ('factor', 'interval', 'delay', 'window', 'threshold'),
             'noise_scale': ('factor', 'interval', 'delay', 'window', 'noise_decay'),
             'seesaw': ('factor', ),
-            'late_switch': ('switch_at', 'switch_patience', 'switch_min_delta', 'window'),
+            'late_switch': ('switch_at', 'switch_patience'),
         }),
         Reads('lr_scaling', {'sqrt': ('reference_batch', ), 'linear': ('reference_batch', ), 'none': ()}),
+        Reads('switch_patience', {'>= 1': ('switch_min_delta', 'switch_smooth'), 'none': ()},
+              classify=lambda n: 'none' if n is None else '>= 1' if n >= 1 else 'invalid'),
     )
     controls = ('batch_size', 'num_pieces', 'lr_scale', 'optimizer_scale')
 
@@ -207,12 +212,6 @@ class BatchGrowthConfig(Settings):
         if self.policy == 'seesaw' and self.lr_scaling != 'sqrt':
             raise ConfigError(f'lr_scaling: policy seesaw cuts the LR by sqrt(factor) for every batch x factor, so it '
                               f'needs lr_scaling: sqrt, got {self.lr_scaling!r}')
-        if self.policy == 'late_switch' and self.switch_patience is None:
-            for name, default in (('window', 20), ('switch_min_delta', 0.0)):
-                if getattr(self, name) != default:
-                    raise ConfigError(f'{name}: policy late_switch reads it only with switch_patience (the '
-                                      f'loss-plateau trigger), which is not set; got {getattr(self, name)!r}: set '
-                                      'switch_patience or remove it')
         if self.policy == 'table' and not self.table:
             raise ConfigError('table: the table policy needs at least one {step: batch_size} entry, got none')
         if self.policy == 'callable':
