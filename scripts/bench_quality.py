@@ -226,7 +226,7 @@ def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> in
         print(f'| {arm} | {len(mine)} | {mean("optimizer_steps"):.1f} | {mean("train_loss"):.4f} | '
               f'{mean("eval_loss"):.4f} ± {spread:.4f} | {mean("wall_s"):.1f} ± {wall_spread:.1f} | '
               f'{mean("padding"):.3f} | {statistics.fmean(padded) if padded else float("nan"):,.0f} |')
-    goal(results, arms)
+    ref = goal(results, arms)
     if any('@' in arm for arm in arms):
         print('\nbest LR of each arm (lowest mean eval loss over the seeds all its LRs ran):')
         for base in args.arms:
@@ -243,18 +243,19 @@ def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> in
             print(f'| {base} | LR {lr} | eval loss {loss(arm):.4f} on seeds {sorted(common)} | of {len(mine)} LRs |')
     if args.png:
         pareto(points, args.png, f'{args.model}, {args.samples} samples, seeds {args.seeds}',
-               f'{args.lr:g}')
+               f'{args.lr:g}', ref)
     return 0
 
 
-def goal(results: list[dict], arms: list[str]) -> None:
+def goal(results: list[dict], arms: list[str]) -> str | None:
     """Issue 24's goal, paired by seed: each arm against the best ``fixed_small`` (lowest mean eval loss among its
     LRs run on the most seeds): the eval loss difference at the same seed (same samples, order and LoRA init), mean
-    ± std over the seeds both ran, and the optimizer steps saved; met where >= 40 % fewer steps at <= +1 %."""
+    ± std over the seeds both ran, and the optimizer steps saved; met where >= 40 % fewer steps at <= +1 %.
+    Returns the reference arm (``None`` without a ``fixed_small`` arm)."""
     by = {(r['arm'], r['seed']): r for r in results}
     smalls = [a for a in arms if a.partition('@')[0] == 'fixed_small']
     if not smalls:
-        return
+        return None
     most = max(sum(1 for r in results if r['arm'] == a) for a in smalls)
     smalls = [a for a in smalls if sum(1 for r in results if r['arm'] == a) == most]
     ref = min(smalls, key=lambda a: statistics.fmean(r['eval_loss'] for r in results if r['arm'] == a))
@@ -272,9 +273,11 @@ def goal(results: list[dict], arms: list[str]) -> None:
         met = saved >= 0.4 and statistics.fmean(deltas) <= 0.01
         print(f'| {arm} | {len(pairs)} | {saved:.0%} | {statistics.fmean(deltas):+.1%} ± {spread:.1%} | '
               f'{"met" if met else "not met"} |')
+    return ref
 
 
-def pareto(points: list[tuple[str, float, float, float, int]], path: str, title: str, base_lr: str) -> None:
+def pareto(points: list[tuple[str, float, float, float, int]], path: str, title: str, base_lr: str,
+           ref: str | None) -> None:
     """Mean eval loss (± std over seeds) against optimizer steps: one colour per arm, one marker per LR (an arm's
     LRs joined by a faint line); hollow: run on fewer seeds than the most (an LR tried on one seed only)."""
     import matplotlib
@@ -294,10 +297,8 @@ def pareto(points: list[tuple[str, float, float, float, int]], path: str, title:
             ax.errorbar(steps, loss, yerr=spread, fmt=markers[lrs.index(lr) % len(markers)], color=colour,
                         capsize=3, label=base if arm == mine[0][0] else None,
                         markerfacecolor=colour if seeds == most else 'none')
-    small = [p for p in points if p[0].partition('@')[0] == 'fixed_small']
-    small = [p for p in small if p[4] == max(q[4] for q in small)]  # the goal's reference: as in goal()
-    if small:
-        _, steps, loss, *_ = min(small, key=lambda p: p[2])
+    if ref is not None:  # the goal's reference arm (goal())
+        _, steps, loss, *_ = next(p for p in points if p[0] == ref)
         ax.axhline(loss * 1.01, color='grey', ls=':', lw=1)
         ax.axvline(steps * 0.6, color='grey', ls=':', lw=1)
         goal = 'goal: below and left\n(<= best fixed_small + 1 %,\n>= 40 % fewer steps)'

@@ -101,8 +101,8 @@ class BatchGrowthCallback(DynamicCallback):
         sw['losses'] = (sw['losses'] + [float(loss)])[-c.switch_smooth:]
         if len(sw['losses']) >= c.switch_smooth:
             plateau, fired = plateau_step(PlateauState(**sw['plateau']), smoothed(sw['losses'], c.switch_smooth),
-                                          mode='min',
-                                          min_delta=c.switch_min_delta, patience=c.switch_patience, cooldown=0)
+                                          mode='min', min_delta=c.switch_min_delta, patience=c.switch_patience,
+                                          cooldown=0)
             sw['plateau'] = asdict(plateau)
             sw['plateaued'] = fired
         return sw['plateaued']
