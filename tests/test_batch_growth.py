@@ -317,30 +317,120 @@ class _Sched:
         return [self.lr]
 
 
-def test_seesaw_callback_follows_the_schedule_cuts():
+def _drive_with_requested_scale(cb, factors, base_lr=1e-3):
+    """Step ``cb`` through a schedule the way the integration does: the LR the scheduler reports at step ``s`` is
+    ``base_lr x factor(s) x`` the last ``new_lr_scale`` the callback *requested* (1.0 before any), never the scale
+    the callback believes it has. Returns ``(step, batch requested, lr scale requested)`` per request, the records
+    and, per step, the batch and LR in effect."""
     from transformers import TrainerControl, TrainerState, TrainingArguments
     from swift_dynamic_callbacks import protocol
+    args = TrainingArguments(output_dir='unused', learning_rate=base_lr, gradient_accumulation_steps=1, report_to=[])
+    control = TrainerControl()
+    total = len(factors)
+    cb.on_train_begin(args, TrainerState(global_step=0, max_steps=total), control)
+    batch, applied = control.new_batch_size, control.new_lr_scale if control.new_lr_scale is not None else 1.0
+    requests, effect = [(0, batch, applied)], []
+    decided = list(protocol.drain_decisions(control))
+    for step, factor in enumerate(factors, start=1):
+        protocol.clear_requests(control)
+        lr = base_lr * factor * applied
+        effect.append((step, batch, lr))
+        cb.on_step_end(args, TrainerState(global_step=step, max_steps=total), control, lr_scheduler=_Sched(lr))
+        if control.new_batch_size is not None:
+            requests.append((step, control.new_batch_size, control.new_lr_scale))
+            batch = control.new_batch_size
+        if control.new_lr_scale is not None:
+            applied = control.new_lr_scale
+        decided += protocol.drain_decisions(control)
+    return requests, decided, effect
+
+
+# the schedule's factor per step (warmup, peak, then a decay)
+_FACTORS = [0.5, 1.0, 0.9, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05, 0.04, 0.03, 0.02]
+
+
+def test_seesaw_callback_follows_the_schedule_cuts():
     from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
     cb = BatchGrowthCallback(BatchGrowthConfig(policy='seesaw', initial=1, factor=2, maximum=4))
-    args = TrainingArguments(output_dir='unused', learning_rate=1e-3, gradient_accumulation_steps=1, report_to=[])
-    control = TrainerControl()
-    cb.on_train_begin(args, TrainerState(global_step=0), control)
-    assert control.new_batch_size == 1
-    records, decided = [], list(protocol.drain_decisions(control))
-    # the schedule's factor (warmup, peak, then a decay); the LR the scheduler reports includes the scale in effect
-    for step, factor in enumerate([0.5, 1.0, 0.9, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05], start=1):
-        protocol.clear_requests(control)
-        scale = cb.seesaw['scale']
-        cb.on_step_end(args, TrainerState(global_step=step), control, lr_scheduler=_Sched(1e-3 * factor * scale))
-        if control.new_batch_size is not None:
-            records.append((step, control.new_batch_size, control.new_lr_scale))
-        decided += protocol.drain_decisions(control)
-    assert records == [(5, 2, pytest.approx(math.sqrt(2))), (7, 4, pytest.approx(2.0))]  # at 0.45 and 0.2 of peak
+    requests, decided, _ = _drive_with_requested_scale(cb, _FACTORS[:9])
+    # at 0.45 and 0.2 of the peak: the first steps at or below 1/2 and 1/4 of it (growth at 8 is the scale bug)
+    assert requests == [(0, 1, 1.0), (5, 2, pytest.approx(math.sqrt(2))), (7, 4, pytest.approx(2.0))]
     assert [(r.reason, r.values['new'], r.values['lr_cuts']) for r in decided] == [
         ('start', 1, 0), ('seesaw', 2, 1), ('seesaw', 4, 2)]
     restored = BatchGrowthCallback(cb.config)
     restored.load_state_dict(cb.state_dict())
     assert restored.seesaw == cb.seesaw and restored.seesaw['cuts'] == 4
+
+
+def _cut_steps(factors, alpha, cuts):
+    """Independently of the policy code: the first step at which the schedule is at or below peak / alpha^k."""
+    peak, out = 0.0, []
+    for step, f in enumerate(factors, start=1):
+        peak = max(peak, f)
+        while len(out) < cuts and f <= peak / alpha ** (len(out) + 1) * (1 + 1e-9):
+            out.append(step)
+    return out
+
+
+@pytest.mark.parametrize('settings', [
+    {'policy': 'interval', 'interval': 3},
+    {'policy': 'table', 'table': {0: 1, 4: 2, 8: 4}},
+    {'policy': 'late_switch', 'switch_at': 0.5},
+    {'policy': 'seesaw'},
+    {'policy': 'interval', 'interval': 4, 'lr_scaling': 'linear'},
+    {'policy': 'interval', 'interval': 3, 'weight_decay_scaling': 'power_lines'},
+    {'policy': 'seesaw', 'beta2_scaling': 'half_life'},
+], ids=lambda s: '-'.join(f'{v}' for v in s.values()))
+def test_the_lr_in_effect_is_the_schedule_times_the_requested_scale(settings):
+    """Every growth policy that scales the LR: through a scheduler that applies only what was requested, the LR in
+    effect at every step is the schedule's times lr_scale(batch in effect); Seesaw's growths fall on the cuts."""
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    config = BatchGrowthConfig(**{'initial': 1, 'factor': 2, 'maximum': 4, 'lr_scaling': 'sqrt', **settings})
+    cb = BatchGrowthCallback(config)
+    requests, _, effect = _drive_with_requested_scale(cb, _FACTORS)
+    for (step, batch, lr), factor in zip(effect, _FACTORS):
+        assert lr == pytest.approx(1e-3 * factor * lr_scale(batch, 1, config.lr_scaling)), step
+    sizes = [b for _, b, _ in requests]
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 4  # every policy here grows to 4 in the run
+    if config.policy == 'seesaw':
+        assert [s for s, _, _ in requests[1:]] == _cut_steps(_FACTORS, 2.0, 2)
+
+
+def _hf_cosine(step: int, warmup: int, total: int) -> float:
+    """transformers' ``get_cosine_schedule_with_warmup`` factor, written out here (not the pack's code)."""
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+@pytest.mark.e2e
+def test_seesaw_growth_steps_are_the_schedule_cuts_in_swift(tmp_path, tiny_qwen, gsm8k_16):
+    """A real swift sft run with HF's cosine schedule and Seesaw without optimizer scaling: the steps at which the
+    batch grew are the first steps at which the cosine (computed here) is at or below 1/2 and 1/4 of its peak, and
+    the LR logged at every step is the cosine's times sqrt(batch / initial)."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    total, warmup, base = 12, 1, 1e-3
+    try:
+        sdc.register(batch_growth={'policy': 'seesaw', 'initial': 1, 'factor': 2, 'maximum': 4})
+        out = run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth'],
+                      max_steps=total, learning_rate=base, lr_scheduler_type='cosine', warmup_steps=warmup,
+                      per_device_train_batch_size=1)
+    finally:
+        plugin._configured = None
+    factors = [_hf_cosine(s, warmup, total) for s in range(1, total + 1)]
+    expected = _cut_steps(factors, 2.0, 2)
+    assert expected == [7, 9]  # the closed form: cos(pi (s-1)/11) <= 0 from s = 6.5, <= -1/2 from s = 8.33
+    growths = [d for d in decisions(out) if d['source'] == 'batch_growth' and d['reason'] == 'seesaw']
+    assert [(d['step'], d['values']['new']) for d in growths] == [(7, 2), (9, 4)]
+    logs = train_logs(out)
+    assert len(logs) == total
+    for step, row in enumerate(logs, start=1):  # step s ran at the cosine's factor for s - 1 and the batch then
+        batch = 1 if step <= 7 else 2 if step <= 9 else 4
+        assert row['dynamic/batch_size'] == batch, step
+        assert row['learning_rate'] == pytest.approx(base * _hf_cosine(step - 1, warmup, total) * math.sqrt(batch),
+                                                     rel=1e-4, abs=1e-12), step
 
 
 @pytest.mark.e2e
@@ -360,7 +450,11 @@ def test_seesaw_with_lr_schedule_cosine_in_swift(tmp_path, tiny_llama, gsm8k_16)
     assert logs[-1]['dynamic/samples_seen'] == 16 and logs[-1]['learning_rate'] > 0  # one epoch, every sample
     growths = [d for d in decisions(out) if d['source'] == 'batch_growth' and d['reason'] == 'seesaw']
     assert growths and all(d['values']['lr_cuts'] >= 1 for d in growths)
-    for d in growths:  # each growth by 2 came with the schedule at or below 1/2^k of its peak, LR x sqrt(2)^k
+    # the schedule's factor as the trainer applied it (not the callback's belief): step s + 1 ran at the factor for
+    # s times the LR scale then in effect
+    factor = {step - 1: row['learning_rate'] / (1e-3 * row['dynamic/lr_scale']) for step, row in enumerate(logs, 1)}
+    peak = max(factor.values())
+    for d in growths:  # each growth by 2 came at the first step at or below 1/2^k of the peak, LR x sqrt(2)^k
         k = int(round(math.log2(d['values']['new'])))
-        assert d['values']['schedule_factor'] <= 0.5 ** k + 1e-6
+        assert factor[d['step']] <= peak * 0.5 ** k * (1 + 1e-6) < factor[d['step'] - 1]
         assert d['values']['lr_scale'] == pytest.approx(math.sqrt(2) ** k)

@@ -207,7 +207,7 @@ class BatchGrowthCallback(DynamicCallback):
                 extra['smoothed_loss'] = self.switch['plateau']['best']
         if optimizer:
             extra['optimizer_scale'] = optimizer
-            self.seesaw['scale'] = scale
+        self.seesaw['scale'] = scale  # the LR scale in effect from the next step on (Seesaw divides it out)
         protocol.record_decision(
             control,
             DecisionRecord(
