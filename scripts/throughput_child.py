@@ -1,9 +1,12 @@
-"""One arm of ``bench_throughput.py``: one ms-swift LoRA epoch, measured the same way in every arm (a child process;
-run by torchrun for several processes). Not a user entry point.
+"""The arms of ``bench_throughput.py``: ms-swift LoRA epochs measured the same way in every arm (a child process; run
+by torchrun for several processes). Not a user entry point.
 
-Usage: ``python scripts/throughput_child.py spec.json`` (or under ``torch.distributed.run``). Every rank writes
-``<out>/throughput.rank<R>.json``: per micro-batch (step, rows, padded tokens, real tokens, the work ``a x L + L^2``
-of what ran), per step the wall time at its end, the train time, peak RSS, steps and train loss.
+Usage: ``python scripts/throughput_child.py spec.json [spec.json ...]`` (or one spec under ``torch.distributed.run``).
+Several specs run one after another in this process (one process: the imports and the CUDA context are paid once);
+after each, every rank writes ``<out>/throughput.rank<R>.json`` and rank 0 prints ``[arm-done] <out>``, so the parent
+reports an arm as soon as it ends. A record holds, per micro-batch as it ran (step, rows, each row's real tokens, padded
+tokens, real tokens, the work ``a x L + L^2``), per step the wall time at its end, the train time, peak RSS (and peak
+GPU memory), steps and train loss; a profiled spec adds ``profile.json`` (see :func:`profile_window`).
 
 What runs (``spec['arm']``):
 
@@ -12,72 +15,142 @@ What runs (``spec['arm']``):
 - ``batch_rebalance``: transformers' ``BatchRebalanceSampler`` as the training loader's batch sampler (ms-swift 4.6
   builds its own sampler and never reads ``train_sampling_strategy``, so this child hands the trainer a loader over
   that sampler, with ms-swift's collator; ``drop_last`` false, as every other arm);
-- ``pack_*``: the pack with ``spec['pack']`` (``length_batching`` settings).
+- ``pack_*``: the pack with ``spec['pack']`` (``length_batching`` settings);
+- ``bare_loop``: the physical reference, no ms-swift and no Trainer: the same model folder through transformers +
+  PEFT (the LoRA settings ms-swift uses: rank 8, alpha 32, every linear layer), the rows' lengths of an earlier arm of
+  this process (random token ids), a seeded random order, micro-batches of the per-device batch, AdamW every
+  ``ga`` micro-batches.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import resource
 import sys
 import time
+import traceback
+import warnings
+from typing import Any
+
+LENGTHS: list[int] = []  # the rows' real lengths as an ms-swift arm of this process encoded them (for bare_loop)
 
 
-def main(spec_path: str) -> None:
-    with open(spec_path, encoding='utf-8') as f:
-        spec = json.load(f)
+def main(paths: list[str]) -> None:
+    for path in paths:
+        with open(path, encoding='utf-8') as f:
+            spec = json.load(f)
+        if spec.get('deadline') is not None and time.time() > spec['deadline']:
+            print(f'[arm-skipped] {spec["arm"]}: past --deadline', flush=True)
+            continue
+        try:
+            record = bare_loop(spec) if spec['arm'] == 'bare_loop' else swift_arm(spec)
+        except Exception as error:  # noqa: BLE001 - one failed arm must not lose the arms after it
+            if len(paths) == 1:
+                raise
+            traceback.print_exc()
+            print(f'[arm-skipped] {spec["arm"]}: failed: {type(error).__name__}: {str(error)[:300]}', flush=True)
+            release_memory()
+            continue
+        write_record(spec, record)
+        if int(os.environ.get('RANK', '0')) == 0:
+            print(f'[arm-done] {spec["out"]}', flush=True)
+
+
+def write_record(spec: dict, record: dict) -> None:
+    import torch
+    rank = int(os.environ.get('RANK', '0'))
+    record['peak_rss_gib'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if torch.cuda.is_available() and spec.get('device') == 'cuda':
+        record['peak_cuda_gib'] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    record['rank'] = rank
+    with open(os.path.join(spec['out'], f'throughput.rank{rank}.json'), 'w', encoding='utf-8') as f:
+        json.dump(record, f)
+
+
+def swift_arm(spec: dict) -> dict:
     import torch
     from swift import SftArguments, sft_main
     from swift.callbacks import callbacks_map
     from transformers import TrainerCallback
 
     import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.policies.balance import work_coefficient
+    from swift_dynamic_callbacks.loader import slot_batches
     from swift_dynamic_callbacks.tiny import offline_sft_kwargs
 
-    rank = int(os.environ.get('RANK', '0'))
-    record = {'micro': [], 'step_end': [], 'train_s': None, 'steps': None, 'train_loss': None}
+    record: dict[str, Any] = {'micro': [], 'step_end': [], 'train_s': None, 'steps': None, 'train_loss': None}
     coef = {'a': None}
 
+    def note(batch: Any, packed: bool) -> None:
+        """One pass as collated (padded), before it is moved to the device; ``packed``: it runs as one packed row."""
+        ids, mask, labels = batch['input_ids'], batch.get('attention_mask'), batch.get('labels')
+        rows, width = int(ids.shape[0]), int(ids.shape[-1])
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            lengths = mask.sum(dim=1).tolist()
+        elif rows == 1 and isinstance(batch.get('position_ids'), torch.Tensor):  # ms-swift's packed row
+            starts = (batch['position_ids'][0] == 0).nonzero().flatten().tolist() + [width]
+            lengths = [b - a for a, b in zip(starts, starts[1:])]
+        else:
+            lengths = [width] * rows
+        if isinstance(labels, torch.Tensor) and not bool((labels != -100).any()):
+            lengths = []  # a placeholder pass: work, no tokens
+        total = sum(lengths)
+        work = coef['a'] * total + total * total if packed else rows * (coef['a'] * width + width * width)
+        record['micro'].append({'step': trainer_state['step'](), 'rows': rows, 'lengths': lengths,
+                                'padded': total if packed else (rows * width if lengths else 0), 'real': total,
+                                'work': work})
+
+    cuda = spec.get('device') == 'cuda' and torch.cuda.is_available()
+    trainer_state = {'step': lambda: 0}
+
     class Meter(TrainerCallback):
-        """Times the run and each step; wraps ``compute_loss`` to see every micro-batch as it runs."""
+        """Times the run and each step; wraps the trainer's ``training_step`` to see every pass of a step."""
 
         def __init__(self, trainer):
             self.trainer = trainer
-            original = trainer.compute_loss
+            self.window = None
+            packed = bool((spec['pack'].get('length_batching') or {}).get('padding_free'))
 
-            def compute_loss(model, inputs, *args, **kwargs):
-                ids = inputs['input_ids']
-                mask = inputs.get('attention_mask')
-                rows, width = int(ids.shape[0]), int(ids.shape[-1])
-                if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-                    lengths = [int(x) for x in mask.sum(dim=1)]
-                    work = rows * (coef['a'] * width + width * width)
-                else:  # one packed row (padding-free): sdpa / eager attend over the whole row under a mask
-                    lengths = [width]
-                    work = coef['a'] * width + width * width
-                labels = inputs.get('labels')
-                placeholder = isinstance(labels, torch.Tensor) and not bool((labels != -100).any())
-                record['micro'].append({'step': self.trainer.state.global_step, 'rows': rows,
-                                        'padded': 0 if placeholder else rows * width,
-                                        'real': 0 if placeholder else sum(lengths), 'work': work})
-                return original(model, inputs, *args, **kwargs)
+            def training_step(model, inputs, *args, **kwargs):
+                # HF's call, with the micro-batch slot as collated on the host (no device synchronisation here):
+                # the pack's slots may be empty or hold several passes
+                for batch in slot_batches(inputs):
+                    note(batch, packed)
+                return type(trainer).training_step(trainer, model, inputs, *args, **kwargs)
 
-            trainer.compute_loss = compute_loss
+            trainer.training_step = training_step
             if spec['arm'] == 'batch_rebalance':
                 trainer.get_train_dataloader = lambda: rebalanced_loader(trainer)
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
+            trainer_state['step'] = lambda: self.trainer.state.global_step
             config = getattr(model, 'config', None) or self.trainer.model.config
             coef['a'] = work_coefficient(getattr(config, 'hidden_size', None),
                                          getattr(config, 'intermediate_size', None))
+            if cuda:
+                torch.cuda.synchronize()
             record['start'] = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            first, last = spec.get('profile_steps') or (None, None)
+            if first is not None and state.global_step == first:
+                self.window = profile_window(spec, cuda)
+                self.window.__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
             record['step_end'].append(time.perf_counter())
+            first, last = spec.get('profile_steps') or (None, None)
+            if self.window is not None and state.global_step >= last:
+                self.window.__exit__(None, None, None)
+                self.window = None
 
         def on_train_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
             record['train_s'] = time.perf_counter() - record['start']
             record['steps'] = state.global_step
             losses = [row['train_loss'] for row in state.log_history if 'train_loss' in row]
@@ -85,23 +158,161 @@ def main(spec_path: str) -> None:
 
     callbacks_map['bench_meter'] = lambda args, trainer: Meter(trainer)
     callbacks = ['bench_meter']
+    plugin._configured = None
     if spec['pack']:
         sdc.register(**spec['pack'])
         callbacks += [name for name in spec['pack'] if name != 'integration']
-    kwargs = offline_sft_kwargs(
-        spec['model'], spec['data'], spec['out'], callbacks=callbacks, max_steps=-1, num_train_epochs=1,
-        per_device_train_batch_size=spec['batch'], gradient_accumulation_steps=spec['ga'], learning_rate=1e-4,
-        lr_scheduler_type='constant', seed=spec['seed'], data_seed=spec['seed'], max_length=spec['max_length'],
-        truncation_strategy='right', gradient_checkpointing=False, save_strategy='no', logging_steps=1000,
-        lora_dropout=0.0, attn_impl='sdpa', group_by_length=spec['arm'] == 'group_by_length',
-        use_cpu=spec['procs'] > 1 and spec.get('device', 'cpu') == 'cpu', **spec['flags'])
-    sft_main(SftArguments(**kwargs))
-    record['peak_rss_gib'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    if torch.cuda.is_available() and spec.get('device') == 'cuda':
-        record['peak_cuda_gib'] = torch.cuda.max_memory_allocated() / 2**30
-    record['rank'] = rank
-    with open(os.path.join(spec['out'], f'throughput.rank{rank}.json'), 'w', encoding='utf-8') as f:
-        json.dump(record, f)
+    settings = dict(
+        callbacks=callbacks, max_steps=-1, num_train_epochs=1, per_device_train_batch_size=spec['batch'],
+        gradient_accumulation_steps=spec['ga'], learning_rate=1e-4, lr_scheduler_type='constant', seed=spec['seed'],
+        data_seed=spec['seed'], max_length=spec['max_length'], truncation_strategy='right',
+        gradient_checkpointing=False, save_strategy='no', logging_steps=1000, lora_dropout=0.0, attn_impl='sdpa',
+        group_by_length=spec['arm'] == 'group_by_length',
+        use_cpu=spec['procs'] > 1 and spec.get('device', 'cpu') == 'cpu')
+    settings.update(spec['flags'])
+    settings.update(spec.get('swift') or {})  # the benchmark's --swift settings win
+    kwargs = offline_sft_kwargs(spec['model'], spec['data'], spec['out'], **settings)
+    try:
+        sft_main(SftArguments(**kwargs))
+    finally:
+        plugin._configured = None
+    if not LENGTHS:
+        LENGTHS.extend(n for m in record['micro'] for n in m['lengths'])
+    release_memory()
+    return record
+
+
+def bare_loop(spec: dict) -> dict:
+    """The physical reference (module docstring): the same rows' lengths, no Trainer."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from swift_dynamic_callbacks.policies.balance import work_coefficient
+    if not LENGTHS:
+        raise SystemExit('bare_loop needs the rows\' lengths of an ms-swift arm run before it in the same process')
+    cuda = spec.get('device') == 'cuda' and torch.cuda.is_available()
+    device = torch.device('cuda' if cuda else 'cpu')
+    dtype = torch.bfloat16 if spec['flags'].get('torch_dtype') == 'bfloat16' else torch.float32
+    torch.manual_seed(spec['seed'])
+    model = AutoModelForCausalLM.from_pretrained(spec['model'], dtype=dtype, attn_implementation='sdpa').to(device)
+    model.config.use_cache = False
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, lora_dropout=0.0, target_modules='all-linear'))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    coef = work_coefficient(model.config.hidden_size, model.config.intermediate_size)
+    vocab = int(model.config.vocab_size)
+    order = list(range(len(LENGTHS)))
+    random.Random(spec['seed']).shuffle(order)
+    batch, ga = spec['batch'], spec['ga']
+    micro = [order[k:k + batch] for k in range(0, len(order), batch)]
+    record: dict[str, Any] = {'micro': [], 'step_end': [], 'train_loss': None}
+    generator = torch.Generator().manual_seed(spec['seed'])
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    losses = []
+    for k, rows in enumerate(micro):
+        lengths = [LENGTHS[i] for i in rows]
+        width = max(lengths)
+        ids = torch.randint(0, vocab, (len(rows), width), generator=generator)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, n in enumerate(lengths):
+            mask[r, :n] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        out = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device),
+                    use_cache=False)
+        (out.loss / ga).backward()
+        losses.append(out.loss.detach())
+        record['micro'].append({'step': k // ga, 'rows': len(rows), 'lengths': lengths, 'padded': len(rows) * width,
+                                'real': sum(lengths), 'work': len(rows) * (coef * width + width * width)})
+        if k % ga == ga - 1 or k == len(micro) - 1:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            record['step_end'].append(time.perf_counter())
+    if cuda:
+        torch.cuda.synchronize()
+    record['train_s'] = time.perf_counter() - start
+    record['steps'] = len(record['step_end'])
+    record['train_loss'] = float(torch.stack(losses).mean()) if losses else None
+    del model, optimizer
+    release_memory()
+    return record
+
+
+def release_memory() -> None:
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class profile_window:
+    """Steps ``spec['profile_steps']`` of an arm under ``torch.profiler`` and, on CUDA, the synchronisation debug mode:
+    writes ``<out>/profile.json`` with the window's wall time, the GPU's busy time (the sum of its kernels' time),
+    the operators that took most host time, and every host-device synchronisation with the first frame outside torch
+    that caused it (file:line, counted)."""
+
+    def __init__(self, spec: dict, cuda: bool) -> None:
+        self.spec, self.cuda = spec, cuda
+        self.syncs: dict[str, int] = {}
+
+    def __enter__(self) -> 'profile_window':
+        import torch
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize()
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.__enter__()
+        if self.cuda:
+            self._show, warnings.showwarning = warnings.showwarning, self._note
+            self._filters = warnings.filters[:]
+            warnings.simplefilter('always')
+            torch.cuda.set_sync_debug_mode('warn')
+        self.start = time.perf_counter()
+        return self
+
+    def _note(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if 'synchroniz' not in str(message):
+            return self._show(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if '/torch/' not in f.filename
+                  and 'throughput_child' not in f.filename and 'warnings' not in f.filename]
+        site = ' <- '.join(f'{shorten(f.filename)}:{f.lineno} {f.name}' for f in frames[-2:][::-1])
+        self.syncs[site] = self.syncs.get(site, 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = self._show
+            warnings.filters[:] = self._filters
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self.start
+        self.profiler.__exit__(None, None, None)
+        events = self.profiler.key_averages()
+        device_us = sum(getattr(e, 'self_device_time_total', 0) or 0 for e in events)
+        top = sorted(events, key=lambda e: e.cpu_time_total, reverse=True)[:25]
+        sync_calls = {e.key: e.count for e in events if 'ynchronize' in e.key or e.key in ('cudaMemcpyAsync',
+                                                                                            'aten::item',
+                                                                                            'aten::_local_scalar_dense')}
+        first, last = self.spec['profile_steps']
+        out = {'arm': self.spec['arm'], 'steps': last - first + 1, 'wall_s': wall,
+               'gpu_busy_s': device_us / 1e6, 'sync_sites': dict(sorted(self.syncs.items(), key=lambda kv: -kv[1])),
+               'sync_calls': sync_calls,
+               'top_cpu': [{'op': e.key, 'count': e.count, 'cpu_total_ms': e.cpu_time_total / 1e3,
+                            'device_ms': (getattr(e, 'device_time_total', 0) or 0) / 1e3} for e in top]}
+        with open(os.path.join(self.spec['out'], 'profile.json'), 'w', encoding='utf-8') as f:
+            json.dump(out, f, indent=1)
+
+
+def shorten(path: str) -> str:
+    for marker in ('site-packages/', 'swift_dynamic_callbacks/', 'scripts/'):
+        if marker in path:
+            return path.split(marker, 1)[1] if marker == 'site-packages/' else marker + path.split(marker, 1)[1]
+    return os.path.basename(path)
 
 
 def rebalanced_loader(trainer):
@@ -122,4 +333,4 @@ def rebalanced_loader(trainer):
 
 
 if __name__ == '__main__':
-    main(sys.argv[1])
+    main(sys.argv[1:])

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import distributed
 from .policies import length as length_policy
-from .policies.balance import DEFAULT_WORK_COEF, balanced_layout, rank_sizes
+from .policies.balance import DEFAULT_WORK_COEF, balanced_layout, pass_slots, rank_sizes, step_passes
 from .policies.data_plan import epoch_steps, redeal, step_sizes
 from .loader_budget import LoaderBudget
 from .loader_state import LoaderState
@@ -49,7 +49,19 @@ from .rows import item_lengths, row_cost
 
 
 class EmptyMicroBatch(dict):
-    """Placeholder for a micro-batch with no sample (only in the short last step of an epoch)."""
+    """Placeholder for a micro-batch with no sample (the short last step of an epoch, or a slot a step cut into
+    fewer passes than ``gradient_accumulation_steps`` leaves empty): nothing runs for it."""
+
+
+class PassGroup(dict):
+    """One of HF's micro-batch slots holding several passes (a step cut into more passes than
+    ``gradient_accumulation_steps`` by ``pass_tokens``): ``passes`` are collated micro-batches, run one after
+    another with the same loss normalisation. Empty as a mapping, so HF's per-micro-batch token and FLOP counters
+    see no ``input_ids`` (the pack counts its own tokens)."""
+
+    def __init__(self, passes: Sequence[Any]) -> None:
+        super().__init__()
+        self.passes = list(passes)
 
 
 class _IndexedDataset(Dataset):
@@ -193,7 +205,8 @@ class ElasticDataLoader(LoaderState, LoaderBudget):
         self.plan: length_policy.BatchPlan | None = None
         self._order_plan: length_policy.BatchPlan | None = None  # the plan that laid out this epoch's order
         self._chunks: list[int] | None = None  # chunk sizes of this epoch's bucketed order
-        self._sizes: list[int] = []  # planned micro-batch sizes left in the epoch (with a plan)
+        self._sizes: list[int] = []  # planned micro-batch sizes left in the epoch (with a plan; passes: pass sizes)
+        self._passes: list[int] = []  # passes of each step left in the epoch (a plan that cuts passes)
         self._plan_steps = 0  # optimizer steps left in the epoch, agreed by all ranks (with a plan)
         self.token_stats = [0, 0, 0]  # real tokens, padded tokens, micro-batches drawn since the last read
         self.spread_stats = [0.0, 0.0, 0]  # balanced steps: spread, unbalanced spread, steps since the last read
@@ -327,6 +340,26 @@ class ElasticDataLoader(LoaderState, LoaderBudget):
         return self._order_plan is not None and self._order_plan.balanced
 
     @property
+    def cuts_passes(self) -> bool:
+        """Whether each step's share is cut into passes by a token budget here (``pass_tokens``)."""
+        return self.plan is not None and self.plan.cuts_passes
+
+    @property
+    def pass_pieces(self) -> int:
+        """The pieces the step runner cuts each drawn micro-batch into at least: ``num_pieces``, or 1 when the
+        passes were cut here (``num_pieces`` then capped the rows of a pass)."""
+        return 1 if self.cuts_passes else self.num_pieces
+
+    def set_num_pieces(self, num_pieces: int) -> None:
+        """The pieces a micro-batch of the per-device size runs in; passes cut here take at most
+        ``ceil(batch_size / num_pieces)`` rows from the next step on (collective in that case)."""
+        if num_pieces != self.num_pieces:
+            self.num_pieces = num_pieces
+            if self.cuts_passes:
+                self._replan()
+                self._restart()
+
+    @property
     def lengths(self) -> list[int]:
         """Tokens of every dataset index (computed once, by the ``lengths`` callable)."""
         if self._lengths is None:
@@ -404,6 +437,10 @@ class ElasticDataLoader(LoaderState, LoaderBudget):
         """Plan the rest of the epoch's micro-batches; under data parallelism agree on its optimizer steps."""
         if self.plan is None:
             return
+        if self.cuts_passes:
+            self._plan_passes()
+            return
+        self._passes = []
         sizes = self._plan_rest()
         entries = self.entries_per_step
         counts = distributed.gather_objects((len(sizes), self.remaining))
@@ -415,6 +452,28 @@ class ElasticDataLoader(LoaderState, LoaderBudget):
             own = length_policy.steps_for(len(sizes), entries)
         self._sizes = length_policy.equalize_steps(sizes, entries, own)
         self._plan_steps = steps
+
+    def _plan_passes(self) -> None:
+        """The rest of the epoch as steps of passes (:func:`~.policies.balance.step_passes`); every rank then runs
+        as many steps as the rank that needs most (a rank with fewer ends with steps of empty slots). Collective."""
+        lengths, plan = self.lengths, self.plan
+        max_rows = -(-self.batch_size // self.num_pieces) if self.num_pieces > 1 else None
+        steps = step_passes([lengths[i] for i in self._order[self.position:]], self.batch_size * self.entries_per_step,
+                            plan.pass_tokens, padding_free=plan.padding_free, max_rows=max_rows) \
+            if self.remaining else []
+        agreed = max(distributed.gather_objects(len(steps)))
+        steps += [[] for _ in range(agreed - len(steps))]
+        self._sizes = [rows for step in steps for rows in step]
+        self._passes = [len(step) for step in steps]
+        self._plan_steps = agreed
+
+    def budget_sizes(self) -> list[int]:
+        """The micro-batch sizes the rest of the epoch counts as for the step budget: the plan's, or, when passes
+        are cut here, micro-batches of the per-device size (the steps are the same: a step's passes are its
+        share, whatever their number)."""
+        if self.cuts_passes:
+            return rank_sizes(self.remaining, self.batch_size, self.entries_per_step)
+        return list(self._sizes)
 
     def over_budget(self) -> list[int]:
         """Dataset indices of this rank's epoch longer than the plan's ``max_tokens`` (each runs alone)."""
@@ -491,9 +550,14 @@ class ElasticDataLoader(LoaderState, LoaderBudget):
                 self._needs_epoch_seed = False
             self._iterator = iter(self._loader)
         out: list[tuple[list[int], Any]] = []
+        slots = None
         if self.plan is not None:
-            planned = self._sizes[:entries]
-            sizes = (0, ) * (entries - len(planned)) + tuple(planned)  # a short last step: empty ones first
+            planned = self._sizes[:self._passes[0] if self.cuts_passes else entries]
+            if self.cuts_passes:  # every pass its own collated batch; HF's slots filled empty ones first
+                slots = pass_slots(len(planned), entries)
+                sizes = tuple(planned)
+            else:
+                sizes = (0, ) * (entries - len(planned)) + tuple(planned)  # a short last step: empty ones first
             self.step_spread = None
             if self._order_plan is not None and self._order_plan.balanced and self._spreads:
                 step = min(self.position // max(self.batch_size * entries, 1), len(self._spreads) - 1)
@@ -526,7 +590,35 @@ class ElasticDataLoader(LoaderState, LoaderBudget):
             out.append((list(indices), batch))
         if self.plan is not None:
             del self._sizes[:len(planned)]
+            if self.cuts_passes:
+                del self._passes[:1]
             self._plan_steps -= 1
         if self.epoch_complete:
             self._iterator = None
-        return out
+        return out if slots is None else group_passes(out, slots)
+
+
+def slot_batches(slot: Any) -> list[Any]:
+    """The collated batches one micro-batch slot runs: a :class:`PassGroup`'s passes, none for an
+    :class:`EmptyMicroBatch`, else the slot itself."""
+    if isinstance(slot, PassGroup):
+        return list(slot.passes)
+    return [] if isinstance(slot, EmptyMicroBatch) else [slot]
+
+
+def group_passes(passes: list[tuple[list[int], Any]], slots: Sequence[int]) -> list[tuple[list[int], Any]]:
+    """A step's passes ``(indices, batch)`` in HF's micro-batch slots, ``slots[k]`` passes in slot ``k``: an empty
+    slot is ``([], EmptyMicroBatch())``, one pass is itself, several are ``(their indices, PassGroup)``."""
+    out, start = [], 0
+    for count in slots:
+        chunk = passes[start:start + count]
+        start += count
+        if not chunk:
+            out.append(([], EmptyMicroBatch()))
+        elif len(chunk) == 1:
+            out.append(chunk[0])
+        else:
+            out.append(([i for indices, _ in chunk for i in indices], PassGroup([batch for _, batch in chunk])))
+    if start != len(passes):
+        raise AssertionError(f'group_passes: {len(passes)} passes, slots {list(slots)}')  # a bug, never user input
+    return out

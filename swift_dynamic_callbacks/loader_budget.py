@@ -38,7 +38,7 @@ class LoaderBudget:
             return steps_to_budget(self.epoch, self.position + self._padding, self.epoch_size, budget_epochs,
                                    self.batch_size, entries)
         epoch_size = max(self.epoch_size, 1)
-        epoch, position, sizes, steps = self.epoch, self.position, list(self._sizes), 0
+        epoch, position, sizes, steps = self.epoch, self.position, self.budget_sizes(), 0
         if self.redealt is not None:  # the rest of the re-dealt epoch, then whole epochs as below
 
             def planned(target: int) -> int:

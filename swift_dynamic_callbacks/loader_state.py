@@ -39,6 +39,8 @@ class LoaderState:
             state['order_plan'] = self._order_plan.to_json() if self._order_plan is not None else None
             state['plan_sizes'] = length_policy.run_length(self._sizes)
             state['plan_steps'] = self._plan_steps
+            if self._passes:
+                state['plan_passes'] = length_policy.run_length(self._passes)
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -64,11 +66,22 @@ class LoaderState:
         self.epoch, self._order, self.position = epoch, order, position
         self.plan, self._order_plan, self._chunks, self._sizes = plan, order_plan, chunks, sizes
         self._plan_steps = int(state.get('plan_steps', length_policy.steps_for(len(sizes), self.entries_per_step)))
+        self._passes = self._saved_passes(state, sizes)
         self._needs_epoch_seed = True
         self.num_pieces = int(state.get('num_pieces', 1))
         self.samples_seen = int(state.get('samples_seen', 0))
         self._padding = int(state.get('padding', 0))
         self._restart()
+
+    def _saved_passes(self, state: Mapping[str, Any], sizes: Sequence[int]) -> list[int]:
+        """The passes of each step left in the epoch, as saved (a plan that cuts passes; else none)."""
+        if self.plan is None or not self.plan.cuts_passes:
+            return []
+        passes = length_policy.from_run_length(state.get('plan_passes', []))
+        if sum(passes) != len(sizes) or len(passes) != self._plan_steps:
+            raise StateError(f'corrupt loader state: {len(passes)} steps of {sum(passes)} passes planned, but '
+                             f'{self._plan_steps} steps and {len(sizes)} passes are left in the epoch')
+        return passes
 
     def _take_share(self, share: list[int], *, consumed: int, dealt: int, world: int) -> None:
         """The rest of the epoch is ``share``: this rank's part of the ``dealt`` samples re-dealt over ``world``
@@ -137,6 +150,7 @@ class LoaderState:
                                  f'{len(share)} are left in the epoch')
             self._plan_steps = int(own.get('plan_steps', length_policy.steps_for(len(self._sizes),
                                                                                  self.entries_per_step)))
+            self._passes = self._saved_passes(own, self._sizes)
         else:
             self._replan()
         self._needs_epoch_seed = True

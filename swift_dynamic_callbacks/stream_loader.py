@@ -205,6 +205,14 @@ class StreamLoader:
     def set_entries_per_step(self, entries: int) -> None:
         self.entries_per_step = entries
 
+    def set_num_pieces(self, num_pieces: int) -> None:
+        """The pieces the step runner cuts each micro-batch into at least (a stream never cuts passes itself)."""
+        self.num_pieces = num_pieces
+
+    @property
+    def pass_pieces(self) -> int:
+        return self.num_pieces
+
     def set_plan(self, plan: length_policy.BatchPlan) -> bool:
         """Use ``plan`` from the next unseen row on (a new window starts there); False when it is already the plan."""
         if plan == self.plan:

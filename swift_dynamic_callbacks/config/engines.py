@@ -99,6 +99,8 @@ def requested_features(pack: Mapping[str, Any], listed: Iterable[str]) -> dict[s
         features['pass_limit'] = 'callbacks: memory_backoff'
     if 'length_batching' in listed and (pack.get('length_batching') or {}).get('split') == 'passes':
         features.setdefault('pass_limit', 'dynamic_callbacks.length_batching.split')
+    if 'length_batching' in listed and (pack.get('length_batching') or {}).get('pass_tokens') is not None:
+        features.setdefault('pass_limit', 'dynamic_callbacks.length_batching.pass_tokens')
     if (pack.get('integration') or {}).get('oom_recovery') is True:
         features['oom_recovery'] = 'dynamic_callbacks.integration.oom_recovery'
     return features

@@ -339,6 +339,8 @@ def _splitters(configs: Mapping[str, Any]) -> list[str]:
     length = configs.get('length_batching')
     if length is not None and length.splits_passes:
         out.append(f'{SECTION}.length_batching.split: passes')
+    if length is not None and length.pass_tokens is not None:
+        out.append(f'{SECTION}.length_batching.pass_tokens')
     if 'memory_backoff' in configs:
         out.append('callbacks: memory_backoff (it caps the samples of a pass)')
     return out

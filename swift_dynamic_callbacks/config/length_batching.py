@@ -64,6 +64,14 @@ class LengthBatchingConfig(Settings):
         padding_free: run every micro-batch as one packed row (``position_ids`` restarting per row, no padding; the
             token budget then counts real tokens). Needs ``attn_impl`` sdpa or eager (proved on the model at train
             start: no attention across rows); not with ``split: passes`` or ``swift rlhf``.
+        pass_tokens: ``mode: balanced`` only. Each step keeps exactly its global batch, but every rank runs its share
+            of the step in as few forward/backward passes as fit this many tokens (padded: rows x longest; real
+            tokens with ``padding_free``) instead of ``gradient_accumulation_steps`` micro-batches of the per-device
+            size: short rows make a few large passes, long rows more small ones, and a larger batch (growth) makes
+            larger passes, not more of them. The loss is normalised over the step's items as before, so the
+            gradient is the same; ``micro_batch_cap`` / ``memory_backoff`` / OOM recovery still cap the rows of a
+            pass. Refused where passes cannot be split (FSDP2, DeepSpeed, ``swift rlhf``, ms-swift's packing).
+            ``null``: micro-batches of the per-device size.
 
     In both modes the trainer's per-device batch size (``per_device_train_batch_size``, or what a batch callback
     set) is the most samples a micro-batch holds: set it to the largest count you allow for short samples.
@@ -80,9 +88,10 @@ class LengthBatchingConfig(Settings):
     bucket_fill: float = setting(Number(0, 1), 0.5)
     seed: int | None = setting(Int(optional=True), None)
     padding_free: bool = setting(Flag(), False)
+    pass_tokens: int | None = setting(Int(1, optional=True), None)
 
     reads = (
-        Reads('mode', {'token_budget': ('max_tokens', ), 'rules': ('rules', ), 'balanced': ()}),
+        Reads('mode', {'token_budget': ('max_tokens', ), 'rules': ('rules', ), 'balanced': ('pass_tokens', )}),
         Reads('bucketing', {True: ('bucket_width', 'bucket_fill', 'seed'), False: ()}),
     )
 
@@ -120,4 +129,5 @@ class LengthBatchingConfig(Settings):
         return BatchPlan(mode=self.mode, max_tokens=self.max_tokens, rules=tuple(self.rules.items()),
                          bucketing=self.bucketing, bucket_width=float(self.bucket_width),
                          bucket_fill=float(self.bucket_fill),
-                         seed=self.seed if self.seed is not None else default_seed, padding_free=self.padding_free)
+                         seed=self.seed if self.seed is not None else default_seed, padding_free=self.padding_free,
+                         pass_tokens=self.pass_tokens)

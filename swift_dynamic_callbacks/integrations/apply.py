@@ -85,6 +85,8 @@ class RequestApplier:
         loader = self.feed.loader
         plan = BatchPlan.from_json(request.batch_plan)
         old = loader.plan.to_json() if loader.plan is not None else None
+        if plan.cuts_passes:  # a step's share in passes other than HF's micro-batches: where passes may split
+            self.runner.check_splittable('length_batching.pass_tokens', 'pass_limit')
         self.runner.set_padding_free(plan.padding_free, self.runner.trainer.model)
         if not loader.set_plan(plan):
             return
@@ -106,7 +108,8 @@ class RequestApplier:
             return
         if request.num_pieces > 1:
             self.runner.check_splittable('control.new_num_pieces')
-        old, loader.num_pieces = loader.num_pieces, request.num_pieces
+        old = loader.num_pieces
+        loader.set_num_pieces(request.num_pieces)
         self._note('num_pieces', {'old': old, 'new': request.num_pieces})
 
     def _pass_limit(self, request: protocol.BatchRequest) -> None:

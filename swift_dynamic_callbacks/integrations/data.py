@@ -158,12 +158,13 @@ class DataFeed:
     # ---- token budgets ------------------------------------------------------------------------------------
     def estimated_budget(self) -> int | None:
         """The token budget a micro-batch's real tokens must hold to while its lengths are estimates (a
-        ``token_budget`` plan over a lazily tokenised dataset), else ``None``."""
+        ``token_budget`` plan, or passes cut by ``pass_tokens``, over a lazily tokenised dataset), else ``None``."""
         loader = self.loader
-        if loader is None or not getattr(loader, 'lengths_estimated', False) or loader.plan is None or \
-                loader.plan.mode != 'token_budget':
+        if loader is None or not getattr(loader, 'lengths_estimated', False) or loader.plan is None:
             return None
-        return loader.plan.max_tokens
+        if loader.plan.cuts_passes:
+            return loader.plan.pass_tokens
+        return loader.plan.max_tokens if loader.plan.mode == 'token_budget' else None
 
     def report_over_budget(self, plan: BatchPlan) -> None:
         """After a new plan: hold one record for the samples longer than its token budget (each runs alone in its

@@ -8,7 +8,7 @@ rank at the same step).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -69,7 +69,8 @@ class Metrics:
         self.padded_tokens_seen += tokens if padding_free else sum(count_tokens(b, padded=True) for b in batches)
 
     def update_logs(self, logs: dict[str, Any], control: Any, loader: Any, parts: Mapping[str, float],
-                    *, step_lr: float | None, estimate_overruns: int) -> None:
+                    *, step_lr: float | None, estimate_overruns: int,
+                    pass_stats: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         """HF's ``log``: merge the pack's values into a training log line (``parts``: the integration parts' own
         values, e.g. the LR scale) and log the LR the step used. Collective on lines with a loss, and at the end."""
         if 'loss' in logs and loader is not None:
@@ -77,19 +78,21 @@ class Metrics:
             setattr(control, protocol.LOSS_NONFINITE, nonfinite)
             if nonfinite or self.config.log_values:
                 logs[protocol.NONFINITE_LOG_KEY] = nonfinite
-            logs.update(self.log_values(control, loader, parts, estimate_overruns))
+            logs.update(self.log_values(control, loader, parts, estimate_overruns, pass_stats()))
             if 'learning_rate' in logs and step_lr is not None:
                 # ms-swift reads the LR after the scheduler stepped (the next step's); log the one this step used
                 logs['learning_rate'] = step_lr
         if 'train_runtime' in logs and loader is not None:
             logs.update(self.speed_values(loader, float(logs['train_runtime'])))
 
-    def log_values(self, control: Any, loader: Any, parts: Mapping[str, float], estimate_overruns: int
-                   ) -> dict[str, float]:
+    def log_values(self, control: Any, loader: Any, parts: Mapping[str, float], estimate_overruns: int,
+                   pass_stats: tuple[int, int] = (0, 0)) -> dict[str, float]:
+        """The ``dynamic/*`` values of a training log line; ``pass_stats``: this rank's ``(passes, steps)`` since
+        the last line (``dynamic/passes_per_step``, the mean over ranks and steps)."""
         values: dict[str, float] = {}
         if self.config.log_values:
-            samples, tokens, padded = distributed.sum_ints([loader.samples_seen, self.tokens_seen,
-                                                             self.padded_tokens_seen])
+            samples, tokens, padded, passes, steps = distributed.sum_ints([
+                loader.samples_seen, self.tokens_seen, self.padded_tokens_seen, *pass_stats])
             values.update(self.throughput_values(tokens))
             values['dynamic/padded_tokens_seen'] = padded
             values.update({
@@ -100,6 +103,8 @@ class Metrics:
                 'dynamic/epoch_coverage': round(loader.position / max(loader.epoch_size, 1), 6),
                 **parts,
             })
+            if steps:
+                values['dynamic/passes_per_step'] = round(passes / steps, 4)
             if getattr(loader, 'streaming', False):  # no length: no coverage, the rows of the epoch so far instead
                 del values['dynamic/epoch_coverage']
                 values['dynamic/stream_position'] = distributed.sum_ints([loader.position])[0]

@@ -2,11 +2,13 @@
 
 ms-swift's own ``padding_free`` / ``packing`` need flash attention. transformers (5.x ``masking_utils``) also keeps
 attention inside each row for sdpa and eager when a batch has no ``attention_mask``, no cache, and ``position_ids``
-that restart at 0 for every row. :func:`flatten_rows` turns the host's padded micro-batch into that form just before
-a forward/backward pass: the rows' real tokens concatenated into one ``[1, N]`` row, ``position_ids`` restarting per
-row, each row's first label ignored (in the padded batch nothing predicts a row's first token; here the previous
-row's last token would), ``use_cache=False``. The loss is the same sum over the same (prediction, label) pairs, so
-with ms-swift's token-sum normalisation the gradient is the padded batch's.
+that restart at 0 for every row. :func:`flatten_rows` turns the host's padded micro-batch into that form at the step
+boundary, on the host (no device synchronisation): the rows' real tokens concatenated into one ``[1, N]`` row,
+``position_ids`` restarting per row, each row's first label ignored (in the padded batch nothing predicts a row's first
+token; here the previous row's last token would), ``use_cache=False``. The result is a :class:`PackedBatch` that knows
+its rows' lengths, so a pass can still be cut into smaller ones at row boundaries (:func:`split_packed`: OOM recovery,
+pass limits) without reading the device. The loss is the same sum over the same (prediction, label) pairs, so with
+ms-swift's token-sum normalisation the gradient is the padded batch's.
 
 :func:`check_packed_attention` proves it on the model at hand before training: two rows run packed, and changing the
 first row must not change the second row's logits (causal attention already keeps the first from the second).
@@ -15,7 +17,7 @@ first row must not change the second row's logits (causal attention already keep
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -27,9 +29,38 @@ SUPPORTED_ATTENTION = ('sdpa', 'eager')
 TOKEN_KEYS = ('input_ids', 'labels', 'attention_mask', 'position_ids', 'loss_scale')
 
 
-def flatten_rows(batch: Mapping[str, Any]) -> dict[str, Any]:
+class PackedBatch(dict):
+    """A micro-batch flattened by :func:`flatten_rows`: ``input_ids`` ``[1, N]`` and the rest, plus ``row_lengths``
+    (host ints: the real tokens of each packed row, in order)."""
+
+    def __init__(self, values: Mapping[str, Any], row_lengths: Sequence[int]) -> None:
+        super().__init__(values)
+        self.row_lengths = tuple(int(n) for n in row_lengths)
+
+
+def split_packed(batch: PackedBatch, pieces: int) -> list[PackedBatch]:
+    """Cut a packed row into at most ``pieces`` packed rows at row boundaries (as :func:`~.passes.split_micro_batch`
+    cuts a padded one: rows as even as possible, in order); slicing by host ints, no device synchronisation. Every
+    piece is a valid packed row: positions restart per row and each row's first label is already ignored."""
+    from ..policies.data_plan import piece_bounds
+    lengths = [n for n in batch.row_lengths if n]
+    bounds = piece_bounds(len(lengths), pieces)
+    if len(bounds) <= 1:
+        return [batch]
+    starts = [0, *accumulate(lengths)]
+    out = []
+    for a, b in bounds:
+        lo, hi = starts[a], starts[b]
+        values = {k: (v[:, lo:hi] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[-1] == starts[-1]
+                      else v) for k, v in batch.items()}
+        out.append(PackedBatch(values, lengths[a:b]))
+    return out
+
+
+def flatten_rows(batch: Mapping[str, Any]) -> PackedBatch:
     """The padded micro-batch ``batch`` (``input_ids`` ``[b, T]``, ``attention_mask`` marking real tokens, left or
     right padding) as one packed ``[1, N]`` row (module docstring). Values that are not per-row tensors are kept.
+    Reads the mask on the tensors' device: call it on the host.
 
     Raises:
         ValueError: a per-row tensor this cannot flatten (e.g. images, 3-D position ids), named.
@@ -65,7 +96,7 @@ def flatten_rows(batch: Mapping[str, Any]) -> dict[str, Any]:
         labels[0, [s for s, n in zip(starts, lengths) if n]] = -100
         out['labels'] = labels
     out['use_cache'] = False
-    return out
+    return PackedBatch(out, [n for n in lengths if n])
 
 
 def attention_implementation(model: Any) -> str | None:

@@ -8,6 +8,7 @@ import torch
 
 from .. import protocol
 from ..policies.data_plan import piece_bounds
+from .padding_free import PackedBatch, split_packed
 
 class GradNoiseProbe:
     """Measures one optimizer step's mean-gradient norms for ``measure_grad_noise`` (no extra passes).
@@ -54,7 +55,10 @@ class SampleTooLargeError(RuntimeError):
 
 
 def batch_shape(inputs: Mapping[str, Any]) -> tuple[int, int]:
-    """(rows, padded length) of a collated micro-batch."""
+    """(rows, padded length) of a collated micro-batch; a packed one (:class:`.padding_free.PackedBatch`): its rows
+    and the longest of them."""
+    if isinstance(inputs, PackedBatch):
+        return len(inputs.row_lengths), max(inputs.row_lengths, default=0)
     reference = inputs.get('input_ids', inputs.get('labels'))
     if not isinstance(reference, torch.Tensor) or reference.dim() == 0:
         return 1, 0
@@ -62,6 +66,8 @@ def batch_shape(inputs: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def row_tokens(batch: Any, row: int) -> int | None:
+    if isinstance(batch, PackedBatch):
+        return batch.row_lengths[row] if row < len(batch.row_lengths) else None
     mask = batch.get('attention_mask') if isinstance(batch, Mapping) else None
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and row < mask.shape[0]:
         return int(mask[row].sum())
@@ -94,7 +100,8 @@ def grad_sqnorm(model: Any) -> float:
 
 
 def split_micro_batch(inputs: Mapping[str, Any], num_pieces: int) -> list[dict[str, Any]]:
-    """Split a collated micro-batch along dim 0 into at most ``num_pieces`` contiguous pieces.
+    """Split a collated micro-batch along dim 0 into at most ``num_pieces`` contiguous pieces (a packed row: at row
+    boundaries, :func:`.padding_free.split_packed`).
 
     Tensors and lists whose first dimension is the batch size are sliced; scalars and other values are shared.
 
@@ -102,6 +109,8 @@ def split_micro_batch(inputs: Mapping[str, Any], num_pieces: int) -> list[dict[s
         ValueError: no ``input_ids``/``labels`` tensor gives the batch size, or a tensor's first dimension is
             neither the batch size nor 1 (not splittable).
     """
+    if isinstance(inputs, PackedBatch):
+        return list(split_packed(inputs, num_pieces))
     reference = inputs.get('input_ids', inputs.get('labels'))
     if not isinstance(reference, torch.Tensor) or reference.dim() == 0:
         raise ValueError('cannot split a micro-batch without an input_ids or labels tensor')

@@ -1,8 +1,9 @@
 """The step runner: one optimizer step's micro-batches as forward/backward passes on the engine, with OOM recovery.
 
 HF calls ``training_step`` once per micro-batch; :meth:`StepRunner.run_micro_batch` runs it as one or more passes
-(requested pieces, or more to respect the pass limit; the same ``num_items_in_batch``, so the same gradient), lets
-a rank without samples join the engine's collectives, recovers from out-of-memory errors and, after the step's last
+(requested pieces, or more to respect the pass limit; the same ``num_items_in_batch``, so the same gradient; a
+:class:`~..loader.PassGroup` slot is several passes cut by ``pass_tokens``), lets a rank without samples join the
+engine's collectives, recovers from out-of-memory errors and, after the step's last
 pass, has the engine reduce the step's gradients. Everything engine-specific is asked of the
 :class:`~.engines.base.Engine` adapter chosen at start; nothing here branches on the engine.
 
@@ -27,13 +28,13 @@ import torch
 from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
-from ..loader import EmptyMicroBatch
+from ..loader import EmptyMicroBatch, PassGroup
 from ..memory import device_figures, free_memory, is_oom
 from ..policies.data_plan import piece_bounds
 from ..policies.memory import oom_backoff, pass_cap, pieces_needed
 from ..records import DecisionRecord
 from .engines import Engine, select_engine
-from .padding_free import check_packed_attention, flatten_rows
+from .padding_free import check_packed_attention
 from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, restore_grads, row_tokens, \
     split_micro_batch
 
@@ -91,6 +92,7 @@ class StepRunner:
         self._checked = False
         self._can_split: bool | None = None  # whether a micro-batch may run as several passes (checked once)
         self.padding_free = False  # every pass runs as one packed row (a batch plan's padding_free)
+        self._pass_stats = [0, 0]  # forward/backward passes run, steps started, since the last read
 
     def begin(self, config: IntegrationConfig, pack_config: Mapping[str, Any]) -> DecisionRecord:
         """At train start: choose the engine adapter, refuse what it cannot run (``config.engines``), decide whether
@@ -197,6 +199,12 @@ class StepRunner:
         self._micro = self.max_pass = self._halvings = self._single_retries = 0
         self.oom = None
         self.probe = probe
+        self._pass_stats[1] += 1
+
+    def take_pass_stats(self) -> tuple[int, int]:
+        """``(passes run, steps started)`` since the last call (OOM retries included), and reset them."""
+        stats, self._pass_stats = tuple(self._pass_stats), [0, 0]
+        return stats
 
     def clear(self) -> None:
         self.batches, self.indices = [], []
@@ -229,7 +237,7 @@ class StepRunner:
             # A plain zero, not ``loss * 0``: the loss over a row whose labels are all ignored can be NaN (a mean
             # over no tokens), and the trainer adds what is returned here to the logged training loss.
             return torch.zeros((), device=loss.device if loss is not None else self.trainer.args.device)
-        self._template = inputs
+        self._template = inputs.passes[0] if isinstance(inputs, PassGroup) else inputs
         if not self.oom_recovery:
             loss = self._run_passes(model, inputs, run, num_items_in_batch, index, final=last_of_step)
         else:
@@ -265,7 +273,22 @@ class StepRunner:
 
     def _run_passes(self, model: Any, inputs: Any, run: Run, num_items_in_batch: Any, index: int, *,
                     final: bool) -> torch.Tensor:
-        """One micro-batch as ``pieces`` passes. ``final``: the step's last micro-batch (its last pass syncs)."""
+        """One micro-batch slot: a collated micro-batch, or each batch of a :class:`PassGroup` in turn, as passes.
+        ``final``: the step's last slot (its last pass syncs)."""
+        if not isinstance(inputs, PassGroup):
+            return self._run_batch(model, inputs, run, num_items_in_batch, index, 0, final=final)
+        total, offset = None, 0
+        for k, batch in enumerate(inputs.passes):
+            loss = self._run_batch(model, batch, run, num_items_in_batch, index, offset,
+                                   final=final and k == len(inputs.passes) - 1)
+            total = loss if total is None else total + loss
+            offset += batch_shape(batch)[0]
+        return total
+
+    def _run_batch(self, model: Any, inputs: Any, run: Run, num_items_in_batch: Any, index: int, offset: int, *,
+                   final: bool) -> torch.Tensor:
+        """One collated batch as ``pieces`` passes; ``offset``: its first row's place in the slot. ``final``: its
+        last pass is the step's last (it syncs)."""
         rows, length = batch_shape(inputs)
         pieces = pieces_needed(rows, self.num_pieces, pass_cap(length, self.effective_pass_limit()))
         probe = self.probe
@@ -283,10 +306,11 @@ class StepRunner:
         total = None
         for i, (part, (start, stop)) in enumerate(zip(parts, bounds)):
             last = i == len(parts) - 1
-            self._current = (index, start, stop)
+            self._current = (index, offset + start, offset + stop)
             self.max_pass = max(self.max_pass, stop - start)
+            self._pass_stats[0] += 1
             with self.engine.pass_context(model, sync=final and last):
-                loss = run(flatten_rows(part) if self.padding_free else dict(part))
+                loss = run(dict(part))
             total = loss if total is None else total + loss
             if probe is not None:
                 probe.after_pass(model, part, num_items_in_batch)
@@ -338,10 +362,15 @@ class StepRunner:
         self.oom = {'pass_size': size, 'new_cap': cap, 'record': None}
 
     def _too_large(self, micro: int, start: int) -> SampleTooLargeError:
-        batch = self.batches[micro]
+        batch, row = self.batches[micro], start
         indices = self.indices[micro] if micro < len(self.indices) else []
+        for part in batch.passes if isinstance(batch, PassGroup) else ():  # the pass that holds slot row ``start``
+            batch = part
+            if row < batch_shape(part)[0]:
+                break
+            row -= batch_shape(part)[0]
         row_ids = batch.get('input_ids') if isinstance(batch, Mapping) else None
-        tokens = row_tokens(batch, start)
+        tokens = row_tokens(batch, row)
         padded = int(row_ids.shape[-1]) if isinstance(row_ids, torch.Tensor) else None
         sample = indices[start] if start < len(indices) else None
         return SampleTooLargeError(

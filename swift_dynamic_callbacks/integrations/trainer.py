@@ -24,6 +24,7 @@ import torch
 
 from .. import distributed, protocol
 from ..config.integration import IntegrationConfig
+from ..loader import slot_batches
 from ..records import DECISIONS_FILE, DecisionRecord
 from ..state import stateful_components
 from .apply import RequestApplier
@@ -32,6 +33,7 @@ from .checkpoint import Checkpoints
 from .data import DataFeed, check_supported
 from .decisions import Decisions
 from .engines import Engine
+from .inputs import prepare_slot, to_device
 from .layout import Layout
 from .optimizer import OptimizerScale
 from .lr import LRControl
@@ -173,15 +175,20 @@ class Integration:
         self.metrics.start_clock()
         pairs = loader.next_step(num_batches)
         self.feed.report_step(splittable=self.runner.splittable())
-        real = [batch for indices, batch in pairs if indices]
-        self.metrics.count(real, padding_free=self.runner.padding_free)
+        self.metrics.count([batch for _, slot in pairs for batch in slot_batches(slot)],
+                           padding_free=self.runner.padding_free)
+        target = trainer.args.device if trainer.args.device.type == 'cuda' else None
+        pairs = [(indices, prepare_slot(slot, padding_free=self.runner.padding_free, device=target))
+                 for indices, slot in pairs]
+        real = [batch for _, slot in pairs for batch in slot_batches(slot)]
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
-        counted = real or ([{'labels': torch.full((1, 1), -100)}] if distributed.world_size() > 1 else [])
+        counted = real or ([to_device({'labels': torch.full((1, 1), -100)}, target)]
+                           if distributed.world_size() > 1 else [])
         _, num_items_in_batch = original(iter(counted), len(counted), device)
         setattr(control, protocol.GRAD_NOISE_SAMPLE, None)
         setattr(control, protocol.OOM_EVENT, None)
         self.runner.start_step(pairs, self.runner.noise_probe(pairs, num_items_in_batch),
-                               num_pieces=loader.num_pieces, budget_tokens=self.feed.estimated_budget())
+                               num_pieces=loader.pass_pieces, budget_tokens=self.feed.estimated_budget())
         if self.config.record_samples:
             self.feed.write_trace(trainer.state.global_step + 1, [indices for indices, _ in pairs])
         return [batch for _, batch in pairs], num_items_in_batch
@@ -232,7 +239,7 @@ class Integration:
         parts = {'dynamic/lr_scale': self.lr.scale, 'dynamic/pass_size': self.runner.max_pass,
                  'dynamic/oom_count': self.runner.oom_count}
         self.metrics.update_logs(logs, control, self.loader, parts, step_lr=self.step_lr,
-                                 estimate_overruns=self.feed.estimate_overruns)
+                                 estimate_overruns=self.feed.estimate_overruns, pass_stats=self.runner.take_pass_stats)
 
     # ---- state and checkpoints ----------------------------------------------------------------------------
     def save(self, checkpoint_dir: str) -> None:

@@ -154,3 +154,44 @@ def rank_sizes(remaining: int, batch: int, entries: int) -> list[int]:
     if rest:
         sizes.extend(s for s in step_sizes(rest, batch, entries) if s)
     return sizes
+
+
+def pass_cost(lengths: Sequence[int], *, padding_free: bool) -> int:
+    """Tokens one pass over rows of ``lengths`` costs: ``rows x longest`` padded, their sum padding-free."""
+    if not lengths:
+        return 0
+    return sum(lengths) if padding_free else len(lengths) * max(lengths)
+
+
+def step_passes(lengths: Sequence[int], per_step: int, budget: int, *, padding_free: bool = False,
+                max_rows: int | None = None) -> list[list[int]]:
+    """A rank's share from a step boundary (``lengths`` in training order) as steps of ``per_step`` samples (the
+    last one may be short), each cut into as few forward/backward passes as fit ``budget`` tokens (``pass_tokens``).
+
+    A pass takes consecutive rows while its :func:`pass_cost` stays within ``budget`` and it holds at most
+    ``max_rows`` rows (``None``: no row cap); a row longer than ``budget`` runs alone. Returns, per step, the rows
+    of each pass. In a balanced layout a step's share is longest first, so a pass's first row is its longest.
+    """
+    if per_step < 1 or budget < 1 or (max_rows is not None and max_rows < 1):
+        raise ValueError(f'step_passes: need per_step, budget, max_rows >= 1; got {per_step}, {budget}, {max_rows}')
+    steps: list[list[int]] = []
+    for start in range(0, len(lengths), per_step):
+        passes: list[int] = []
+        rows: list[int] = []
+        for length in lengths[start:start + per_step]:
+            full = max_rows is not None and len(rows) >= max_rows
+            if rows and (full or pass_cost(rows + [length], padding_free=padding_free) > budget):
+                passes.append(len(rows))
+                rows = []
+            rows.append(length)
+        passes.append(len(rows))
+        steps.append(passes)
+    return steps
+
+
+def pass_slots(passes: int, entries: int) -> tuple[int, ...]:
+    """How a step's ``passes`` fill the trainer's ``entries`` micro-batch slots (HF runs ``gradient_accumulation_steps``
+    micro-batches a step whatever they hold): as evenly as possible, ascending, so empty slots (no pass, nothing
+    runs) come first and the last slot, the one whose backward synchronises gradients, always holds a pass."""
+    from .data_plan import step_sizes
+    return step_sizes(passes, max(1, -(-passes // entries)), entries)

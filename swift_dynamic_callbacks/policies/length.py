@@ -64,6 +64,10 @@ class BatchPlan:
         seed: seed of the bucketed order (with the epoch number).
         padding_free: micro-batches run as one concatenated row each (``position_ids`` restarting per row); the
             token budget counts real tokens.
+        pass_tokens: ``balanced`` only: each rank's share of a step runs in as few forward/backward passes as fit
+            this many tokens (padded, or real when padding-free) instead of ``gradient_accumulation_steps``
+            micro-batches of the per-device size (:func:`~.balance.step_passes`); ``None``: micro-batches of the
+            per-device size.
     """
 
     mode: str = 'token_budget'
@@ -74,6 +78,7 @@ class BatchPlan:
     bucket_fill: float = 0.5
     seed: int = 0
     padding_free: bool = False
+    pass_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,6 +100,11 @@ class BatchPlan:
             raise ValueError(f'seed: expected an integer, got {self.seed!r}')
         if not isinstance(self.padding_free, bool):
             raise ValueError(f'padding_free: expected true or false, got {self.padding_free!r}')
+        tokens = self.pass_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f'pass_tokens: must be an int >= 1 or null, got {tokens!r}')
+        if tokens is not None and self.mode != 'balanced':
+            raise ValueError(f'pass_tokens: only mode balanced cuts a step into passes by tokens, got mode {self.mode}')
 
     @property
     def balanced(self) -> bool:
@@ -105,6 +115,11 @@ class BatchPlan:
     def lays_out(self) -> bool:
         """Whether the plan lays each epoch out itself (bucketing, or balanced steps)."""
         return self.bucketing or self.balanced
+
+    @property
+    def cuts_passes(self) -> bool:
+        """Whether each step's share is cut into passes by a token budget (``balanced`` with ``pass_tokens``)."""
+        return self.pass_tokens is not None
 
     def limit(self, longest: int) -> int:
         """Most samples of a micro-batch whose longest sample has ``longest`` tokens (at least 1)."""
@@ -117,14 +132,15 @@ class BatchPlan:
     def to_json(self) -> dict[str, Any]:
         return {'mode': self.mode, 'max_tokens': self.max_tokens, 'rules': [list(r) for r in self.rules],
                 'bucketing': self.bucketing, 'bucket_width': self.bucket_width, 'bucket_fill': self.bucket_fill,
-                'seed': self.seed, 'padding_free': self.padding_free}
+                'seed': self.seed, 'padding_free': self.padding_free,
+                **({'pass_tokens': self.pass_tokens} if self.pass_tokens is not None else {})}
 
     @classmethod
     def from_json(cls, mapping: Mapping[str, Any]) -> 'BatchPlan':
         if not isinstance(mapping, Mapping):
             raise ValueError(f'a batch plan is a mapping, got {mapping!r}')
         unknown = sorted(set(mapping) - {'mode', 'max_tokens', 'rules', 'bucketing', 'bucket_width', 'bucket_fill',
-                                  'seed', 'padding_free'})
+                                  'seed', 'padding_free', 'pass_tokens'})
         if unknown:
             raise ValueError(f'unknown batch plan key(s) {", ".join(unknown)}')
         return cls(**dict(mapping))

@@ -1,0 +1,64 @@
+"""A step's batches made ready once, at the step boundary, so that running its passes never waits on the device.
+
+The loader collates on the host. Before the step's first pass, every batch of the step is, in this order:
+
+1. packed into one row when the plan is padding-free (:func:`.padding_free.flatten_rows`, on the host: the rows'
+   lengths are read from the host's attention mask, never from the device);
+2. left without its ``attention_mask`` when every row has the same length (the mask is all ones): the model then
+   builds its plain causal mask, and sdpa takes its causal fast path instead of a dense masked one; the loss is the
+   same;
+3. copied to the training device from pinned memory without blocking (CUDA only). HF's ``training_step`` would
+   otherwise copy each tensor of each micro-batch from pageable memory, and each such copy waits for the device to
+   finish its queue: a synchronisation per tensor per micro-batch. Already on the device, HF's own copy does nothing.
+
+Nothing here reads a device tensor (no ``.item()``, ``.tolist()``, ``bool()`` of a device tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ..loader import EmptyMicroBatch, PassGroup
+from .padding_free import PackedBatch, flatten_rows
+
+
+def prepare_slot(slot: Any, *, padding_free: bool, device: torch.device | None) -> Any:
+    """One of HF's micro-batch slots (an empty one, a batch, or a :class:`PassGroup`) with every batch prepared."""
+    if isinstance(slot, EmptyMicroBatch):
+        return slot
+    if isinstance(slot, PassGroup):
+        return PassGroup([prepare_batch(b, padding_free=padding_free, device=device) for b in slot.passes])
+    return prepare_batch(slot, padding_free=padding_free, device=device)
+
+
+def prepare_batch(batch: Any, *, padding_free: bool, device: torch.device | None) -> Any:
+    """One collated batch, packed or mask-free as the module docstring says, then on ``device`` (``None``: left
+    where it is)."""
+    if not isinstance(batch, Mapping):
+        return batch
+    if padding_free:
+        batch = flatten_rows(batch)
+    elif same_length_rows(batch):
+        batch = type(batch)({k: v for k, v in batch.items() if k != 'attention_mask'})
+    return to_device(batch, device)
+
+
+def same_length_rows(batch: Mapping[str, Any]) -> bool:
+    """Whether a padded batch has no padding at all (a host tensor's all-ones ``attention_mask`` of 2-D ids)."""
+    mask, ids = batch.get('attention_mask'), batch.get('input_ids')
+    return (isinstance(mask, torch.Tensor) and isinstance(ids, torch.Tensor) and mask.dim() == 2
+            and mask.shape == ids.shape and mask.device.type == 'cpu' and bool(mask.all()))
+
+
+def to_device(batch: Mapping[str, Any], device: torch.device | None) -> Any:
+    """``batch``'s host tensors copied to a CUDA ``device`` from pinned memory without blocking (else unchanged);
+    a :class:`PackedBatch` keeps its rows' lengths."""
+    if device is None or torch.device(device).type != 'cuda':
+        return batch
+    moved = {k: (v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) and v.device.type == 'cpu'
+                 else v) for k, v in batch.items()}
+    if isinstance(batch, PackedBatch):
+        return PackedBatch(moved, batch.row_lengths)
+    return type(batch)(moved) if type(batch) is not dict else moved
