@@ -383,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_arms:
         small, _ = write_rows(Path(args.data), args.profile_rows, args.seed + 1,
                               work / f'rows-{args.profile_rows}-{args.seed + 1}.jsonl')
-        specs = [{**spec_of(arm, 1, small, '-profile'), 'profile_steps': [2, 3]} for arm in args.profile_arms]
+        specs = [{**spec_of(arm, 1, small, '-profile'), 'profile_steps': [2, 3], 'deadline': None}
+                 for arm in args.profile_arms]  # a few steps each: run even past --deadline
         if 'bare_loop' in args.profile_arms:
             raise SystemExit('--profile-arms: bare_loop is not profiled (it has no Trainer steps)')
 
