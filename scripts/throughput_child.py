@@ -79,6 +79,7 @@ def swift_arm(spec: dict) -> dict:
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.policies.balance import work_coefficient
+    from swift_dynamic_callbacks.integrations.padding_free import PackedBatch
     from swift_dynamic_callbacks.loader import slot_batches
     from swift_dynamic_callbacks.tiny import offline_sft_kwargs
 
@@ -86,23 +87,41 @@ def swift_arm(spec: dict) -> dict:
     coef = {'a': None}
 
     def note(batch: Any, packed: bool) -> None:
-        """One pass as collated (padded), before it is moved to the device; ``packed``: it runs as one packed row."""
+        """One pass as HF receives it, read without synchronising: its shape now, its rows' lengths and whether it
+        has labels kept as tensors (on the device, for a batch already there) and read after the run
+        (:func:`resolve`); ``packed``: it runs as one packed row."""
         ids, mask, labels = batch['input_ids'], batch.get('attention_mask'), batch.get('labels')
         rows, width = int(ids.shape[0]), int(ids.shape[-1])
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            lengths = mask.sum(dim=1).tolist()
+            lengths: Any = mask.detach().sum(dim=1)
+        elif isinstance(batch, PackedBatch):
+            lengths = list(batch.row_lengths)
         elif rows == 1 and isinstance(batch.get('position_ids'), torch.Tensor):  # ms-swift's packed row
-            starts = (batch['position_ids'][0] == 0).nonzero().flatten().tolist() + [width]
-            lengths = [b - a for a, b in zip(starts, starts[1:])]
+            lengths = batch['position_ids'][0].detach().clone()  # the rows restart at position 0
         else:
             lengths = [width] * rows
-        if isinstance(labels, torch.Tensor) and not bool((labels != -100).any()):
-            lengths = []  # a placeholder pass: work, no tokens
-        total = sum(lengths)
-        work = coef['a'] * total + total * total if packed else rows * (coef['a'] * width + width * width)
-        record['micro'].append({'step': trainer_state['step'](), 'rows': rows, 'lengths': lengths,
-                                'padded': total if packed else (rows * width if lengths else 0), 'real': total,
-                                'work': work})
+        labelled = (labels.detach() != -100).any() if isinstance(labels, torch.Tensor) else True
+        record['micro'].append({'step': trainer_state['step'](), 'rows': rows, 'width': width, 'packed': packed,
+                                'lengths': lengths, 'labelled': labelled})
+
+    def resolve() -> None:
+        """After the run: the passes' lengths and figures (the reads :func:`note` left for now)."""
+        for m in record['micro']:
+            lengths, width, rows = m['lengths'], m.pop('width'), m['rows']
+            if isinstance(lengths, torch.Tensor) and lengths.dim() == 1 and m['rows'] == 1 and lengths.numel() > 1:
+                starts = (lengths == 0).nonzero().flatten().tolist() + [width]  # packed row: position ids
+                lengths = [b - a for a, b in zip(starts, starts[1:])]
+            elif isinstance(lengths, torch.Tensor):
+                lengths = lengths.tolist()
+            if not bool(m.pop('labelled')):
+                lengths = []  # a placeholder pass: work, no tokens
+            total = sum(lengths)
+            packed = m.pop('packed')
+            m['lengths'] = lengths
+            m['real'] = total
+            m['padded'] = total if packed else (rows * width if lengths else 0)
+            m['work'] = (coef['a'] * total + total * total if packed else
+                         rows * (coef['a'] * width + width * width)) if lengths else 0.0
 
     cuda = spec.get('device') == 'cuda' and torch.cuda.is_available()
     trainer_state = {'step': lambda: 0}
@@ -116,8 +135,8 @@ def swift_arm(spec: dict) -> dict:
             packed = bool((spec['pack'].get('length_batching') or {}).get('padding_free'))
 
             def training_step(model, inputs, *args, **kwargs):
-                # HF's call, with the micro-batch slot as collated on the host (no device synchronisation here):
-                # the pack's slots may be empty or hold several passes
+                # HF's call with a micro-batch slot (the pack's may be empty or hold several passes); nothing read
+                # from the device here, the figures are read after the run
                 for batch in slot_batches(inputs):
                     note(batch, packed)
                 return type(trainer).training_step(trainer, model, inputs, *args, **kwargs)
@@ -152,6 +171,7 @@ def swift_arm(spec: dict) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             record['train_s'] = time.perf_counter() - record['start']
+            resolve()
             record['steps'] = state.global_step
             losses = [row['train_loss'] for row in state.log_history if 'train_loss' in row]
             record['train_loss'] = losses[-1] if losses else None
