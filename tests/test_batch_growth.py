@@ -164,14 +164,14 @@ def test_loss_variability_callback_grows_on_noise_and_clears_its_window():
     cb.batch_size = 2
     for step, loss in zip(range(1, 5), [2.0, 2.6, 1.5, 2.2]):  # noisy: grows at step 4 (first check)
         _fake_step(cb, control, step, loss)
-    assert control.new_batch_size == 4 and cb.losses == []
+    assert control.new_batch_size == 4 and cb.strategy.losses == []
     protocol.clear_requests(control)
     for step, loss in zip(range(5, 9), [2.0, 2.01, 1.99, 2.0]):  # stable: holds at step 8
         _fake_step(cb, control, step, loss)
     assert control.new_batch_size is None and cb.batch_size == 4
     restored = BatchGrowthCallback(cb.config)
     restored.load_state_dict(cb.state_dict())
-    assert restored.losses == cb.losses and restored.batch_size == 4
+    assert restored.strategy.losses == cb.strategy.losses and restored.batch_size == 4
 
 
 def test_loss_variability_takes_rank_0s_size(monkeypatch):
@@ -359,7 +359,7 @@ def test_seesaw_callback_follows_the_schedule_cuts():
         ('start', 1, 0), ('seesaw', 2, 1), ('seesaw', 4, 2)]
     restored = BatchGrowthCallback(cb.config)
     restored.load_state_dict(cb.state_dict())
-    assert restored.seesaw == cb.seesaw and restored.seesaw['cuts'] == 4
+    assert restored.strategy.state == cb.strategy.state and restored.strategy.state.cuts == 4
 
 
 def _cut_steps(factors, alpha, cuts):

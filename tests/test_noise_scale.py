@@ -122,14 +122,15 @@ def test_callback_grows_toward_the_estimate_and_keeps_its_averages_on_resume():
     for step in (1, 2):
         control.grad_noise_sample = sample
         cb.on_step_end(args, TrainerState(global_step=step), control)
-    assert cb.critical_per_device == pytest.approx(3.0)
+    assert cb.strategy.critical_per_device == pytest.approx(3.0)
     assert control.dynamic_metrics['dynamic/grad_noise_scale'] == pytest.approx(6.0)
     assert control.new_batch_size == 2  # one growth toward 3 at the first due step
     record = control.dynamic_decisions[-1]
     assert record.reason == 'noise_scale' and record.values['critical_global_batch'] == pytest.approx(6.0)
     restored = BatchGrowthCallback(config)
     restored.load_state_dict(cb.state_dict())
-    assert restored.noise == cb.noise and restored.critical_per_device == cb.critical_per_device
+    assert restored.strategy.noise == cb.strategy.noise
+    assert restored.strategy.critical_per_device == cb.strategy.critical_per_device
 
 
 @pytest.mark.e2e

@@ -136,11 +136,11 @@ def test_a_flat_loss_switches_before_switch_at_and_a_falling_one_does_not():
     (record, ) = protocol.drain_decisions(controls[6])
     assert record.values['trigger'] == 'loss_plateau' and record.values['smoothed_loss'] == pytest.approx(1.6)
     waits = [protocol.current_metrics(c)['dynamic/late_switch_wait'] for c in controls]
-    assert waits == [0, 0, 0, 0, 0, 1, 0, 0] and flat.switch['plateaued']  # published at a step's end: the wait
+    assert waits == [0, 0, 0, 0, 0, 1, 0, 0] and flat.strategy.switch.plateaued  # published at a step's end: the wait
     # after the previous step's log
     restored = BatchGrowthCallback(config)  # the trigger's state survives a checkpoint
     restored.load_state_dict(json.loads(json.dumps(flat.state_dict())))
-    assert restored.switch == flat.switch
+    assert restored.strategy.switch == flat.strategy.switch
 
     falling = BatchGrowthCallback(config)
     falling.batch_size = 1
@@ -148,7 +148,7 @@ def test_a_flat_loss_switches_before_switch_at_and_a_falling_one_does_not():
     switched = [step for step, c in enumerate(controls, start=1) if getattr(c, protocol.NEW_BATCH_SIZE, None)]
     assert switched == [15]  # 15 / 20 = switch_at: the fraction rule, not the plateau
     (record, ) = protocol.drain_decisions(controls[14])
-    assert record.values['trigger'] == 'switch_at' and not falling.switch['plateaued']
+    assert record.values['trigger'] == 'switch_at' and not falling.strategy.switch.plateaued
 
 
 def test_the_plateau_is_rank_0s(monkeypatch):
@@ -166,7 +166,7 @@ def test_the_plateau_is_rank_0s(monkeypatch):
                                                switch_smooth=2))
     cb.batch_size = 1
     controls = _late_switch_steps(cb, [1.0, 1.0, 1.0, 1.0])
-    assert cb.switch['plateaued'] and 4 in sent
+    assert cb.strategy.switch.plateaued and 4 in sent
     assert all(getattr(c, protocol.NEW_BATCH_SIZE, None) is None for c in controls)
 
 

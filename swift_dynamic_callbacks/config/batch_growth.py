@@ -11,8 +11,6 @@ from typing import Any, Callable, Mapping
 from . import (Check, Choice, ConfigError, Int, IntTable, Number, Reads, Settings, setting)
 
 POLICIES = ('interval', 'table', 'callable', 'loss_variability', 'noise_scale', 'seesaw', 'late_switch')
-#: Policies that decide from values of this rank (losses, gradients, a user function): rank 0 decides for all.
-RANK_LOCAL_POLICIES = ('callable', 'loss_variability', 'noise_scale')
 #: Modules the command line never imports (they cost seconds): a ``function`` whose module needs one of them is
 #: checked when the trainer is built, in the training process, instead of by ``swift-dynamic check``.
 HEAVY_MODULES = ('torch', 'transformers', 'peft', 'swift', 'accelerate', 'deepspeed')
