@@ -76,11 +76,13 @@ Semantics:
   in the optimizer's param groups, so ``optimizer.pt`` saves them and a resume restores them.
 - ``new_batch_plan = {...}`` (a :class:`~swift_dynamic_callbacks.policies.length.BatchPlan` as a mapping:
   ``mode`` ``token_budget``/``rules``/``balanced``, ``max_tokens``, ``rules``, ``bucketing``, ``bucket_width``,
-  ``bucket_fill``, ``seed``, ``padding_free``) asks for length-aware batching: from the next step on, each
-  micro-batch's size is decided from its samples' lengths before it is collated (at most the current batch size),
-  and from the next epoch start on (at once when no sample of the epoch has been drawn) the epoch order is bucketed
-  by length (``balanced``: laid out in balanced global steps, :mod:`.policies.balance`). ``padding_free`` runs every
-  micro-batch as one packed row. Each request replaces the previous plan whole.
+  ``bucket_fill``, ``seed``, ``padding_free``, ``pass_tokens``) asks for length-aware batching: from the next step
+  on, each micro-batch's size is decided from its samples' lengths before it is collated (at most the current batch
+  size), and from the next epoch start on (at once when no sample of the epoch has been drawn) the epoch order is
+  bucketed by length (``balanced``: laid out in balanced global steps, :mod:`.policies.balance`). ``padding_free``
+  runs every micro-batch as one packed row; ``pass_tokens`` (balanced only) runs each rank's share of a step in as
+  few passes as fit that many tokens, in the step's ``gradient_accumulation_steps`` slots (empty ones run nothing).
+  Each request replaces the previous plan whole.
 - A request made during step ``N`` (``on_step_end``, ``on_log``, ``on_save``, ``on_evaluate`` ...) takes effect
   from optimizer step ``N + 1``. Requests made in ``on_step_begin`` apply one step later (the micro-batches of
   the running step are already drawn).
