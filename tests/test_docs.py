@@ -1,7 +1,7 @@
 """Every YAML example in README.md and docs/ is a file ``swift-dynamic check`` accepts, with only ms-swift settings
 beside ``dynamic_callbacks:``; an example that cannot be one says why on the line before its fence
-(``<!-- fragment: WHY -->``). The README's module table names every module of the package, and every module it names
-exists."""
+(``<!-- fragment: WHY -->``). docs/architecture.md's module table names every module of the package, and every
+module it names exists."""
 
 from __future__ import annotations
 
@@ -62,15 +62,16 @@ def test_yaml_example_is_checked(where, text, why, tmp_path, capsys):
     assert code == 0, f'{where}: swift-dynamic check refused it: {capsys.readouterr().err}'
 
 
-def test_readme_module_table_matches_the_package():
-    with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
-        readme = f.read()
-    named = set(re.findall(r'`(swift_dynamic_callbacks/[\w/]+\.py)`', readme))
+def test_architecture_module_table_matches_the_package():
+    with open(os.path.join(ROOT, 'docs', 'architecture.md'), encoding='utf-8') as f:
+        text = f.read()
+    named = set(re.findall(r'`(swift_dynamic_callbacks/[\w/]+\.py)`', text))
     package = os.path.join(ROOT, 'swift_dynamic_callbacks')
     modules = {os.path.relpath(p, ROOT).replace(os.sep, '/') for p in glob.glob(os.path.join(package, '**', '*.py'),
                                                                               recursive=True)}
     modules = {m for m in modules if not m.endswith('__init__.py')}
-    folders = set(re.findall(r'`(swift_dynamic_callbacks/[\w/]+/)`', readme))
+    folders = set(re.findall(r'`(swift_dynamic_callbacks/[\w/]+/)`', text))
     covered = {m for m in modules if any(m.startswith(folder) for folder in folders)}
-    assert named <= modules, f'the README names modules that do not exist: {sorted(named - modules)}'
-    assert modules - covered <= named, f'modules the README does not name: {sorted(modules - covered - named)}'
+    assert named <= modules, f'docs/architecture.md names modules that do not exist: {sorted(named - modules)}'
+    missing = sorted(modules - covered - named)
+    assert modules - covered <= named, f'modules docs/architecture.md does not name: {missing}'

@@ -239,18 +239,35 @@ def _same_training(a, b):
         assert torch.allclose(first[key], second[key], atol=2e-5, rtol=0), key
 
 
+@pytest.fixture(scope='module')
+def mixed_rows(tmp_path_factory):
+    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    return str(write_mixed_length_dataset(tmp_path_factory.mktemp('pass_tokens') / 'mixed.jsonl', n=32))
+
+
+@pytest.fixture(scope='module')
+def padded_runs(tmp_path_factory, tiny_qwen, mixed_rows):
+    """The same balanced steps as micro-batches of the per-device size and as passes of at most 1,200 tokens."""
+    root = tmp_path_factory.mktemp('padded')
+    plain, _ = _train(root, tiny_qwen, mixed_rows, 'plain', {'mode': 'balanced'})
+    cut, injector = _train(root, tiny_qwen, mixed_rows, 'cut', {'mode': 'balanced', 'pass_tokens': 1200})
+    return plain, cut, injector
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize('padding_free', [False, True])
-def test_swift_sft_passes_by_tokens_give_the_gradient_of_the_same_steps(tmp_path, tiny_qwen, padding_free):
+def test_swift_sft_passes_by_tokens_give_the_gradient_of_the_same_steps(tmp_path, tiny_qwen, mixed_rows,
+                                                                        padded_runs, padding_free):
     """The same steps run as micro-batches of the per-device size and as passes of at most 1,200 tokens: the same
     samples every step, the same losses and final LoRA weights; passes within the budget (a row over it alone),
     fewer than gradient_accumulation_steps where rows are short and more where they are long, as logged."""
-    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
     from swift_runs import decisions, train_logs
-    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=40))
-    base = {'mode': 'balanced', 'padding_free': padding_free}
-    plain, _ = _train(tmp_path, tiny_qwen, data, 'plain', base)
-    cut, injector = _train(tmp_path, tiny_qwen, data, 'cut', {**base, 'pass_tokens': 1200})
+    if padding_free:
+        base = {'mode': 'balanced', 'padding_free': True}
+        plain, _ = _train(tmp_path, tiny_qwen, mixed_rows, 'plain', base)
+        cut, injector = _train(tmp_path, tiny_qwen, mixed_rows, 'cut', {**base, 'pass_tokens': 1200})
+    else:
+        plain, cut, injector = padded_runs
     _same_training(plain, cut)
     for rows, tokens in injector.passes:  # what ran: (rows, tokens) of every forward
         assert rows == 1 or tokens <= 1200, (rows, tokens)
@@ -263,17 +280,15 @@ def test_swift_sft_passes_by_tokens_give_the_gradient_of_the_same_steps(tmp_path
 
 
 @pytest.mark.e2e
-def test_swift_sft_passes_by_tokens_recover_from_ooms_with_the_same_result(tmp_path, tiny_qwen):
-    """OOMs (a pass over 1,600 tokens, and mid-backward) inside passes cut by 4,000 tokens, several in one of
-    HF's slots: the run finishes with every sample once and the weights of the run that never ran out of memory."""
+def test_swift_sft_passes_by_tokens_recover_from_ooms_with_the_same_result(tmp_path, tiny_qwen, mixed_rows,
+                                                                           padded_runs):
+    """OOMs inside passes cut by tokens (a forward and a mid-backward one, in steps whose slots hold several passes):
+    the run finishes with every sample once and the weights of the same run without them."""
     from swift_dynamic_callbacks.faults import OomInjector
-    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
-    from swift_runs import decisions
-    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=24))
-    settings_ = {'mode': 'balanced', 'pass_tokens': 4000}
-    plain, _ = _train(tmp_path, tiny_qwen, data, 'plain', settings_)
-    out, injector = _train(tmp_path, tiny_qwen, data, 'oom', settings_,
-                           OomInjector(token_budget=1600, backward_rate=0.3, seed=3, fail_passes=(2, )))
-    assert injector.counts['forward'] > 0 and injector.counts['backward'] > 0, (injector.counts, injector.passes)
-    assert [d for d in decisions(out) if d['kind'] == 'oom']
-    _same_training(plain, out)
+    from swift_runs import decisions, train_logs
+    _, cut, _ = padded_runs
+    out, injector = _train(tmp_path, tiny_qwen, mixed_rows, 'oom', {'mode': 'balanced', 'pass_tokens': 1200},
+                           OomInjector(forward_passes=(1, ), fail_passes=(4, )))
+    assert injector.counts == {'forward': 1, 'backward': 1}, (injector.counts, injector.passes)
+    assert [d for d in decisions(out) if d['kind'] == 'oom'] and train_logs(out)[-1]['dynamic/oom_count'] == 2
+    _same_training(cut, out)
