@@ -120,8 +120,8 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Callable, Iterable, Mapping
 
 from .errors import ConfigError
 
@@ -147,58 +147,6 @@ DISABLED = 'dynamic_disabled'
 LOSS_NONFINITE = 'dynamic_loss_nonfinite'
 #: The key of :data:`LOSS_NONFINITE`'s count in the training log lines.
 NONFINITE_LOG_KEY = 'dynamic/nonfinite_steps'
-
-#: Flags that request a change and are cleared once the integration applied them.
-REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER, NEW_BATCH_SIZE, NEW_NUM_PIECES, NEW_LR_SCALE,
-                 NEW_LR_SCHEDULE, NEW_PASS_LIMIT, NEW_BATCH_PLAN, NEW_OPTIMIZER_SCALE)
-#: Every attribute this protocol defines on ``TrainerControl``.
-ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE, PASS_SIZE,
-                             OOM_EVENT, FAIL_FAST, DISABLED, LOSS_NONFINITE)
-
-#: Controls: what a callback drives through request flags that hold one value per step boundary (the last request
-#: wins). ``control -> (what it is, the flags)``. A callback declares the controls it requests (``controls``); two
-#: callbacks of one run declaring the same control are refused.
-CONTROLS: dict[str, tuple[str, tuple[str, ...]]] = {
-    'batch_size': ('the per-device batch size', (NEW_BATCH_SIZE, SHOULD_UPDATE_DATALOADER, NEW_DATALOADER)),
-    'num_pieces': ('the pieces per micro-batch', (NEW_NUM_PIECES, )),
-    'lr_scale': ('the LR scale', (NEW_LR_SCALE, )),
-    'lr_schedule': ('the LR schedule', (NEW_LR_SCHEDULE, )),
-    'pass_limit': ('the pass limit', (NEW_PASS_LIMIT, )),
-    'batch_plan': ('the batch plan', (NEW_BATCH_PLAN, )),
-    'optimizer_scale': ('the optimizer\'s weight decay and beta2', (NEW_OPTIMIZER_SCALE, )),
-}
-
-
-@dataclass(frozen=True)
-class BatchRequest:
-    """What the pending flags ask for, read in one place.
-
-    Attributes:
-        batch_size: requested per-device micro-batch size, or ``None``.
-        num_pieces: requested pieces per micro-batch, or ``None``.
-        lr_scale: requested factor on the LR schedule, or ``None``.
-        lr_schedule: requested LR schedule mapping, or ``None``.
-        batch_plan: requested length-aware batch plan mapping, or ``None``.
-        pass_limit: requested pass limit mapping, or ``None``.
-        optimizer_scale: requested factors on the optimizer's weight decay / power on its beta2, or ``None``.
-        via_dataloader: True when the size came from the seed form (``new_dataloader``).
-    """
-
-    batch_size: int | None = None
-    num_pieces: int | None = None
-    lr_scale: float | None = None
-    lr_schedule: Mapping[str, Any] | None = None
-    batch_plan: Mapping[str, Any] | None = None
-    pass_limit: Mapping[str, Any] | None = None
-    optimizer_scale: Mapping[str, float] | None = None
-    via_dataloader: bool = False
-
-    @property
-    def empty(self) -> bool:
-        return (self.batch_size is None and self.num_pieces is None and self.lr_scale is None
-                and self.lr_schedule is None and self.batch_plan is None and self.pass_limit is None
-                and self.optimizer_scale is None)
-
 
 @dataclass(frozen=True)
 class GradNoiseSample:
@@ -239,12 +187,12 @@ def _positive_int(name: str, value: Any) -> int:
 
 def request_batch_size(control: Any, batch_size: int) -> None:
     """Ask for a new per-device micro-batch size from the next optimizer step on."""
-    control.new_batch_size = _positive_int(NEW_BATCH_SIZE, batch_size)
+    request(control, 'batch_size', batch_size)
 
 
 def request_num_pieces(control: Any, num_pieces: int) -> None:
     """Ask for every micro-batch to be run as ``num_pieces`` forward/backward passes."""
-    control.new_num_pieces = _positive_int(NEW_NUM_PIECES, num_pieces)
+    request(control, 'num_pieces', num_pieces)
 
 
 def _positive_float(name: str, value: Any) -> float:
@@ -255,7 +203,7 @@ def _positive_float(name: str, value: Any) -> float:
 
 def request_lr_scale(control: Any, scale: float) -> None:
     """Ask for the LR schedule times ``scale`` (relative to the configured LR) from the next optimizer step on."""
-    control.new_lr_scale = _positive_float(NEW_LR_SCALE, scale)
+    request(control, 'lr_scale', scale)
 
 
 SCHEDULE_KEYS = ('warmup', 'hold', 'min_ratio')
@@ -317,7 +265,7 @@ def check_pass_limit(limit: Any) -> dict[str, Any]:
 
 def request_pass_limit(control: Any, limit: Mapping[str, Any]) -> None:
     """Ask for a cap on the samples of one forward/backward pass from the next optimizer step on."""
-    setattr(control, NEW_PASS_LIMIT, check_pass_limit(limit))
+    request(control, 'pass_limit', limit)
 
 
 #: the keys of ``new_optimizer_scale``
@@ -334,7 +282,7 @@ def check_optimizer_scale(scale: Any) -> dict[str, float]:
 
 def request_optimizer_scale(control: Any, scale: Mapping[str, float]) -> None:
     """Ask for the optimizer's weight decay and beta2 relative to their configured values from the next step on."""
-    setattr(control, NEW_OPTIMIZER_SCALE, check_optimizer_scale(scale))
+    request(control, 'optimizer_scale', scale)
 
 
 def check_batch_plan(plan: Any) -> dict[str, Any]:
@@ -349,12 +297,150 @@ def check_batch_plan(plan: Any) -> dict[str, Any]:
 
 def request_batch_plan(control: Any, plan: Mapping[str, Any]) -> None:
     """Ask for length-aware micro-batches (and bucketed epochs) from the next optimizer step on."""
-    setattr(control, NEW_BATCH_PLAN, check_batch_plan(plan))
+    request(control, 'batch_plan', plan)
 
 
 def request_lr_schedule(control: Any, schedule: Mapping[str, Any]) -> None:
     """Ask for the LR schedule's shape to be ``schedule`` from the next optimizer step on."""
-    setattr(control, NEW_LR_SCHEDULE, check_lr_schedule(schedule))
+    request(control, 'lr_schedule', schedule)
+
+
+def _smallest(values: list[Any]) -> Any:
+    return min(values)
+
+
+def _largest(values: list[Any]) -> Any:
+    return max(values)
+
+
+def _lowest_rank(values: list[Any]) -> Any:
+    return values[0]
+
+
+def merge_limits(limits: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The tightest of several pass limits: the smallest samples and tokens caps, the lowest rank's rules."""
+    merged: dict[str, Any] = {'rules': list(limits[0].get('rules') or [])}
+    for key in ('samples', 'tokens'):
+        values = [lim[key] for lim in limits if lim.get(key) is not None]
+        merged[key] = min(values) if values else None
+    return merged
+
+
+#: decision-record kinds that change the LR schedule (``lr_schedule``'s callback writes them)
+LR_RECORD_KINDS = ('lr_schedule', 'lr_restart', 'lr_guard')
+
+
+@dataclass(frozen=True)
+class RequestKind:
+    """One kind of request, declared once in :data:`REQUESTS`; everything else derives from the declarations
+    (:class:`BatchRequest`, :func:`pending_request`, :func:`clear_requests`, :data:`CONTROLS`, the requests as JSON
+    and their cross-rank merge, which records tell a change, the order the integration applies them).
+
+    Attributes:
+        field: its field in :class:`BatchRequest` (and its key in a request as JSON).
+        flag: the ``TrainerControl`` attribute a callback sets.
+        check: validates a requested value and returns it normalised (``ValueError`` naming ``control.<flag>``).
+        merge: the value every rank applies, from the ranks' values (non-``None``, in rank order).
+        what: what it controls, for messages (the control's name is ``field``: two callbacks may not drive one).
+        records: decision-record kinds a callback writes with this request (they go with the request: pending at the
+            end, left out in replay), and with ``value_keys`` (keys in a record's values) they tell its change, so
+            the integration then writes no ``control_flags`` record of its own.
+        value_keys: see ``records``.
+        covered_also: other record kinds that tell its change (an OOM record names the new pass cap).
+        applier: the step of :class:`~.integrations.apply.RequestApplier` that applies it (``_<applier>``; the LR
+            schedule and scale are applied together).
+        extra_flags: other flags of the same control (the seed form of the batch size).
+    """
+
+    field: str
+    flag: str
+    check: Callable[[Any], Any]
+    merge: Callable[[list[Any]], Any]
+    what: str
+    records: tuple[str, ...]
+    value_keys: tuple[str, ...] = ()
+    covered_also: tuple[str, ...] = ()
+    applier: str = ''
+    extra_flags: tuple[str, ...] = ()
+
+
+#: Every request kind, in the order the integration applies them (the batch before the plan cut from it; the LR
+#: after both; the optimizer's settings last). A new kind is one entry here and its ``_<applier>`` method.
+REQUESTS: tuple[RequestKind, ...] = (
+    RequestKind('batch_size', NEW_BATCH_SIZE, lambda v: _positive_int(NEW_BATCH_SIZE, v), _smallest,
+                'the per-device batch size', ('batch_size', ), applier='batch_size',
+                extra_flags=(SHOULD_UPDATE_DATALOADER, NEW_DATALOADER)),
+    RequestKind('batch_plan', NEW_BATCH_PLAN, lambda v: check_batch_plan(v), _lowest_rank, 'the batch plan',
+                ('batch_plan', ), applier='batch_plan'),
+    RequestKind('num_pieces', NEW_NUM_PIECES, lambda v: _positive_int(NEW_NUM_PIECES, v), _largest,
+                'the pieces per micro-batch', ('num_pieces', ), ('num_pieces', ), applier='num_pieces'),
+    RequestKind('pass_limit', NEW_PASS_LIMIT, lambda v: check_pass_limit(v), merge_limits, 'the pass limit',
+                ('pass_limit', ), covered_also=('oom', ), applier='pass_limit'),
+    RequestKind('lr_schedule', NEW_LR_SCHEDULE, lambda v: check_lr_schedule(v), _lowest_rank, 'the LR schedule',
+                LR_RECORD_KINDS, applier='lr'),
+    RequestKind('lr_scale', NEW_LR_SCALE, lambda v: _positive_float(NEW_LR_SCALE, v), _smallest, 'the LR scale',
+                ('lr_scale', ), ('lr_scale', ), applier='lr'),
+    RequestKind('optimizer_scale', NEW_OPTIMIZER_SCALE, lambda v: check_optimizer_scale(v), _lowest_rank,
+                'the optimizer\'s weight decay and beta2', ('optimizer_scale', ), ('optimizer_scale', ),
+                applier='optimizer_scale'),
+)
+KINDS: dict[str, RequestKind] = {kind.field: kind for kind in REQUESTS}
+
+#: Flags that request a change and are cleared once the integration applied them.
+REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER) + tuple(kind.flag for kind in REQUESTS)
+#: Every attribute this protocol defines on ``TrainerControl``.
+ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE, PASS_SIZE,
+                             OOM_EVENT, FAIL_FAST, DISABLED, LOSS_NONFINITE)
+
+#: Controls: what a callback drives through request flags that hold one value per step boundary (the last request
+#: wins). ``control -> (what it is, the flags)``. A callback declares the controls it requests (``controls``); two
+#: callbacks of one run declaring the same control are refused.
+CONTROLS: dict[str, tuple[str, tuple[str, ...]]] = {
+    kind.field: (kind.what, (kind.flag, ) + kind.extra_flags) for kind in REQUESTS}
+
+
+def _empty(self: Any) -> bool:
+    return all(getattr(self, kind.field) is None for kind in REQUESTS)
+
+
+#: What the pending flags ask for, read in one place: one field per :data:`REQUESTS` entry (``None``: not asked),
+#: and ``via_dataloader`` (the size came from the seed form, ``new_dataloader``); ``empty``: nothing asked.
+BatchRequest = make_dataclass(
+    'BatchRequest', [(kind.field, Any, field(default=None)) for kind in REQUESTS]
+    + [('via_dataloader', bool, field(default=False))], frozen=True,
+    namespace={'empty': property(_empty), '__module__': __name__,
+               '__doc__': 'What the pending request flags ask for: one field per request kind (protocol.REQUESTS), '
+                          'None when not asked, and via_dataloader (the seed form).'})
+
+
+def request(control: Any, field_name: str, value: Any) -> None:
+    """Set request ``field_name`` (a :data:`REQUESTS` field) on ``control``, validated now, at the call site."""
+    kind = KINDS[field_name]
+    setattr(control, kind.flag, kind.check(value))
+
+
+def merge_requests(requests: Iterable[Any]) -> Any:
+    """The one request every rank applies: each kind's ``merge`` over the ranks' values (identical requests pass;
+    otherwise the smallest batch and LR scale, most pieces, the tightest pass limit, the lowest rank's LR schedule,
+    plan and optimizer scale)."""
+    requests = list(requests)
+    values = {}
+    for kind in REQUESTS:
+        asked = [getattr(r, kind.field) for r in requests if getattr(r, kind.field) is not None]
+        values[kind.field] = kind.merge(asked) if asked else None
+    return BatchRequest(**values, via_dataloader=any(r.via_dataloader for r in requests))
+
+
+def is_request_record(record: Any) -> bool:
+    """A decision record that goes with a request (applied at the next step boundary): one of the kinds a request
+    kind declares, or one holding one of their value keys."""
+    return any(record.kind in kind.records or any(k in record.values for k in kind.value_keys) for kind in REQUESTS)
+
+
+def covering(field_name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(record kinds, value keys)`` of held records that already tell a change of request ``field_name``."""
+    kind = KINDS[field_name]
+    return kind.records + kind.covered_also, kind.value_keys
 
 
 def request_dataloader(control: Any, dataloader: Any) -> None:
@@ -416,28 +502,9 @@ def pending_request(control: Any) -> BatchRequest:
     elif getattr(control, NEW_DATALOADER, None) is not None:
         raise ValueError('control.new_dataloader is set but control.should_update_dataloader is not True; '
                          'set control.should_update_dataloader = True to request the change')
-    if batch_size is not None:
-        _positive_int(NEW_BATCH_SIZE, batch_size)
-    num_pieces = getattr(control, NEW_NUM_PIECES, None)
-    if num_pieces is not None:
-        _positive_int(NEW_NUM_PIECES, num_pieces)
-    lr_scale = getattr(control, NEW_LR_SCALE, None)
-    if lr_scale is not None:
-        lr_scale = _positive_float(NEW_LR_SCALE, lr_scale)
-    lr_schedule = getattr(control, NEW_LR_SCHEDULE, None)
-    if lr_schedule is not None:
-        lr_schedule = check_lr_schedule(lr_schedule)
-    pass_limit = getattr(control, NEW_PASS_LIMIT, None)
-    if pass_limit is not None:
-        pass_limit = check_pass_limit(pass_limit)
-    batch_plan = getattr(control, NEW_BATCH_PLAN, None)
-    if batch_plan is not None:
-        batch_plan = check_batch_plan(batch_plan)
-    optimizer_scale = getattr(control, NEW_OPTIMIZER_SCALE, None)
-    if optimizer_scale is not None:
-        optimizer_scale = check_optimizer_scale(optimizer_scale)
-    return BatchRequest(batch_size=batch_size, num_pieces=num_pieces, lr_scale=lr_scale, lr_schedule=lr_schedule,
-                        pass_limit=pass_limit, batch_plan=batch_plan, optimizer_scale=optimizer_scale,
+    values = {kind.field: getattr(control, kind.flag, None) for kind in REQUESTS}
+    values['batch_size'] = batch_size
+    return BatchRequest(**{k: None if v is None else KINDS[k].check(v) for k, v in values.items()},
                         via_dataloader=via_dataloader)
 
 

@@ -238,3 +238,38 @@ def test_warn_if_unhonoured_seed_form(control, fresh_watchdog):
     protocol.request_dataloader(control, DataLoader(DATASET, batch_size=2))
     with pytest.warns(RuntimeWarning):
         assert protocol.warn_if_unhonoured(control, 'seed') is True
+
+
+SAMPLES = {'batch_size': 4, 'batch_plan': {'mode': 'balanced', 'pass_tokens': 2048}, 'num_pieces': 2,
+           'pass_limit': {'samples': 3}, 'lr_schedule': {'warmup': 1, 'hold': 0, 'min_ratio': 0.1}, 'lr_scale': 1.5,
+           'optimizer_scale': {'weight_decay': 0.5}}
+
+
+def test_every_request_kind_is_one_declaration_the_rest_derives_from():
+    """protocol.REQUESTS is the one declaration of a request kind: the request's fields, the flags, the controls, the
+    JSON round trip (replay), the merge, the records that go with it and the applier all follow from it."""
+    import dataclasses
+
+    from swift_dynamic_callbacks.integrations.apply import FIELDS, RequestApplier
+    from swift_dynamic_callbacks.integrations.requests import request_from_json, request_to_json
+    from swift_dynamic_callbacks.records import DecisionRecord
+    fields = [kind.field for kind in protocol.REQUESTS]
+    assert sorted(SAMPLES) == sorted(fields)  # a new kind needs a sample here: the test names it
+    assert [f.name for f in dataclasses.fields(BatchRequest)] == fields + ['via_dataloader']
+    assert set(protocol.CONTROLS) == set(fields)
+    assert {kind.flag for kind in protocol.REQUESTS} <= set(protocol.REQUEST_FLAGS)
+    assert set(FIELDS) == {kind.applier for kind in protocol.REQUESTS}
+    assert all(callable(getattr(RequestApplier, f'_{name}', None)) for name in FIELDS)
+    for kind in protocol.REQUESTS:
+        control = TrainerControl()
+        protocol.request(control, kind.field, SAMPLES[kind.field])
+        request = protocol.pending_request(control)
+        assert not request.empty and protocol.has_pending_request(control)
+        assert request_from_json(request_to_json(request)) == request  # what replay reads back
+        assert protocol.merge_requests([request, request]) == request
+        protocol.clear_requests(control)
+        assert not protocol.has_pending_request(control) and protocol.pending_request(control).empty
+        with pytest.raises(ValueError, match=f'control.{kind.flag}'):
+            protocol.request(control, kind.field, object())
+        assert protocol.is_request_record(DecisionRecord('cb', kind.records[0], 'test', {}))
+    assert not protocol.is_request_record(DecisionRecord('integration', 'oom', 'recovered', {}))

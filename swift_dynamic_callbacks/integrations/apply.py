@@ -1,9 +1,9 @@
 """Applying an agreed request at the step boundary: each field to the part that owns it, and one record each.
 
-A request (``protocol.BatchRequest``) has one field per kind of change. :data:`FIELDS` lists them in the order they
-are applied; each has one method here that applies it and, unless a held record already tells the change
-(:meth:`~.decisions.Decisions.covers`), writes a ``control_flags`` record for it. Adding a request kind is a field in
-``protocol``, a line in :data:`FIELDS` and its method.
+A request (``protocol.BatchRequest``) has one field per request kind (``protocol.REQUESTS``). :data:`FIELDS` (derived:
+each kind's ``applier``, in the registry's order) lists the steps that apply them; each has one method here that
+applies it and, unless a held record already tells the change (:meth:`~.decisions.Decisions.covers`), writes a
+``control_flags`` record for it. Adding a request kind is its entry in ``protocol.REQUESTS`` and its method here.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .metrics import global_batch_size
 from .requests import changes_lr
 from .steps import StepRunner
 
-#: the request fields, in the order they are applied (the batch before the plan cut from it; the LR last)
-FIELDS = ('batch_size', 'batch_plan', 'num_pieces', 'pass_limit', 'lr', 'optimizer_scale')
+#: the steps that apply a request, in the registry's order (the batch before the plan cut from it; the LR after both)
+FIELDS = tuple(dict.fromkeys(kind.applier for kind in protocol.REQUESTS))
 
 
 class RequestApplier:

@@ -6,8 +6,9 @@ boundary's request is applied, so that the LR change a request caused can be add
 Records that need no such completion are written at once (:meth:`Decisions.write`). Every record is stamped with
 where training was (step, epoch, samples seen) and written on rank 0 only (:class:`~..records.DecisionLog`).
 
-The de-duplication rule is one table (:data:`COVERED_BY`): the integration writes its own ``control_flags`` record
-for an applied request field only when no held record already says it.
+The de-duplication rule is declared with each request kind (``protocol.RequestKind``: ``records``, ``value_keys``,
+``covered_also``): the integration writes its own ``control_flags`` record for an applied request field only when no
+held record already says it.
 """
 
 from __future__ import annotations
@@ -17,19 +18,6 @@ from typing import Any, Callable, Iterable, Mapping
 
 from .. import protocol
 from ..records import DecisionLog, DecisionRecord
-from .requests import LR_RECORD_KINDS, is_request_record
-
-#: request field -> (record kinds, value keys): a held record of one of those kinds, or with one of those keys in its
-#: values, already tells the field's change (an OOM record names the new pass cap)
-COVERED_BY: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    'batch_size': (('batch_size', ), ()),
-    'batch_plan': (('batch_plan', ), ()),
-    'num_pieces': (('num_pieces', ), ('num_pieces', )),
-    'pass_limit': (('pass_limit', 'oom'), ()),
-    'optimizer_scale': (('optimizer_scale', ), ('optimizer_scale', )),
-    'lr_schedule': (LR_RECORD_KINDS, ()),
-    'lr_scale': (('lr_scale', ), ('lr_scale', )),
-}
 
 #: ``() -> (step, epoch, samples seen on this rank)``: where training is, for the stamp of a record
 Where = Callable[[], tuple[int, float, int]]
@@ -85,8 +73,8 @@ class Decisions:
         return any(r.kind == kind for r in self.held)
 
     def covers(self, field: str) -> bool:
-        """Whether a held record already tells the change of request field ``field`` (:data:`COVERED_BY`)."""
-        kinds, keys = COVERED_BY[field]
+        """Whether a held record already tells the change of request field ``field`` (``protocol.covering``)."""
+        kinds, keys = protocol.covering(field)
         return any(r.kind in kinds or any(k in r.values for k in keys) for r in self.held)
 
     def complete(self, match: Callable[[DecisionRecord], bool], values: Mapping[str, Any], note: str = '') -> None:
@@ -97,9 +85,9 @@ class Decisions:
 
     def mark_pending(self) -> None:
         """Training ends with a request not applied: its records say it is pending (a resumed run applies it)."""
-        self.complete(is_request_record, {'pending': True}, 'pending at the end of training (a resumed run applies it)')
+        self.complete(protocol.is_request_record, {'pending': True},
+                      'pending at the end of training (a resumed run applies it)')
 
     def drop_callback_requests(self) -> None:
-        """Replay: the callbacks' request and plan records are not written (the recorded requests are applied)."""
-        self.held = [r for r in self.held
-                     if r.source == 'integration' or not (is_request_record(r) or r.kind == 'batch_plan')]
+        """Replay: the callbacks' request records are not written (the recorded requests are applied)."""
+        self.held = [r for r in self.held if r.source == 'integration' or not protocol.is_request_record(r)]
