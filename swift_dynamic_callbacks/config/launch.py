@@ -4,7 +4,9 @@ What ``swift-dynamic check`` / ``sft`` / ``rlhf`` run on a YAML file (with the f
 :func:`check_run` refuses unknown names in ``callbacks:``, the engine's refusals, streaming and packing with split
 micro-batches, ``swift rlhf`` types and split passes of pairs, settings the integration refuses at start-up, monitors
 of evaluation metrics in a run that never evaluates, ... — everything that would otherwise only fail after the model
-has loaded. The flags after the file are read as ``swift sft`` reads them (:func:`read_flags`).
+has loaded. The flags after the file are read as ``swift sft`` reads them (:func:`read_flags`). Each check is a small
+named rule (:data:`LAUNCH_RULES`); the ones the training process checks again at start are written once in
+:mod:`.rules` and called from both places.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 from ..state import STATE_FILE
 from . import ConfigError
 from .engines import check_engine, engine_from_swift
 from .integration import IntegrationConfig
+from .rules import PAIRS_WHY, RunFacts, check_facts, noise_scale_passes
 from .pack import (CALLBACK_CONFIGS, NON_LAMBDA_SCHEDULERS, PLUGIN_FILE, SECTION, SWIFT_CALLBACKS, PackConfig,
                    _names, check_controls)
 
@@ -139,118 +143,196 @@ def _world_size() -> int:
         return 1
 
 
+@dataclass(frozen=True)
+class LaunchRun:
+    """What a launch rule reads: the pack, the ms-swift settings, the pack callbacks listed (their settings), and
+    their names for messages."""
+
+    pack: PackConfig
+    settings: Mapping[str, Any]
+    configs: Mapping[str, Any]
+    uses: str
+
+    def number(self, key: str, default: float | None = None) -> float | None:
+        return _number(self.settings, key, default)
+
+    def flag(self, key: str) -> bool:
+        return _flag(self.settings, key)
+
+    def facts(self) -> RunFacts:
+        """The facts the run rules read (:mod:`.rules`), from the settings."""
+        steps = self.number('max_steps', -1)
+        return RunFacts(sequence_parallel_size=self.number('sequence_parallel_size', 1) or 1,
+                        dataloader_drop_last=self.flag('dataloader_drop_last'),
+                        auto_find_batch_size=self.flag('auto_find_batch_size'), streaming=self.flag('streaming'),
+                        max_steps=-1 if steps is None else steps,
+                        max_steps_unit=self.pack.integration.max_steps_unit)
+
+
 def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str] | None = None) -> list[str]:
     """Check the pack against the rest of the ms-swift settings (the YAML with the flags after it applied), before
-    any model loads. Returns notes (warnings) for what cannot be decided here.
+    any model loads: the names in ``callbacks:``, the controls, the engine, then :data:`LAUNCH_RULES` in order.
+    Returns notes (warnings) for what cannot be decided here.
 
     Raises:
         ConfigError: naming the setting, the value and what is allowed (see the module docstring for the list).
     """
     listed = listed_callbacks(settings) if listed is None else list(listed)
-    notes = list(pack.notes)
-    unknown = [n for n in listed if n not in CALLBACK_CONFIGS and n not in SWIFT_CALLBACKS]
-    if unknown:
-        known = (f'pack callbacks: {", ".join(sorted(CALLBACK_CONFIGS))}; ms-swift callbacks: '
-                 f'{", ".join(SWIFT_CALLBACKS)}')
-        others = _plugins(settings)
-        if not others:
-            raise ConfigError(f'callbacks: {", ".join(map(repr, unknown))} is not a known callback name ({known}); '
-                              'ms-swift would fail with a KeyError when it builds the trainer')
-        notes.append(f'callbacks: {", ".join(map(repr, unknown))} is neither a pack nor an ms-swift callback; it must '
-                     f'be registered by external_plugins {", ".join(others)} (not checked here: ms-swift fails with a '
-                     f'KeyError when it builds the trainer if none does)')
+    notes = list(pack.notes) + _unknown_callbacks(listed, settings)
     pack_listed = [n for n in listed if n in CALLBACK_CONFIGS]
     check_controls(pack_listed)
     check_engine(engine_from_swift(settings), pack.to_json(), listed)
     if not pack_listed:  # nothing of the pack runs: the rest concerns the pack's integration
         return notes
-    configs = {n: pack.callback_config(n) for n in pack_listed}
-    uses = ', '.join(pack_listed)
-    length = configs.get('length_batching')
-    if length is not None and length.splits_passes and 'memory_backoff' in configs:
+    run = LaunchRun(pack, settings, {n: pack.callback_config(n) for n in pack_listed}, ', '.join(pack_listed))
+    for rule in LAUNCH_RULES:
+        rule(run)
+    return notes
+
+
+def _unknown_callbacks(listed: Sequence[str], settings: Mapping[str, Any]) -> list[str]:
+    """Names in ``callbacks:`` that are neither the pack's nor ms-swift's: refused, or a note when another external
+    plugin may register them."""
+    unknown = [n for n in listed if n not in CALLBACK_CONFIGS and n not in SWIFT_CALLBACKS]
+    if not unknown:
+        return []
+    known = f'pack callbacks: {", ".join(sorted(CALLBACK_CONFIGS))}; ms-swift callbacks: {", ".join(SWIFT_CALLBACKS)}'
+    others = _plugins(settings)
+    if not others:
+        raise ConfigError(f'callbacks: {", ".join(map(repr, unknown))} is not a known callback name ({known}); '
+                          'ms-swift would fail with a KeyError when it builds the trainer')
+    return [f'callbacks: {", ".join(map(repr, unknown))} is neither a pack nor an ms-swift callback; it must be '
+            f'registered by external_plugins {", ".join(others)} (not checked here: ms-swift fails with a KeyError '
+            'when it builds the trainer if none does)']
+
+
+def _run_facts(run: LaunchRun) -> None:
+    """The rules the training process checks again at start (:mod:`.rules`)."""
+    check_facts(run.facts())
+
+
+def _split_passes_and_backoff(run: LaunchRun) -> None:
+    length = run.configs.get('length_batching')
+    if length is not None and length.splits_passes and 'memory_backoff' in run.configs:
         raise ConfigError('dynamic_callbacks.length_batching.split: passes sets the pass limit, which memory_backoff '
                           'also sets (the last request would silently win); use split: micro_batches with '
                           'memory_backoff, or leave memory_backoff out')
-    if _flag(settings, 'streaming'):
-        check_stream(pack, settings, uses)
-    elif pack.integration.stream_window != IntegrationConfig().stream_window:
+
+
+def _stream_window(run: LaunchRun) -> None:
+    if not run.flag('streaming') and run.pack.integration.stream_window != IntegrationConfig().stream_window:
         raise ConfigError(f'{SECTION}.integration.stream_window: only read with streaming: true (it bounds the length '
-                          f'buckets of a stream), got {pack.integration.stream_window} in a run without streaming; '
+                          f'buckets of a stream), got {run.pack.integration.stream_window} in a run without streaming; '
                           'remove it, or set streaming: true')
-    if pack.integration.max_steps_unit == 'samples' and (_number(settings, 'max_steps', -1) or -1) <= 0:
+
+
+def _samples_unit(run: LaunchRun) -> None:
+    if run.pack.integration.max_steps_unit == 'samples' and (run.number('max_steps', -1) or -1) <= 0:
         raise ConfigError(f'{SECTION}.integration.max_steps_unit: samples counts max_steps in samples, but max_steps '
                           'is not set (the run goes by num_train_epochs, which counts epochs whatever the batch size); '
                           'set max_steps, or remove max_steps_unit')
-    sp = _number(settings, 'sequence_parallel_size', 1)
-    if sp is not None and sp > 1:
-        raise ConfigError(f'sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism '
-                          f'(got {sp}, callbacks: {uses}); use 1')
-    if _flag(settings, 'dataloader_drop_last'):
-        raise ConfigError('dataloader_drop_last: must be false with swift-dynamic-callbacks (every sample is used '
-                          'exactly once per epoch; the last step of an epoch takes what is left), got true')
-    if _flag(settings, 'auto_find_batch_size'):
-        raise ConfigError('auto_find_batch_size: must be false with swift-dynamic-callbacks (it restarts training '
-                          'from step 0 on OOM; the pack changes the batch size in place: memory_backoff and the '
-                          'integration\'s oom_recovery), got true')
-    packed = [k for k in ('packing', 'padding_free') if _flag(settings, k)]
-    if packed:
-        splitters = _splitters(configs)
-        if splitters:
-            raise ConfigError(f'{packed[0]}: true cannot be combined with {splitters[0]}: a packed micro-batch is one '
-                              '[1, N] row and cannot be split into smaller forward/backward passes; remove '
-                              f'{splitters[0]} or set {packed[0]}: false')
-    limit = _number(settings, 'save_total_limit')
-    if 'checkpoint_rotation' in configs and limit is not None and limit > 0:
-        rotation = configs['checkpoint_rotation']
+
+
+def _packing(run: LaunchRun) -> None:
+    packed = [k for k in ('packing', 'padding_free') if run.flag(k)]
+    splitters = _splitters(run.configs)
+    if packed and splitters:
+        raise ConfigError(f'{packed[0]}: true cannot be combined with {splitters[0]}: a packed micro-batch is one '
+                          '[1, N] row and cannot be split into smaller forward/backward passes; remove '
+                          f'{splitters[0]} or set {packed[0]}: false')
+
+
+def _rotation_limit(run: LaunchRun) -> None:
+    limit = run.number('save_total_limit')
+    if 'checkpoint_rotation' in run.configs and limit is not None and limit > 0:
+        rotation = run.configs['checkpoint_rotation']
         raise ConfigError(f'save_total_limit: checkpoint_rotation deletes checkpoints itself, so HF\'s '
                           f'save_total_limit must be unset, got {limit:g}; use {SECTION}.checkpoint_rotation.keep_last '
                           f'(now {rotation.keep_last}) and keep_best (now {rotation.keep_best}) instead')
-    if not evaluates(settings):
-        for name, key, metric in _eval_monitors(configs):
-            raise ConfigError(f'{SECTION}.{name}.{key}: {metric!r} is an evaluation metric but this run never '
-                              'evaluates (no val_dataset, split_dataset_ratio 0, or eval_strategy no); give it '
-                              'evaluation data (split_dataset_ratio or val_dataset, eval_steps) or watch a training '
-                              'value such as loss')
-    scheduler = str(settings.get('lr_scheduler_type') or '').strip().lower()
-    if scheduler in NON_LAMBDA_SCHEDULERS:
-        users = ['callbacks: lr_schedule'] if 'lr_schedule' in configs else []
-        growth = configs.get('batch_growth')
-        if growth is not None and growth.lr_scaling != 'none':
-            users.append(f'{SECTION}.batch_growth.lr_scaling: {growth.lr_scaling}')
-        if users:
-            raise ConfigError(f'lr_scheduler_type: {scheduler} is not a LambdaLR schedule, so the pack cannot reshape '
-                              f'or scale it ({users[0]}); use one of HF\'s LambdaLR schedules (linear, cosine, '
-                              'constant, constant_with_warmup, warmup_stable_decay, ...) or remove that setting')
-    growth = configs.get('batch_growth')
-    if growth is not None and growth.policy == 'noise_scale':
-        accumulation = _number(settings, 'gradient_accumulation_steps')
-        if accumulation is None:
-            batch = _number(settings, 'per_device_train_batch_size', 1) or 1
-            accumulation = max(1, math.ceil(16 / batch / _world_size()))  # ms-swift's default
-        cap = growth.micro_batch_cap
-        if accumulation < 2 and not (cap is not None and cap < growth.maximum):
-            raise ConfigError(f'{SECTION}.batch_growth.policy: noise_scale needs at least two forward/backward passes '
-                              f'per optimizer step to compare gradients, but gradient_accumulation_steps is '
-                              f'{accumulation:g} and micro_batch_cap is {cap}; set gradient_accumulation_steps >= 2 '
-                              '(or a micro_batch_cap below maximum)')
+
+
+def _eval_metrics(run: LaunchRun) -> None:
+    if evaluates(run.settings):
+        return
+    for name, key, metric in _eval_monitors(run.configs):
+        raise ConfigError(f'{SECTION}.{name}.{key}: {metric!r} is an evaluation metric but this run never '
+                          'evaluates (no val_dataset, split_dataset_ratio 0, or eval_strategy no); give it '
+                          'evaluation data (split_dataset_ratio or val_dataset, eval_steps) or watch a training '
+                          'value such as loss')
+
+
+def _lambda_scheduler(run: LaunchRun) -> None:
+    scheduler = str(run.settings.get('lr_scheduler_type') or '').strip().lower()
+    if scheduler not in NON_LAMBDA_SCHEDULERS:
+        return
+    users = ['callbacks: lr_schedule'] if 'lr_schedule' in run.configs else []
+    growth = run.configs.get('batch_growth')
+    if growth is not None and growth.lr_scaling != 'none':
+        users.append(f'{SECTION}.batch_growth.lr_scaling: {growth.lr_scaling}')
+    if users:
+        raise ConfigError(f'lr_scheduler_type: {scheduler} is not a LambdaLR schedule, so the pack cannot reshape '
+                          f'or scale it ({users[0]}); use one of HF\'s LambdaLR schedules (linear, cosine, '
+                          'constant, constant_with_warmup, warmup_stable_decay, ...) or remove that setting')
+
+
+#: ms-swift's default global batch: ``gradient_accumulation_steps`` defaults to ``ceil(16 / batch / processes)``
+SWIFT_GLOBAL_BATCH = 16
+
+
+def _noise_scale(run: LaunchRun) -> None:
+    growth = run.configs.get('batch_growth')
+    if growth is None or growth.policy != 'noise_scale':
+        return
+    accumulation = run.number('gradient_accumulation_steps')
+    if accumulation is None:
+        batch = run.number('per_device_train_batch_size', 1) or 1
+        accumulation = max(1, math.ceil(SWIFT_GLOBAL_BATCH / batch / _world_size()))  # ms-swift's default
+    message = noise_scale_passes(accumulation, growth.micro_batch_cap, growth.maximum)
+    if message is not None:
+        raise ConfigError(message)
+
+
+def _optimizer_scaling(run: LaunchRun) -> None:
+    growth = run.configs.get('batch_growth')
     if growth is not None:
-        _check_optimizer_scaling(growth, settings)
-    memory = configs.get('memory_backoff')
-    if memory is not None and memory.probe == 'auto' and memory.cpu_budget_gib is None and _flag(settings, 'use_cpu'):
+        _check_optimizer_scaling(growth, run.settings)
+
+
+def _memory_probe(run: LaunchRun) -> None:
+    memory = run.configs.get('memory_backoff')
+    if memory is not None and memory.probe == 'auto' and memory.cpu_budget_gib is None and run.flag('use_cpu'):
         raise ConfigError(f'{SECTION}.memory_backoff.cpu_budget_gib: use_cpu: true trains on the CPU, where memory '
                           'pressure is the process RSS against a budget; set cpu_budget_gib (e.g. 16) or remove '
                           'memory_backoff (OOM recovery is the integration\'s and stays on)')
-    if _flag(settings, 'group_by_length') and _world_size() > 1:
+
+
+def _group_by_length(run: LaunchRun) -> None:
+    if run.flag('group_by_length') and _world_size() > 1:
         raise group_by_length_error(f'NPROC_PER_NODE x NNODES = {_world_size()}')
-    checkpoint = settings.get('resume_from_checkpoint')
-    if _flag(settings, 'ignore_data_skip') and isinstance(checkpoint, str) and os.path.isfile(
+
+
+def _ignore_data_skip(run: LaunchRun) -> None:
+    checkpoint = run.settings.get('resume_from_checkpoint')
+    if run.flag('ignore_data_skip') and isinstance(checkpoint, str) and os.path.isfile(
             os.path.join(checkpoint, STATE_FILE)):
         raise ignore_data_skip_error(checkpoint)
-    epochs, steps = _number(settings, 'num_train_epochs', 3), _number(settings, 'max_steps', -1)
+
+
+def _epochs(run: LaunchRun) -> None:
+    epochs, steps = run.number('num_train_epochs', 3), run.number('max_steps', -1)
     if (steps is None or steps <= 0) and epochs is not None and epochs <= 0:
         raise ConfigError(f'num_train_epochs: must be > 0 when max_steps is not set, got {epochs:g}')
-    _check_rlhf(pack, settings, configs, uses)
-    return notes
+
+
+def _rlhf(run: LaunchRun) -> None:
+    _check_rlhf(run.pack, run.settings, run.configs, run.uses)
+
+
+#: the launch rules :func:`check_run` applies in order, each a small named function of :class:`LaunchRun`
+LAUNCH_RULES: tuple[Callable[[LaunchRun], None], ...] = (
+    _split_passes_and_backoff, _run_facts, _stream_window, _samples_unit, _packing, _rotation_limit, _eval_metrics,
+    _lambda_scheduler, _noise_scale, _optimizer_scaling, _memory_probe, _group_by_length, _ignore_data_skip, _epochs,
+    _rlhf)
 
 
 #: ``optim`` values whose param groups have no ``betas`` (HF's names; the rest are Adam-family or Lion)
@@ -289,19 +371,6 @@ def ignore_data_skip_error(checkpoint: str) -> ConfigError:
                        'new run from the checkpoint\'s weights')
 
 
-def check_stream(pack: PackConfig, settings: Mapping[str, Any], uses: str) -> None:
-    """``streaming: true``: what needs the dataset's length is refused (a stream has none)."""
-    steps = _number(settings, 'max_steps', -1)
-    if steps is None or steps <= 0:
-        raise ConfigError(f'max_steps: streaming: true needs max_steps > 0 (callbacks: {uses}): a stream has no '
-                          'length, so num_train_epochs cannot be turned into steps; got '
-                          f'{steps if steps is not None else "unset"}')
-    if pack.integration.max_steps_unit != 'steps':
-        raise ConfigError(f'{SECTION}.integration.max_steps_unit: {pack.integration.max_steps_unit} is not supported '
-                          'with streaming: true: a sample budget is counted in epochs of a dataset whose length a '
-                          'stream does not have; use steps')
-
-
 #: ``swift rlhf`` types the pack runs: one sample is a chosen/rejected pair (two padded rows) or, under KTO, a
 #: completion with its KL row; their batches and token budgets count both rows (``rows.row_cost``)
 RLHF_TYPES = ('dpo', 'orpo', 'simpo', 'cpo', 'rm', 'kto')
@@ -317,14 +386,12 @@ def _check_rlhf(pack: PackConfig, settings: Mapping[str, Any], configs: Mapping[
         raise ConfigError(f'rlhf_type: {rlhf} is not supported by swift-dynamic-callbacks (callbacks: {uses}): its '
                           'trainer generates rollouts with its own sampler; allowed: ' + ', '.join(RLHF_TYPES))
     splitters = _splitters(configs)
-    why = ('a micro-batch of pairs is its chosen rows then its rejected rows (KTO: completions and KL rows) and the '
-           'loss is a mean over pairs, so it cannot be split into smaller forward/backward passes')
     if splitters:
-        raise ConfigError(f'rlhf_type: {rlhf} cannot be combined with {splitters[0]}: {why}; remove it (batch '
+        raise ConfigError(f'rlhf_type: {rlhf} cannot be combined with {splitters[0]}: {PAIRS_WHY}; remove it (batch '
                           'growth, schedules, length_batching and early stopping work)')
     if pack.integration.oom_recovery is True:
-        raise ConfigError(f'{SECTION}.integration.oom_recovery: true is not supported with rlhf_type: {rlhf}: {why}; '
-                          'use auto (off under swift rlhf) or false')
+        raise ConfigError(f'{SECTION}.integration.oom_recovery: true is not supported with rlhf_type: {rlhf}: '
+                          f'{PAIRS_WHY}; use auto (off under swift rlhf) or false')
 
 
 def _splitters(configs: Mapping[str, Any]) -> list[str]:

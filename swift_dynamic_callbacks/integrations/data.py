@@ -21,6 +21,7 @@ from .. import distributed
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
 from ..config.launch import group_by_length_error
+from ..config.rules import RunFacts, check_facts
 from ..lengths import cache_dir, estimate_lengths, is_lazy, mean_ratio
 from ..loader import ElasticDataLoader
 from ..policies.balance import work_coefficient
@@ -36,19 +37,15 @@ logger = logging.getLogger('swift_dynamic_callbacks')
 SAMPLES_FILE = 'dynamic_samples.rank{rank}.jsonl'
 
 
-def check_supported(trainer: Any) -> None:
-    """Refuse trainer settings under which batches cannot be built exactly once per epoch at a changing size."""
+def check_supported(trainer: Any, config: IntegrationConfig | None = None, *, streaming: bool = False) -> None:
+    """Refuse trainer settings under which batches cannot be built exactly once per epoch at a changing size: the
+    run rules of :mod:`..config.rules`, the same ones the launch check applies, on the trainer's arguments."""
     args = trainer.args
     template = getattr(trainer, 'template', None)
-    if getattr(template, 'sequence_parallel_size', 1) > 1:
-        raise ConfigError('sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism '
-                          f'(got {template.sequence_parallel_size}); use 1')
-    if args.dataloader_drop_last:
-        raise ConfigError('dataloader_drop_last: must be false with swift-dynamic-callbacks (every sample is '
-                          'used exactly once per epoch; the last step of an epoch takes what is left)')
-    if args.auto_find_batch_size:
-        raise ConfigError('auto_find_batch_size: must be false with swift-dynamic-callbacks (it restarts '
-                          'training from step 0 on OOM); the pack changes the batch size in place')
+    check_facts(RunFacts(sequence_parallel_size=getattr(template, 'sequence_parallel_size', 1) or 1,
+                         dataloader_drop_last=bool(args.dataloader_drop_last),
+                         auto_find_batch_size=bool(args.auto_find_batch_size), streaming=streaming,
+                         max_steps=args.max_steps, max_steps_unit=(config or IntegrationConfig()).max_steps_unit))
 
 
 class DataFeed:
@@ -115,12 +112,7 @@ class DataFeed:
                        batch_size: int) -> StreamLoader:
         """``streaming: true``: a :class:`~..stream_loader.StreamLoader` over this rank's shard of the stream."""
         args = self.trainer.args
-        if args.max_steps <= 0:
-            raise ConfigError(f'max_steps: streaming: true needs max_steps > 0 (a stream has no length, so '
-                              f'num_train_epochs cannot be turned into steps); got {args.max_steps}')
-        if self.config.max_steps_unit != 'steps':
-            raise ConfigError(f'dynamic_callbacks.integration.max_steps_unit: {self.config.max_steps_unit} is not '
-                              'supported with streaming: true (a sample budget needs the dataset length); use steps')
+        check_supported(self.trainer, self.config, streaming=True)
         if host_loader.num_workers > 0:
             loader_kwargs['prefetch_factor'] = host_loader.prefetch_factor
         return StreamLoader(dataset, host_loader.collate_fn, batch_size=batch_size,

@@ -28,6 +28,7 @@ import torch
 from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
+from ..config.rules import PAIRS_WHY
 from ..loader import EmptyMicroBatch, PassGroup
 from ..memory import device_figures, free_memory, is_oom
 from ..policies.data_plan import piece_bounds
@@ -41,8 +42,6 @@ from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snaps
 Run = Callable[[Mapping[str, Any]], torch.Tensor]
 logger = logging.getLogger('swift_dynamic_callbacks')
 
-PAIRS_WHY = ('a micro-batch of pairs is its chosen rows then its rejected rows (KTO: completions and KL rows) and '
-             'the loss is a mean over pairs, so it cannot be split into smaller forward/backward passes')
 
 
 def host_packs_rows(trainer: Any) -> bool:

@@ -99,7 +99,7 @@ class Integration:
         """``train()``, before HF starts: check the trainer, open the decision log, choose the engine, restore the
         pack state of a resumed checkpoint (the loader's when it is built)."""
         trainer = self.trainer
-        check_supported(trainer)
+        check_supported(trainer, self.config)
         self.decisions.open(os.path.join(trainer.args.output_dir, DECISIONS_FILE),
                             enabled=distributed.is_main_process())
         self.decisions.write(self.runner.begin(self.config, self.pack_config))

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 from ...config import ConfigError
+from ...config.rules import noise_scale_passes
 from ...policies.growth import critical_batch, ema, noise_scale_size, noise_scale_terms
 from .base import GrowthStrategy, StepView
 
@@ -41,13 +42,9 @@ class NoiseScaleGrowth(GrowthStrategy):
         return True
 
     def begin(self, gradient_accumulation_steps: int) -> None:
-        cap = self.config.micro_batch_cap
-        if gradient_accumulation_steps < 2 and not (cap is not None and cap < self.config.maximum):
-            raise ConfigError(
-                'dynamic_callbacks.batch_growth.policy: noise_scale needs at least two forward/backward passes '
-                f'per optimizer step to compare gradients, but gradient_accumulation_steps is '
-                f'{gradient_accumulation_steps} and micro_batch_cap is {cap}; set gradient_accumulation_steps >= 2 '
-                '(or a micro_batch_cap below maximum)')
+        message = noise_scale_passes(gradient_accumulation_steps, self.config.micro_batch_cap, self.config.maximum)
+        if message is not None:
+            raise ConfigError(message)
 
     def observe_step(self, view: StepView) -> dict[str, float]:
         if view.noise is None:

@@ -1,0 +1,100 @@
+"""The rules about the rest of a run that the pack checks twice, written once: before launch (from the YAML and the
+flags after it, :func:`.launch.check_run`) and at train start (from the trainer: ``integrations/data.py``,
+``integrations/steps.py``, ``callbacks/growth/noise_scale.py``). Each rule is a function of :class:`RunFacts` (or of
+the few values it reads) that returns the refusal's message or ``None``; both checks call the same function with what
+each knows, so the message is the same whichever check stops the run. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import ConfigError
+
+SECTION = 'dynamic_callbacks'
+
+#: why a sample of ``swift rlhf`` cannot run as several passes (the launch check and the step runner say it alike)
+PAIRS_WHY = ('a micro-batch of pairs is its chosen rows then its rejected rows (KTO: completions and KL rows) and '
+             'the loss is a mean over pairs, so it cannot be split into smaller forward/backward passes')
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run rules read, from the YAML before launch or from the trainer's arguments at train start.
+
+    Attributes:
+        sequence_parallel_size: ms-swift's ``sequence_parallel_size`` (1: none).
+        dataloader_drop_last: HF's ``dataloader_drop_last``.
+        auto_find_batch_size: HF's ``auto_find_batch_size``.
+        streaming: the training data is a stream (no length).
+        max_steps: HF's ``max_steps`` (``<= 0``: not set).
+        max_steps_unit: the integration's ``max_steps_unit``.
+    """
+
+    sequence_parallel_size: float = 1
+    dataloader_drop_last: bool = False
+    auto_find_batch_size: bool = False
+    streaming: bool = False
+    max_steps: float = -1
+    max_steps_unit: str = 'steps'
+
+
+def sequence_parallel(facts: RunFacts) -> str | None:
+    if facts.sequence_parallel_size > 1:
+        return (f'sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism (got '
+                f'{facts.sequence_parallel_size:g}); use 1')
+    return None
+
+
+def drop_last(facts: RunFacts) -> str | None:
+    if facts.dataloader_drop_last:
+        return ('dataloader_drop_last: must be false with swift-dynamic-callbacks (every sample is used exactly once '
+                'per epoch; the last step of an epoch takes what is left), got true')
+    return None
+
+
+def auto_batch_size(facts: RunFacts) -> str | None:
+    if facts.auto_find_batch_size:
+        return ('auto_find_batch_size: must be false with swift-dynamic-callbacks (it restarts training from step 0 on '
+                'OOM; the pack changes the batch size in place: memory_backoff and the integration\'s oom_recovery), '
+                'got true')
+    return None
+
+
+def stream_steps(facts: RunFacts) -> str | None:
+    if facts.streaming and facts.max_steps <= 0:
+        return ('max_steps: streaming: true needs max_steps > 0: a stream has no length, so num_train_epochs cannot be '
+                f'turned into steps; got {facts.max_steps:g}')
+    return None
+
+
+def stream_unit(facts: RunFacts) -> str | None:
+    if facts.streaming and facts.max_steps_unit != 'steps':
+        return (f'{SECTION}.integration.max_steps_unit: {facts.max_steps_unit} is not supported with streaming: '
+                'true: a sample budget is counted in epochs of a dataset whose length a stream does not have; use '
+                'steps')
+    return None
+
+
+#: the rules both checks run on :class:`RunFacts`, in order
+RUN_RULES: tuple[Callable[[RunFacts], str | None], ...] = (sequence_parallel, drop_last, auto_batch_size,
+                                                           stream_steps, stream_unit)
+
+
+def check_facts(facts: RunFacts, rules: tuple[Callable[[RunFacts], str | None], ...] = RUN_RULES) -> None:
+    """Raise a :class:`ConfigError` with the first rule's message that refuses ``facts``."""
+    for rule in rules:
+        message = rule(facts)
+        if message is not None:
+            raise ConfigError(message)
+
+
+def noise_scale_passes(gradient_accumulation_steps: float, micro_batch_cap: int | None, maximum: int) -> str | None:
+    """``batch_growth`` ``policy: noise_scale`` compares a step's first pass with the whole step: it needs two."""
+    if gradient_accumulation_steps < 2 and not (micro_batch_cap is not None and micro_batch_cap < maximum):
+        return (f'{SECTION}.batch_growth.policy: noise_scale needs at least two forward/backward passes per optimizer '
+                f'step to compare gradients, but gradient_accumulation_steps is {gradient_accumulation_steps:g} and '
+                f'micro_batch_cap is {micro_batch_cap}; set gradient_accumulation_steps >= 2 (or a micro_batch_cap '
+                'below maximum)')
+    return None

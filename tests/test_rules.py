@@ -1,0 +1,69 @@
+"""Every rule the pack checks both before launch and at train start is written once (``config/rules.py``): the
+launch check (from the YAML) and the train-start check (from the trainer) refuse the same runs with the same message.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from swift_dynamic_callbacks.config import ConfigError
+from swift_dynamic_callbacks.config.integration import IntegrationConfig
+from swift_dynamic_callbacks.config.launch import LAUNCH_RULES, check_run
+from swift_dynamic_callbacks.config.pack import parse_section
+from swift_dynamic_callbacks.integrations.data import check_supported
+
+
+def launch_message(settings, section=None):
+    section = section or {'batch_schedule': {'schedule': {0: 2}}}
+    listed = [name for name in section if name != 'integration']
+    pack = parse_section(section, listed)
+    with pytest.raises(ConfigError) as e:
+        check_run(pack, {'model': 'm', 'callbacks': listed, **settings})
+    return str(e.value)
+
+
+def start_message(args, *, template=None, streaming=False, config=None):
+    trainer = SimpleNamespace(args=SimpleNamespace(**{'dataloader_drop_last': False, 'auto_find_batch_size': False,
+                                                      'max_steps': -1, **args}),
+                              template=template or SimpleNamespace(sequence_parallel_size=1))
+    with pytest.raises(ConfigError) as e:
+        check_supported(trainer, config, streaming=streaming)
+    return str(e.value)
+
+
+@pytest.mark.parametrize('settings,args,template,streaming', [
+    ({'dataloader_drop_last': True}, {'dataloader_drop_last': True}, None, False),
+    ({'auto_find_batch_size': True}, {'auto_find_batch_size': True}, None, False),
+    ({'sequence_parallel_size': 2}, {}, SimpleNamespace(sequence_parallel_size=2), False),
+    ({'streaming': True}, {'max_steps': -1}, None, True),
+], ids=['drop_last', 'auto_find_batch_size', 'sequence_parallel', 'stream_without_max_steps'])
+def test_launch_and_start_refuse_with_one_message(settings, args, template, streaming):
+    assert launch_message(settings) == start_message(args, template=template, streaming=streaming)
+
+
+def test_a_stream_counted_in_samples_is_refused_alike():
+    section = {'batch_schedule': {'schedule': {0: 2}}, 'integration': {'max_steps_unit': 'samples'}}
+    config = IntegrationConfig(max_steps_unit='samples')
+    assert launch_message({'streaming': True, 'max_steps': 10}, section) == start_message(
+        {'max_steps': 10}, streaming=True, config=config)
+
+
+def test_noise_scale_needs_two_passes_alike():
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback, BatchGrowthConfig
+    growth = {'policy': 'noise_scale', 'initial': 1, 'maximum': 8}
+    at_launch = launch_message({'gradient_accumulation_steps': 1}, {'batch_growth': growth})
+    with pytest.raises(ConfigError) as e:
+        BatchGrowthCallback(BatchGrowthConfig(**growth)).on_train_begin(
+            TrainingArguments(output_dir='unused', gradient_accumulation_steps=1, report_to=[]), TrainerState(),
+            TrainerControl())
+    assert str(e.value) == at_launch
+
+
+def test_check_run_is_a_list_of_small_named_rules():
+    assert len(LAUNCH_RULES) >= 10 and all(rule.__name__.startswith('_') for rule in LAUNCH_RULES)
+    import inspect
+    assert all(len(inspect.getsource(rule).splitlines()) <= 20 for rule in LAUNCH_RULES)
