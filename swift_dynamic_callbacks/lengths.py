@@ -10,8 +10,10 @@ every row first (about 0.8 ms a row: 13 minutes at 1M rows). Instead:
 2. ``sample`` evenly spaced rows are encoded for real; a line ``tokens = a + b * characters`` is fitted to their
    costs (:func:`~.rows.row_cost`: both rows of a DPO pair) and scaled up so no sampled row is under-estimated;
 3. the estimates are written to a cache file beside the dataset's Arrow files (else in ``output_dir``), keyed by the
-   dataset's fingerprint, its size and the sampled costs (so another template or ``max_length`` gives another key):
-   the main process computes them, the other ranks read the file;
+   dataset's fingerprint, its size, the sampled costs and what else changes a row's length (``key``: the template,
+   ``max_length``, the truncation strategy, the mode): the main process computes them and replaces the file
+   atomically, the other ranks read it after a barrier; several runs sharing the folder never read a half-written
+   file;
 4. the loader replaces an estimate by the real cost whenever a row is encoded (``ElasticDataLoader`` refines its
    table), and a micro-batch whose real padded tokens exceed the budget is run as several passes, each within the
    budget (same gradient), with an ``over_estimate`` record.
@@ -121,8 +123,8 @@ def cache_dir(raw: Any, fallback: str | None) -> str | None:
 
 
 def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample: int = 64,
-                     cache: str | None = None, is_main: bool = True,
-                     wait: Callable[[], None] = lambda: None) -> tuple[list[int], dict[str, Any]]:
+                     cache: str | None = None, is_main: bool = True, wait: Callable[[], None] = lambda: None,
+                     key: Sequence[Any] = ()) -> tuple[list[int], dict[str, Any]]:
     """Estimated cost of every sample of a lazy ``dataset`` and what the estimate is based on.
 
     Args:
@@ -131,6 +133,7 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
         sample: rows encoded for real to fit the estimate.
         cache: folder of the cache file (``None``: no cache).
         is_main: this process writes the cache; the others read it after ``wait`` (a barrier).
+        key: what else changes a row's length (template, ``max_length``, truncation, ...): part of the cache key.
 
     Returns:
         ``(lengths, info)``; ``info``: ``rows``, ``sampled``, ``a``, ``b``, ``scale``, ``cache`` (file or ``None``),
@@ -141,9 +144,9 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
     k = min(sample, n)
     picked = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)}) if n else []
     costs = [int(measure(dataset[i], i)) for i in picked]
-    key = hashlib.sha256(repr((ESTIMATE_VERSION, getattr(raw, '_fingerprint', None), n, picked,
-                               costs)).encode()).hexdigest()[:20]
-    path = os.path.join(cache, f'{CACHE_PREFIX}{key}.npy') if cache else None
+    digest = hashlib.sha256(repr((ESTIMATE_VERSION, getattr(raw, '_fingerprint', None), n, picked, costs,
+                                  tuple(key))).encode()).hexdigest()[:20]
+    path = os.path.join(cache, f'{CACHE_PREFIX}{digest}.npy') if cache else None
     info: dict[str, Any] = {'rows': n, 'sampled': len(picked), 'cache': path, 'cached': False}
     if not is_main:  # the main process writes the cache first
         wait()

@@ -144,3 +144,53 @@ def test_swift_sft_lazy_length_batching(tmp_path, tiny_llama, fixture_dir, monke
     recorded = {tuple(d['values']['indices']) for d in overruns}
     over = [(indices, padded) for indices, padded in drawn if len(indices) > 1 and padded > 600]
     assert drawn and all(tuple(indices[:32]) in recorded for indices, _ in over), over
+
+
+def _estimate_on_rank(rank, world, folder, port, out):
+    """One rank of a 2-process run (gloo): the main process writes the cache, the other reads it after the barrier."""
+    import json
+
+    import torch.distributed as dist
+
+    from swift_dynamic_callbacks import distributed
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world)
+    try:
+        lazy = Lazy(raw_rows(120))
+        measure = lambda item, i: row_cost(item_lengths(item, i))  # noqa: E731
+        lengths, info = estimate_lengths(lazy, measure, sample=16, cache=folder, is_main=rank == 0,
+                                         wait=lambda: distributed.gather_objects(0), key=('tmpl', 1024, 'right'))
+        with open(os.path.join(out, f'rank{rank}.json'), 'w') as f:
+            json.dump({'lengths': lengths, 'cached': info['cached'], 'cache': info['cache']}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_share_one_cache_file(tmp_path):
+    """Under 2 real processes the main one writes the estimates once (atomically), the other reads that file after
+    the barrier: the same lengths on both, one file; a second run of both reads it."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+    folder, out = tmp_path / 'cache', tmp_path / 'out'
+    folder.mkdir(), out.mkdir()
+    for attempt in range(2):
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            port = s.getsockname()[1]
+        mp.spawn(_estimate_on_rank, args=(2, str(folder), port, str(out)), nprocs=2, join=True)
+        ranks = [json.loads((out / f'rank{r}.json').read_text()) for r in range(2)]
+        assert ranks[0]['lengths'] == ranks[1]['lengths'] and ranks[0]['cache'] == ranks[1]['cache']
+        assert ranks[1]['cached'] and ranks[0]['cached'] == (attempt == 1)  # rank 0 wrote it, then both read it
+        assert [p.name for p in folder.iterdir()] == [os.path.basename(ranks[0]['cache'])]  # no temporary left
+
+
+def test_the_cache_key_holds_what_changes_a_rows_length(tmp_path):
+    """Another template, max_length or truncation gives another cache file, never the estimates of the first."""
+    raw = raw_rows(60)
+    measure = lambda item, i: row_cost(item_lengths(item, i))  # noqa: E731
+    _, first = estimate_lengths(Lazy(raw), measure, sample=8, cache=str(tmp_path), key=('qwen2_5', 1024, 'right'))
+    _, same = estimate_lengths(Lazy(raw), measure, sample=8, cache=str(tmp_path), key=('qwen2_5', 1024, 'right'))
+    _, other = estimate_lengths(Lazy(raw), measure, sample=8, cache=str(tmp_path), key=('qwen2_5', 512, 'right'))
+    assert same['cached'] and same['cache'] == first['cache']
+    assert not other['cached'] and other['cache'] != first['cache'] and len(os.listdir(tmp_path)) == 2

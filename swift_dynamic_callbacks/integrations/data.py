@@ -48,6 +48,15 @@ def check_supported(trainer: Any, config: IntegrationConfig | None = None, *, st
                          max_steps=args.max_steps, max_steps_unit=(config or IntegrationConfig()).max_steps_unit))
 
 
+def length_key(trainer: Any) -> tuple[Any, ...]:
+    """What changes an encoded row's length besides the raw row: the template (its class and type), ``max_length``,
+    the truncation strategy and the template's mode (``train``, ``rlhf``, ``kto``: how many rows a sample is)."""
+    template = getattr(trainer, 'template', None)
+    meta = getattr(template, 'template_meta', None)
+    return (type(template).__name__, getattr(meta, 'template_type', None), getattr(template, 'max_length', None),
+            getattr(template, 'truncation_strategy', None), getattr(template, 'mode', None))
+
+
 class DataFeed:
     """Builds and owns the training loader of one run.
 
@@ -129,7 +138,8 @@ class DataFeed:
         lengths, info = estimate_lengths(
             dataset, lambda item, i: row_cost(item_lengths(item, i)),
             cache=cache_dir(dataset.dataset, os.path.join(self.trainer.args.output_dir, '.sdc_cache')),
-            is_main=distributed.is_main_process(), wait=lambda: distributed.gather_objects(0))
+            is_main=distributed.is_main_process(), wait=lambda: distributed.gather_objects(0),
+            key=length_key(self.trainer))
         if self.loader is not None:
             self.loader.lengths_estimated = True
         seconds = round(time.perf_counter() - start, 3)
