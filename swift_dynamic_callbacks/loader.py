@@ -46,6 +46,7 @@ from .policies.data_plan import epoch_steps, redeal, step_sizes
 from .loader_budget import LoaderBudget
 from .loader_state import LoaderState
 from .rows import item_lengths, row_cost
+from .train_loader import BudgetReports
 
 
 class EmptyMicroBatch(dict):
@@ -153,6 +154,7 @@ class ElasticDataLoader(LoaderState, LoaderBudget):
     """
 
     state_key = 'integration.data'
+    has_length = True
 
     def __init__(self,
                  dataset: Any,
@@ -287,6 +289,14 @@ class ElasticDataLoader(LoaderState, LoaderBudget):
         total = max(len(self.dataset), 1)
         covered = (self.redealt['consumed'] + done * self.redealt['dealt']) / total
         return covered if done >= 1.0 else min(covered, 1.0 - 1e-6)
+
+    def skip_to(self, consumed: int) -> None:
+        """Resume by HF's arithmetic (a checkpoint without the pack's state): ``consumed`` samples, at a constant
+        batch size, are behind."""
+        epoch, position = divmod(consumed, max(self.epoch_size, 1))
+        for _ in range(epoch):
+            self.start_next_epoch()
+        self.position, self.samples_seen = position, consumed
 
     def start_next_epoch(self) -> None:
         self.epoch += 1
@@ -519,6 +529,11 @@ class ElasticDataLoader(LoaderState, LoaderBudget):
             padded = len(indices) * max(known)
             if padded > self.plan.max_tokens:
                 self.over_estimates.append({'indices': list(indices), 'padded': padded})
+
+    def take_reports(self) -> BudgetReports:
+        """The micro-batches drawn over the budget because length estimates were low, since the last call."""
+        reports, self.over_estimates = BudgetReports(over_estimates=self.over_estimates), []
+        return reports
 
     def take_token_stats(self) -> tuple[int, int, int]:
         """``(real, padded, micro_batches)`` drawn since the last call (with a plan), and reset them."""

@@ -32,6 +32,7 @@ from . import distributed
 from .errors import ConfigError
 from .loader import EmptyMicroBatch
 from .rows import item_lengths, row_cost, row_tokens
+from .train_loader import BudgetReports
 from .policies import length as length_policy
 
 
@@ -72,7 +73,8 @@ class StreamLoader:
     """
 
     state_key = 'integration.data'
-    streaming = True
+    has_length = False  # a stream: no epoch size, no epoch budget, no re-deal on another number of processes
+    lengths_estimated = False  # each window's rows are encoded, so their lengths are real
     epoch_size = 0  # unknown: a stream has no length
 
     def __init__(self, dataset: Any, collate_fn: Callable[[list], Any], *, batch_size: int, entries_per_step: int,
@@ -230,7 +232,7 @@ class StreamLoader:
         self._window_start = self.position
         return True
 
-    balanced_steps = False  # a stream is never laid out in balanced steps
+    balanced_steps = False  # a stream is never laid out in balanced steps (set_plan refuses them)
 
     def planned_spread(self) -> dict[str, float]:
         """Balanced steps are not laid out on a stream: nothing to report (the elastic loader's call)."""
@@ -276,9 +278,15 @@ class StreamLoader:
         stats, self.token_stats = tuple(self.token_stats), [0, 0, 0]
         return stats
 
-    def steps_to_budget(self, budget_epochs: float) -> int:
-        raise ValueError('a stream has no length: an epoch or sample budget cannot be counted in steps (set max_steps '
-                         'and max_steps_unit: steps)')
+    def take_reports(self) -> BudgetReports:
+        """The rows read over the token budget since the last call (each runs alone)."""
+        reports, self.over_budget_rows = BudgetReports(rows_over_budget=self.over_budget_rows), []
+        return reports
+
+    def skip_to(self, consumed: int) -> None:
+        """Resume by HF's arithmetic (a checkpoint without the pack's state): this rank's first ``consumed`` rows
+        of the stream are behind."""
+        self.position, self.samples_seen = consumed, consumed
 
     # ---- drawing -------------------------------------------------------------------------------------
     def _next_micro_batch(self) -> list[tuple[int, Any]]:

@@ -156,16 +156,10 @@ class Checkpoints:
             return
         with open(state_file, encoding='utf-8') as f:
             global_step = int(json.load(f).get('global_step', 0))
-        consumed = global_step * loader.batch_size * loader.entries_per_step
-        epoch_size = max(loader.epoch_size, 1) if not getattr(loader, 'streaming', False) else consumed + 1
-        epoch, position = divmod(consumed, epoch_size)
-        for _ in range(epoch):
-            loader.start_next_epoch()
-        loader.position = position
-        loader.samples_seen = consumed
+        loader.skip_to(global_step * loader.batch_size * loader.entries_per_step)
         self.decisions.write(DecisionRecord(
             'integration', 'resume', 'no_pack_state',
-            {'global_step': global_step, 'epoch': epoch, 'position': position},
+            {'global_step': global_step, 'epoch': loader.epoch, 'position': loader.position},
             f'{checkpoint} has no pack state; position derived from global_step at a constant batch size'))
 
     def _redeal(self, loader: Any, states: list[Mapping[str, Any]], layout: Layout) -> bool:
@@ -178,7 +172,7 @@ class Checkpoints:
         if (old_world, old_entries) == (world, entries) and not states[0].get('redealt'):
             return False
         source = os.path.join(self.checkpoint, STATE_FILE)
-        if getattr(loader, 'streaming', False):
+        if not loader.has_length:
             raise StateError(f'{source} was written by {old_world} processes and is resumed by {world}: a stream is '
                              'read rank::world, so its position cannot be re-dealt; resume a streaming run with the '
                              'same number of processes')

@@ -3,8 +3,8 @@
 estimated for a lazily tokenised dataset); the reports of micro-batches and samples over a token budget; the
 per-step sample trace.
 
-Both loaders answer the same calls (``next_step``, ``set_batch_size``, ``set_plan``, ``state_dict``, ...): the
-integration does not ask which one it has, except where a stream has no length (``loader.streaming``).
+Both loaders meet :class:`~..train_loader.TrainLoader`: the integration does not ask which one it has, only what it
+can do (``loader.has_length``, ``loader.lengths_estimated``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ..records import DecisionRecord
 from ..rows import dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths, row_cost
 from ..state import StateError
 from ..stream_loader import StreamLoader, stream_fingerprint
+from ..train_loader import TrainLoader
 from .decisions import Decisions
 
 logger = logging.getLogger('swift_dynamic_callbacks')
@@ -73,7 +74,7 @@ class DataFeed:
         self.trainer = trainer
         self.config = config
         self.decisions = decisions
-        self.loader: Any = None
+        self.loader: TrainLoader | None = None
         self.fingerprint: dict[str, Any] | None = None  # the training dataset's (checked against a checkpoint's)
         self.estimate_overruns = 0
 
@@ -162,7 +163,7 @@ class DataFeed:
         """The token budget a micro-batch's real tokens must hold to while its lengths are estimates (a
         ``token_budget`` plan, or passes cut by ``pass_tokens``, over a lazily tokenised dataset), else ``None``."""
         loader = self.loader
-        if loader is None or not getattr(loader, 'lengths_estimated', False) or loader.plan is None:
+        if loader is None or not loader.lengths_estimated or loader.plan is None:
             return None
         if loader.plan.cuts_passes:
             return loader.plan.pass_tokens
@@ -181,10 +182,9 @@ class DataFeed:
         """After a step was drawn: record its micro-batches over the budget because the length estimates were low
         (``splittable``: they run as several passes within it), and a stream's rows over the budget (collective)."""
         loader = self.loader
-        over = getattr(loader, 'over_estimates', None) or []
-        if over:
-            loader.over_estimates = []
-        for entry in over:  # each rank records its own (no collective); under several processes the console names them
+        reports = loader.take_reports()
+        # each rank records its own (no collective); under several processes the console names them
+        for entry in reports.over_estimates:
             message = (f'micro-batch of {len(entry["indices"])} samples has {entry["padded"]} padded tokens, over '
                        f'max_tokens={loader.plan.max_tokens} (the length estimates were low); '
                        + ('it runs as several passes within the budget' if splittable else
@@ -194,9 +194,8 @@ class DataFeed:
             self.decisions.hold(DecisionRecord('integration', 'over_estimate', 'split' if splittable else 'warning', {
                 'indices': entry['indices'][:32], 'padded': entry['padded'], 'max_tokens': loader.plan.max_tokens,
                 'rank': distributed.rank()}, message))
-        if getattr(loader, 'streaming', False) and loader.plan is not None:
-            rows, loader.over_budget_rows = loader.over_budget_rows, []
-            over = sum(distributed.gather_objects(rows), [])
+        if not loader.has_length and loader.plan is not None:  # a stream: every rank reports at every step
+            over = sum(distributed.gather_objects(reports.rows_over_budget), [])
             if over:
                 self._over_budget([k for k, _ in over], max(cost for _, cost in over), 'stream row(s)',
                                   loader.plan.max_tokens, hold=False, epoch=loader.epoch)

@@ -105,12 +105,12 @@ class Metrics:
             })
             if steps:
                 values['dynamic/passes_per_step'] = round(passes / steps, 4)
-            if getattr(loader, 'streaming', False):  # no length: no coverage, the rows of the epoch so far instead
+            if not loader.has_length:  # a stream: no coverage, the rows of the epoch so far instead
                 del values['dynamic/epoch_coverage']
                 values['dynamic/stream_position'] = distributed.sum_ints([loader.position])[0]
             if loader.plan is not None:
                 values.update(self.token_values(loader))
-                if getattr(loader, 'lengths_estimated', False):
+                if loader.lengths_estimated:
                     values['dynamic/estimate_overruns'] = estimate_overruns
         values.update(protocol.current_metrics(control))
         return values
