@@ -12,7 +12,7 @@ from typing import Callable
 
 from . import distributed
 from .policies import length as length_policy
-from .policies.data_plan import steps_in_epoch, steps_to_budget
+from .policies.data_plan import before, steps_in_epoch, steps_to_budget, tolerant_ceil
 
 
 class LoaderBudget:
@@ -31,7 +31,7 @@ class LoaderBudget:
             if self.redealt is not None:
                 steps = self._redealt_steps(budget_epochs, self._span, self.position + self._padding,
                                             lambda samples: steps_in_epoch(samples, self.batch_size, entries))
-                if budget_epochs < self.epoch + 1 - 1e-9:
+                if before(budget_epochs, self.epoch + 1):
                     return steps
                 return steps + steps_to_budget(self.epoch + 1, 0, self.epoch_size, budget_epochs, self.batch_size,
                                                entries)
@@ -51,10 +51,10 @@ class LoaderBudget:
                 return length_policy.steps_for(count, entries)
 
             steps = self._redealt_steps(budget_epochs, len(self._order), self.position, planned)
-            if budget_epochs < self.epoch + 1 - 1e-9:
+            if before(budget_epochs, self.epoch + 1):
                 return max(distributed.gather_objects(steps))
             position = epoch_size
-        while epoch + position / epoch_size < budget_epochs - 1e-9:
+        while before(epoch + position / epoch_size, budget_epochs):
             if position >= epoch_size:
                 epoch += 1
                 order, chunks = self._layout(epoch, self.plan if self.plan.lays_out else None)
@@ -62,7 +62,7 @@ class LoaderBudget:
                 position = 0
                 continue
             fraction = min(budget_epochs - epoch, 1.0)
-            target = min(epoch_size, -(-round(fraction * epoch_size * 1e9) // 10**9))
+            target = min(epoch_size, tolerant_ceil(fraction * epoch_size))
             count = 0
             for size in sizes:
                 if position >= target:
@@ -79,7 +79,7 @@ class LoaderBudget:
         """Steps left in a re-dealt epoch (``size`` samples on this rank, ``done`` used) to reach the budget:
         ``steps_for(samples still to draw)``."""
         target = size
-        if budget_epochs < self.epoch + 1 - 1e-9:  # the budget ends inside this epoch
-            need = -(-round((budget_epochs - self.epoch) * len(self.dataset) * 1e9) // 10**9) - self.redealt['consumed']
+        if before(budget_epochs, self.epoch + 1):  # the budget ends inside this epoch
+            need = tolerant_ceil((budget_epochs - self.epoch) * len(self.dataset)) - self.redealt['consumed']
             target = min(size, -(-max(need, 0) * size // max(self.redealt['dealt'], 1)))
         return steps_for(max(target - done, 0))

@@ -199,3 +199,10 @@ def test_changes_at_matches_walk(table):
         assert changes_at(table, s) == (values[s] != before)
     # a change can only happen at a key of the table
     assert {s for s in range(70) if changes_at(table, s)} <= set(table)
+
+
+def test_the_tolerant_ceiling_and_comparison_absorb_floating_point_noise():
+    from swift_dynamic_callbacks.policies.data_plan import before, tolerant_ceil
+    assert 0.1 * 30 > 3 and tolerant_ceil(0.1 * 30) == 3  # 3.0000000000000004 samples are 3
+    assert tolerant_ceil(3.2) == 4 and tolerant_ceil(3.0) == 3 and tolerant_ceil(0.0) == 0
+    assert not before(0.1 + 0.2, 0.3) and before(0.29, 0.3)  # 0.30000000000000004 epochs reached 0.3

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
-from ..policies.data_plan import steps_to_budget
+from ..policies.data_plan import before, steps_to_budget
 from ..records import DecisionRecord
 from .decisions import Decisions
 
@@ -117,7 +117,7 @@ class StepBudget:
         state.epoch = loader.epoch_progress
         if loader.epoch_complete:
             control.should_epoch_stop = True
-        if self.epoch_budget is not None and loader.epoch_progress >= self.epoch_budget - 1e-9:
+        if self.epoch_budget is not None and not before(loader.epoch_progress, self.epoch_budget):
             if not control.should_training_stop:
                 self.decisions.write(DecisionRecord('integration', 'stop', self.reason, {'epochs': self.epoch_budget},
                                            f'{self.epoch_budget:.6g} epochs of data used'))

@@ -12,6 +12,22 @@ from __future__ import annotations
 from typing import Iterator
 
 
+#: epochs and samples computed from fractions are compared and rounded with this tolerance (floating-point noise:
+#: ``0.1 * 30`` is ``3.0000000000000004``, which must still be 3 samples, not 4)
+_SCALE = 10**9
+TOLERANCE = 1 / _SCALE
+
+
+def tolerant_ceil(x: float) -> int:
+    """``ceil(x)``, except that ``x`` within about :data:`TOLERANCE` above an integer counts as that integer."""
+    return -(-round(x * _SCALE) // _SCALE)
+
+
+def before(progress: float, target: float) -> bool:
+    """Whether ``progress`` (epochs) has not reached ``target`` yet, beyond :data:`TOLERANCE`."""
+    return progress < target - TOLERANCE
+
+
 def step_sizes(remaining: int, batch_size: int, entries: int) -> tuple[int, ...]:
     """Micro-batch sizes of the next optimizer step.
 
@@ -75,12 +91,12 @@ def steps_to_budget(epoch: int, position: int, epoch_size: int, budget_epochs: f
     if epoch_size < 1:
         raise ValueError(f'steps_to_budget: epoch_size must be >= 1, got {epoch_size}')
     steps = 0
-    while epoch + position / epoch_size < budget_epochs - 1e-9:
+    while before(epoch + position / epoch_size, budget_epochs):
         if position >= epoch_size:
             epoch, position = epoch + 1, 0
             continue
         fraction = min(budget_epochs - epoch, 1.0)
-        target = min(epoch_size, -(-round(fraction * epoch_size * 1e9) // 10**9))  # ceil, robust to fp noise
+        target = min(epoch_size, tolerant_ceil(fraction * epoch_size))
         per_step = batch_size * entries
         if target < epoch_size:
             steps += -(-(target - position) // per_step)
