@@ -203,6 +203,6 @@ def test_changes_at_matches_walk(table):
 
 def test_the_tolerant_ceiling_and_comparison_absorb_floating_point_noise():
     from swift_dynamic_callbacks.policies.data_plan import before, tolerant_ceil
-    assert 0.1 * 30 > 3 and tolerant_ceil(0.1 * 30) == 3  # 3.0000000000000004 samples are 3
+    assert (0.1 + 0.2) * 10 > 3 and tolerant_ceil((0.1 + 0.2) * 10) == 3  # 3.0000000000000004 samples are 3
     assert tolerant_ceil(3.2) == 4 and tolerant_ceil(3.0) == 3 and tolerant_ceil(0.0) == 0
     assert not before(0.1 + 0.2, 0.3) and before(0.29, 0.3)  # 0.30000000000000004 epochs reached 0.3
