@@ -38,7 +38,7 @@ ARMS = ('plain', 'pack', 'pack-native')
 
 
 def run_arm(opts, arm: str, tuner: str, model: str, dataset: str, index: int) -> list[float]:
-    from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     work = Path(opts.work_dir) / f'{tuner}-{arm}-{index}'
     out = work / 'out'
     subprocess.run(['rm', '-rf', str(work)], check=True)
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument('--device', choices=['cpu', 'cuda'], default='cpu',
                         help='cpu: 2 processes with gloo (use_cpu); cuda: 2 GPUs with NCCL')
     opts = parser.parse_args()
-    from swift_dynamic_callbacks.tiny import build_tiny_model, write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import build_tiny_model, write_gsm8k_dataset
     os.makedirs(opts.work_dir, exist_ok=True)
     model = str(build_tiny_model(Path(opts.work_dir) / 'tiny-qwen2', 'qwen2'))
     dataset = str(write_gsm8k_dataset(Path(opts.work_dir) / 'gsm8k.jsonl', opts.rows))

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Batch growth vs. fixed small and fixed large batches: steps, samples, time, loss (a benchmark, not a test).
 
-One Python process builds the tiny Qwen2 model and a gsm8k dataset (offline, :mod:`swift_dynamic_callbacks.tiny`)
-in ``--work-dir`` and runs three in-process ``sft_main`` LoRA trainings on the same data, model, seed and LR
+One Python process builds the tiny Qwen2 model and a gsm8k dataset (offline,
+:mod:`swift_dynamic_callbacks.testing.tiny`) in ``--work-dir`` and runs three in-process ``sft_main`` LoRA trainings
+on the same data, model, seed and LR
 configuration (``learning_rate`` 1e-3, ``lr_scheduler_type`` cosine, ms-swift's default warmup_ratio 0), each for
 ``--epochs`` epochs (``num_train_epochs``), ``gradient_accumulation_steps`` 1, ``logging_steps`` 1, no checkpoint,
 ``dataloader_num_workers`` 0:
@@ -81,7 +82,7 @@ def choose_interval(small: int, large: int, total_samples: int) -> int:
 
 def _sft_kwargs(model: str, dataset: str, output_dir: str, opts: argparse.Namespace, batch: int,
                 callbacks: list[str]) -> dict[str, Any]:
-    from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     return offline_sft_kwargs(
         model,
         dataset,
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                         'threads on a 2-core machine that also runs other jobs, a step can take ~10x longer (the '
                         'threads wait for each other); 1 thread keeps the default run in a few minutes')
     opts = parser.parse_args(argv)
-    from swift_dynamic_callbacks.tiny import GSM8K_ROWS, build_tiny_model, write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import GSM8K_ROWS, build_tiny_model, write_gsm8k_dataset
     if not 1 <= opts.rows <= GSM8K_ROWS:
         parser.error(f'--rows must be between 1 and {GSM8K_ROWS}')
     if opts.small < 1 or opts.large <= opts.small:

@@ -3,8 +3,9 @@
 
 Sample lengths are real: every row of gsm8k (train), alpaca-gpt4-en-demo, lima and glaive-toolcall-en-demo from
 ``../shared/data`` (``--data``) is rendered with the Qwen2.5-Instruct chat template and tokenized with the real
-Qwen2.5 tokenizer vendored in the package (:func:`swift_dynamic_callbacks.tiny.materialize_tokenizer`); ``mix`` is
-all four sets together. Lengths are cached in ``--work-dir`` (computed once). No model is run: the figures are
+Qwen2.5 tokenizer vendored in the package (:func:`swift_dynamic_callbacks.testing.tiny.materialize_tokenizer`);
+``mix`` is all four sets together. Lengths are cached in ``--work-dir`` (computed once). No model is run: the figures
+are
 those of the batches each method forms, padded to their longest member (what ms-swift's collator does):
 
 - ``random, batch 16``: ms-swift's default sampler (a seeded permutation, fixed per-device batch 16);
@@ -89,7 +90,7 @@ def _messages(name: str, row: dict[str, Any]) -> tuple[list[dict[str, Any]], Any
 
 def load_lengths(data: Path, work_dir: Path) -> dict[str, list[int]]:
     """Templated Qwen2.5 token lengths of every row of every set (cached in ``work_dir/lengths.json``)."""
-    from swift_dynamic_callbacks.tiny import materialize_tokenizer
+    from swift_dynamic_callbacks.testing.tiny import materialize_tokenizer
     files = {name: data / rel for name, rel in DATASETS.items()}
     for name, path in files.items():
         if not path.is_file():

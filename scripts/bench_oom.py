@@ -6,7 +6,7 @@ data, seed and settings (per-device batch ``--batch``, ``gradient_accumulation_s
 steps, constant LR, ``lora_dropout`` 0):
 
 - ``baseline``: no OOM;
-- ``oom``: :class:`swift_dynamic_callbacks.faults.OomInjector` raises ``torch.OutOfMemoryError`` in the middle
+- ``oom``: :class:`swift_dynamic_callbacks.testing.faults.OomInjector` raises ``torch.OutOfMemoryError`` in the middle
   of the backward of the *last* micro-batch of step ``--oom-step``. LoRA's gradients are restored from the
   snapshot taken before that micro-batch, which runs again at half the pass size; with ``--no-snapshot`` the
   integration takes its full-fine-tune path instead and runs every micro-batch of the step again (the worst
@@ -69,9 +69,9 @@ def run(name: str, opts, model: str, dataset: str, fail_passes: tuple[int, ...] 
     from swift.trainers import Seq2SeqTrainer
 
     import swift_dynamic_callbacks as sdc
-    from swift_dynamic_callbacks.faults import OomInjector
+    from swift_dynamic_callbacks.testing.faults import OomInjector
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
 
     torch.set_num_threads(opts.threads) if opts.threads else None
     out = os.path.join(opts.work_dir, name)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f'--oom-step: must be in [2, --steps), got {opts.oom_step}')
     import torch
 
-    from swift_dynamic_callbacks.tiny import build_tiny_model, write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import build_tiny_model, write_gsm8k_dataset
     os.makedirs(opts.work_dir, exist_ok=True)
     model = str(build_tiny_model(Path(opts.work_dir) / 'tiny-qwen2', 'qwen2'))
     dataset = str(write_gsm8k_dataset(Path(opts.work_dir) / 'gsm8k.jsonl', opts.rows))

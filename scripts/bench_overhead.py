@@ -4,8 +4,9 @@
 Issue requirement: "Step-time ratio of a run with the integration installed and no change requested vs. plain
 ms-swift, same model, data and batch, measured alternately in one run. Target <= 1.02."
 
-One Python process builds the tiny Qwen2 model and a gsm8k dataset (offline, :mod:`swift_dynamic_callbacks.tiny`)
-in ``--work-dir`` and then runs ``--rounds`` rounds of two in-process ``sft_main`` LoRA trainings each:
+One Python process builds the tiny Qwen2 model and a gsm8k dataset (offline,
+:mod:`swift_dynamic_callbacks.testing.tiny`) in ``--work-dir`` and then runs ``--rounds`` rounds of two in-process
+``sft_main`` LoRA trainings each:
 
 - ``plain``: ms-swift as is;
 - ``pack``: ``swift_dynamic_callbacks.register(batch_schedule={'schedule': {0: B}})`` and
@@ -105,7 +106,7 @@ def _register_timer() -> None:
 
 
 def _sft_kwargs(model: str, dataset: str, output_dir: str, opts: argparse.Namespace, callbacks: list[str]) -> dict:
-    from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     return offline_sft_kwargs(
         model,
         dataset,
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     if opts.rounds < 1 or opts.max_steps < 2 or not 0 <= opts.warmup < opts.max_steps - 1:
         parser.error('need --rounds >= 1 and 0 <= --warmup < --max-steps - 1')
-    from swift_dynamic_callbacks.tiny import GSM8K_ROWS, build_tiny_model, write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import GSM8K_ROWS, build_tiny_model, write_gsm8k_dataset
     if opts.rows is None:
         opts.rows = min(GSM8K_ROWS, max(16, opts.max_steps * opts.batch_size * opts.grad_accum))
     opts.work_dir = os.path.abspath(opts.work_dir)

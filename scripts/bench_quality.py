@@ -82,7 +82,7 @@ def arm_settings(arm: str, steps_small: int, max_length: int) -> tuple[dict, dic
 
 def prepare(model: str, samples: int, eval_rows: int, root: str) -> tuple[str, dict, str, str]:
     """The model folder, its ms-swift flags and the train / held-out files."""
-    from swift_dynamic_callbacks.tiny import MODEL_FLAGS, build_tiny_model, write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import MODEL_FLAGS, build_tiny_model, write_gsm8k_dataset
     train = str(write_gsm8k_dataset(os.path.join(root, 'gsm8k-train.jsonl'), samples))
     test = str(write_gsm8k_dataset(os.path.join(root, 'gsm8k-test.jsonl'), eval_rows, split='test'))
     if model == 'smollm2':
@@ -95,7 +95,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, model: str, flags: di
     import swift_dynamic_callbacks as sdc
     from swift import SftArguments, sft_main
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     steps_small = -(-args.samples // args.ga)
     name, _, base_lr = arm.partition('@')
     overrides, pack, callbacks = arm_settings(name, steps_small, args.max_length)

@@ -35,7 +35,7 @@ from swift import SftArguments, sft_main
 from swift.callbacks import callbacks_map
 from transformers import TrainerCallback
 import swift_dynamic_callbacks as sdc
-from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
 spec = json.loads(sys.argv[1])
 marks = {}
 
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument('--threads', type=int, default=1)
     args = parser.parse_args()
     os.makedirs(args.work, exist_ok=True)
-    from swift_dynamic_callbacks.tiny import build_tiny_model
+    from swift_dynamic_callbacks.testing.tiny import build_tiny_model
     model = str(build_tiny_model(os.path.join(args.work, 'tiny-qwen2'), 'qwen2'))
     print('| rows | tokenize | ' + ' | '.join(args.configs) + ' |')
     print('|---:|---|' + '---:|' * len(args.configs))

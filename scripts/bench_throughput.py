@@ -119,13 +119,13 @@ def write_rows(data: Path, rows: int, seed: int, dest: Path) -> tuple[str, str]:
             for item in picked:
                 f.write(json.dumps(item) + '\n')
         return str(dest), f'mix of {", ".join(by_set)} from {data} ({rows} rows, seed {seed})'
-    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     return (str(write_mixed_length_dataset(dest, n=rows, seed=seed)),
             f'vendored GSM8K rows bundling 1-6 problems ({rows} rows; {data} not found)')
 
 
 def prepare_model(model: str, root: Path, device: str = 'cpu') -> tuple[str, dict]:
-    from swift_dynamic_callbacks.tiny import MODEL_FLAGS, build_tiny_model
+    from swift_dynamic_callbacks.testing.tiny import MODEL_FLAGS, build_tiny_model
     if model.startswith('random:'):
         shape = model.split(':', 1)[1]
         dtype = 'bfloat16' if device == 'cuda' else 'float32'
@@ -143,7 +143,7 @@ def build_random_model(dest: Path, shape: str, device: str, dtype: str) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from swift_dynamic_callbacks.tiny import materialize_tokenizer, move_model_into_place
+    from swift_dynamic_callbacks.testing.tiny import materialize_tokenizer, move_model_into_place
     if (dest / 'config.json').is_file():
         return dest
     hidden, inter, layers, heads, kv, tied = SHAPES[shape]

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.tiny import build_tiny_model, offline_sft_kwargs, write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import build_tiny_model, offline_sft_kwargs, write_gsm8k_dataset
     work = Path(opts.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     model = str(build_tiny_model(work / 'tiny-qwen2', 'qwen2'))

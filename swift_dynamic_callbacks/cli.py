@@ -116,7 +116,7 @@ def run_sft(path: str, extra: Sequence[str]) -> int:
 
 def _prepare_demo(root: str, model_name: str, rows: int, eval_rows: int, calculator: bool = True) -> int:
     """``prepare-demo``: the model folder (built once) and the GSM8K train / held-out test files."""
-    from .tiny import GSM8K_ROWS, GSM8K_TEST_ROWS, write_gsm8k_dataset
+    from .testing.tiny import GSM8K_ROWS, GSM8K_TEST_ROWS, write_gsm8k_dataset
     for option, value, limit, what in (('--rows', rows, GSM8K_ROWS, 'train'), ('--eval-rows', eval_rows,
                                                                              GSM8K_TEST_ROWS, 'held-out test')):
         if not 1 <= value <= limit:
@@ -133,7 +133,7 @@ def _prepare_demo(root: str, model_name: str, rows: int, eval_rows: int, calcula
             print(f'swift-dynamic prepare-demo: {e}', file=sys.stderr)
             return 2
     else:
-        from .tiny import build_tiny_model
+        from .testing.tiny import build_tiny_model
         model = build_tiny_model(os.path.join(root, 'tiny-qwen2'), 'qwen2')
     print(f'model: {model}\ndataset: {data}\nheld-out: {test}')
     return 0

@@ -69,7 +69,7 @@ def prepare_smollm2(dest: str | Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    from .tiny import move_model_into_place
+    from .testing.tiny import move_model_into_place
 
     folder = gguf_folder()
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)

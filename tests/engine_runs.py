@@ -90,7 +90,7 @@ def run_ranks(workdir: str, model: str, dataset: str, *, engine: str, callbacks:
               stop_at: int | None = None, nproc: int = 2, **sft: Any) -> str:
     """``nproc`` ranks under ``engine`` (a key of :data:`ENGINES`); returns the output directory (or the log on
     failure)."""
-    from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     out = output_dir or os.path.join(workdir, 'out')
     kwargs = offline_sft_kwargs(model, dataset, out, arch='qwen2', callbacks=callbacks, lora_dropout=0.0,
                                 **{**(DEVICE_SFT if nproc > 1 else ONE_PROCESS_SFT), **ENGINES[engine]['sft'], **sft})
@@ -105,7 +105,7 @@ def reference(workdir: str, model: str, dataset: str, source: str, *, gradient_a
               **sft: Any) -> str:
     """One process over the multi-process run ``source``'s micro-batches (or those of the trace files
     ``samples``), starting weights and LR scales."""
-    from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     out = os.path.join(workdir, 'out')
     pack = {'integration': {'record_samples': True, 'replay': os.path.join(source, 'dynamic_decisions.jsonl')},
             'training_log': {}}

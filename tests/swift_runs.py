@@ -7,7 +7,7 @@ import os
 import shutil
 from typing import Any, Iterable
 
-from swift_dynamic_callbacks.tiny import offline_sft_kwargs
+from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
 
 
 def sft_kwargs(model: str, arch: str, dataset: str, output_dir: str, **overrides: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.engines, pytest.mark.e2e]
 
 
 def test_two_processes_balanced_padding_free_with_a_batch_change(tmp_path, tiny_qwen):
-    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     n = 27
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=n))
     out = str(tmp_path / 'out')

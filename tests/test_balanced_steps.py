@@ -233,7 +233,7 @@ def test_balanced_plan_round_trips_and_a_stream_refuses_it():
 def test_swift_sft_balanced_steps_keep_the_global_batch(tmp_path, tiny_qwen):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
     n = 22
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=n))

@@ -34,7 +34,7 @@ def _base_config(model, gsm8k_16, output_dir, arch='qwen2'):
 def test_yaml_run_through_launcher(tmp_path, tiny_qwen, tiny_llama, gsm8k_16, arch):
     out = str(tmp_path / 'out')
     config = _base_config(tiny_qwen if arch == 'qwen2' else tiny_llama, gsm8k_16, out, arch)
-    from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_gsm8k_dataset
     held_out = str(write_gsm8k_dataset(tmp_path / 'eval.jsonl', 4, split='test'))
     config.update(
         val_dataset=[held_out],  # evaluation every 2 steps runs beside the changes

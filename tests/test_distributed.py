@@ -29,7 +29,7 @@ ALL = ['batch_schedule', 'lr_schedule', 'memory_backoff', 'early_stopping', 'che
 
 @pytest.fixture(scope='module')
 def dataset_15(fixture_dir):
-    from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_gsm8k_dataset
     return str(write_gsm8k_dataset(fixture_dir / 'gsm8k-15.jsonl', N_SAMPLES))
 
 

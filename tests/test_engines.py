@@ -30,7 +30,7 @@ N_SAMPLES = 15  # rank 0 gets 8 samples an epoch, rank 1 gets 7
 
 @pytest.fixture(scope='module')
 def dataset_15(fixture_dir):
-    from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_gsm8k_dataset
     return str(write_gsm8k_dataset(fixture_dir / 'gsm8k-15.jsonl', N_SAMPLES))
 
 

@@ -71,7 +71,7 @@ def test_slots_are_prepared_pass_by_pass():
 def test_a_mask_free_batch_has_the_loss_of_its_all_ones_mask(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 
-    from swift_dynamic_callbacks.tiny import build_tiny_model
+    from swift_dynamic_callbacks.testing.tiny import build_tiny_model
     model = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path / arch, arch), attn_implementation='sdpa')
     batch = padded([6, 6])
     free = prepare_batch(batch, padding_free=False, device=None)

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from swift_dynamic_callbacks.lengths import apply, char_counts, estimate_lengths, fit, is_lazy
+from swift_dynamic_callbacks.length_estimates import apply, char_counts, estimate_lengths, fit, is_lazy
 from swift_dynamic_callbacks.loader import ElasticDataLoader
 from swift_dynamic_callbacks.rows import item_lengths, row_cost
 from swift_dynamic_callbacks.policies.length import BatchPlan
@@ -123,7 +123,7 @@ def test_swift_sft_lazy_length_batching(tmp_path, tiny_llama, fixture_dir, monke
 
     monkeypatch.setattr(ElasticDataLoader, 'next_step', traced)
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_gsm8k_dataset
     from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
     data = str(write_gsm8k_dataset(fixture_dir / 'gsm8k-24.jsonl', 24))
     try:

@@ -467,7 +467,7 @@ def test_dataset_lengths_from_columns_or_measured_once():
 def test_token_budget_run_covers_every_sample_once_and_logs_padding(tmp_path, tiny_llama):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
     n, budget = 12, 1200  # rows of ~100 to ~1,300 tokens: some are over the budget
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=n))
@@ -507,7 +507,7 @@ def test_split_passes_keeps_the_samples_per_step_and_cuts_passes(tmp_path, tiny_
     pack), long micro-batches run as several passes under the token budget; the epoch has the same steps."""
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
     n, budget, batch = 12, 1500, 4
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=n))

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from swift_dynamic_callbacks import protocol
 from swift_dynamic_callbacks.callbacks.memory_backoff import MemoryBackoffCallback, MemoryBackoffConfig
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.faults import OomInjector
-from swift_dynamic_callbacks.memory import MemorySample, is_oom
+from swift_dynamic_callbacks.testing.faults import OomInjector
+from swift_dynamic_callbacks.device_memory import MemorySample, is_oom
 from swift_dynamic_callbacks.policies.memory import (PressureState, oom_backoff, pass_cap, pieces_needed,
                                                      pressure_step)
 from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs

@@ -133,7 +133,7 @@ def test_padding_free_token_budget_counts_real_tokens():
 def test_swift_sft_padding_free_trains_as_the_padded_run(tmp_path, tiny_llama):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     from swift_runs import decisions, run_sft, sample_trace, train_logs
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=12))
     runs = {}

@@ -209,7 +209,7 @@ RUN = dict(max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2, grad
 
 def _train(tmp_path, model, data, name, length_batching, injector=None):
     import swift_dynamic_callbacks as sdc
-    from swift_dynamic_callbacks.faults import OomInjector
+    from swift_dynamic_callbacks.testing.faults import OomInjector
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_runs import run_sft
     injector = injector or OomInjector()
@@ -241,7 +241,7 @@ def _same_training(a, b):
 
 @pytest.fixture(scope='module')
 def mixed_rows(tmp_path_factory):
-    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     return str(write_mixed_length_dataset(tmp_path_factory.mktemp('pass_tokens') / 'mixed.jsonl', n=32))
 
 
@@ -284,7 +284,7 @@ def test_swift_sft_passes_by_tokens_recover_from_ooms_with_the_same_result(tmp_p
                                                                            padded_runs):
     """OOMs inside passes cut by tokens (a forward and a mid-backward one, in steps whose slots hold several passes):
     the run finishes with every sample once and the weights of the same run without them."""
-    from swift_dynamic_callbacks.faults import OomInjector
+    from swift_dynamic_callbacks.testing.faults import OomInjector
     from swift_runs import decisions, train_logs
     _, cut, _ = padded_runs
     out, injector = _train(tmp_path, tiny_qwen, mixed_rows, 'oom', {'mode': 'balanced', 'pass_tokens': 1200},

@@ -14,7 +14,7 @@ import yaml
 
 from swift_dynamic_callbacks.cli import prepare
 from swift_dynamic_callbacks.integrations.swift import CALLBACKS, PLUGIN_FILE, SECTION, parse_section
-from swift_dynamic_callbacks.tiny import MODEL_FLAGS
+from swift_dynamic_callbacks.testing.tiny import MODEL_FLAGS
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.yaml')))

@@ -188,7 +188,7 @@ def _register():
 def test_swift_sft_streaming_batch_growth(_register, tmp_path, tiny_llama, fixture_dir):
     """``streaming: true``: growth 1 -> 2 -> 4 every 2 steps, length buckets in windows of 4 rows, 12 rows a pass of
     the stream; every row of the first pass once, in windows of the stream order, then the stream again."""
-    from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_gsm8k_dataset
     from swift_runs import decisions, run_sft, sample_trace, train_logs
     data = str(write_gsm8k_dataset(fixture_dir / 'gsm8k-12.jsonl', 12))
     growth = {'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4}
@@ -214,7 +214,7 @@ def test_swift_sft_streaming_batch_growth(_register, tmp_path, tiny_llama, fixtu
 @pytest.mark.e2e
 def test_swift_sft_streaming_resume_continues_at_the_next_unseen_row(_register, tmp_path, tiny_llama, fixture_dir):
     """A stream run checkpointed at step 3 and resumed to step 6 draws the rows the uninterrupted run draws."""
-    from swift_dynamic_callbacks.tiny import write_gsm8k_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_gsm8k_dataset
     from swift_runs import decisions, run_sft, sample_trace
     data = str(write_gsm8k_dataset(fixture_dir / 'gsm8k-10.jsonl', 10))
     _register.register(batch_growth={'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4},

@@ -99,7 +99,7 @@ def counting(monkeypatch):
 def test_the_pack_makes_no_synchronising_call_per_micro_batch(tmp_path, tiny_qwen, settings, ga, monkeypatch):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.tiny import write_mixed_length_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     from swift_runs import run_sft, train_logs
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=24))
     try:

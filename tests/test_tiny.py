@@ -1,4 +1,4 @@
-"""Tests for the offline fixtures in swift_dynamic_callbacks.tiny."""
+"""Tests for the offline fixtures in swift_dynamic_callbacks.testing.tiny."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from swift_dynamic_callbacks import tiny
+from swift_dynamic_callbacks.testing import tiny
 
 # per arch: vocabulary rows, (bos, eos, pad) ids, len(tokenizer), "Hello world" ids, tokenizer.json size
 EXPECTED = {

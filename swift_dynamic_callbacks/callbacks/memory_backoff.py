@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.memory_backoff import MemoryBackoffConfig
-from ..memory import GIB, CpuProbe, MemoryProbe, auto_probe
+from ..device_memory import GIB, CpuProbe, MemoryProbe, auto_probe
 from ..policies.memory import PressureState, pressure_step
 from ..records import DecisionRecord
 from .base import DynamicCallback

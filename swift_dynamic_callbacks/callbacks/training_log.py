@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 from .. import protocol
 from ..config.training_log import LOG_FILE, TrainingLogConfig  # noqa: F401 - LOG_FILE re-exported
-from ..memory import GIB
+from ..device_memory import GIB
 from .base import DynamicCallback
 
 _STEP_KEYS = ('loss', 'grad_norm', 'learning_rate')

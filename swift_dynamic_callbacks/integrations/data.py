@@ -22,7 +22,7 @@ from ..config import ConfigError
 from ..config.integration import IntegrationConfig
 from ..config.launch import group_by_length_error
 from ..config.rules import RunFacts, check_facts
-from ..lengths import cache_dir, estimate_lengths, is_lazy, mean_ratio
+from ..length_estimates import cache_dir, estimate_lengths, is_lazy, mean_ratio
 from ..loader import ElasticDataLoader
 from ..policies.balance import work_coefficient
 from ..policies.length import BatchPlan

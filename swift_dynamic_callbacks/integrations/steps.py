@@ -30,7 +30,7 @@ from ..config import ConfigError
 from ..config.integration import IntegrationConfig
 from ..config.rules import PAIRS_WHY
 from ..loader import EmptyMicroBatch, PassGroup
-from ..memory import device_figures, free_memory, is_oom
+from ..device_memory import device_figures, free_memory, is_oom
 from ..policies.data_plan import piece_bounds
 from ..policies.memory import oom_backoff, pass_cap, pieces_needed
 from ..records import DecisionRecord

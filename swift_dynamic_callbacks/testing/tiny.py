@@ -37,7 +37,7 @@ __all__ = [
     'write_mixed_length_dataset',
 ]
 
-ASSETS: Path = Path(__file__).resolve().parent / 'assets'
+ASSETS: Path = Path(__file__).resolve().parent.parent / 'assets'
 """Directory holding the vendored tokenizer and dataset files."""
 
 ARCHS: tuple[str, ...] = ('qwen2', 'llama')
