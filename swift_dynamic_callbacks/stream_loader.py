@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from . import distributed
 from .errors import ConfigError
-from .loader import EmptyMicroBatch
+from .slots import EmptyMicroBatch
 from .rows import item_lengths, row_cost, row_tokens
 from .train_loader import BudgetReports
 from .policies import length as length_policy

@@ -15,7 +15,8 @@ from torch.utils.data import Dataset
 from swift_dynamic_callbacks import protocol
 from swift_dynamic_callbacks.callbacks.length_batching import LengthBatchingCallback, LengthBatchingConfig
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.loader import ElasticDataLoader, EmptyMicroBatch
+from swift_dynamic_callbacks.loader import ElasticDataLoader
+from swift_dynamic_callbacks.slots import EmptyMicroBatch
 from swift_dynamic_callbacks.rows import dataset_lengths
 from swift_dynamic_callbacks.policies.length import (BatchPlan, agreed_steps, epoch_layout, equalize_steps, even_split,
                                                       greedy_pieces, over_budget, padding, padding_fraction,

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset
 
-from swift_dynamic_callbacks.loader import ElasticDataLoader, EmptyMicroBatch
+from swift_dynamic_callbacks.loader import ElasticDataLoader
+from swift_dynamic_callbacks.slots import EmptyMicroBatch
 from swift_dynamic_callbacks.policies.data_plan import step_sizes
 from swift_dynamic_callbacks.state import StateError
 

@@ -2,7 +2,7 @@
 
 HF calls ``training_step`` once per micro-batch; :meth:`StepRunner.run_micro_batch` runs it as one or more passes
 (requested pieces, or more to respect the pass limit; the same ``num_items_in_batch``, so the same gradient; a
-:class:`~..loader.PassGroup` slot is several passes cut by ``pass_tokens``), lets a rank without samples join the
+:class:`~..slots.PassGroup` slot is several passes cut by ``pass_tokens``), lets a rank without samples join the
 engine's collectives, recovers from out-of-memory errors and, after the step's last
 pass, has the engine reduce the step's gradients. Everything engine-specific is asked of the
 :class:`~.engines.base.Engine` adapter chosen at start; nothing here branches on the engine.
@@ -29,7 +29,7 @@ from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
 from ..config.rules import PAIRS_WHY
-from ..loader import EmptyMicroBatch, PassGroup
+from ..slots import EmptyMicroBatch, PassGroup
 from ..device_memory import device_figures, free_memory, is_oom
 from ..policies.data_plan import piece_bounds
 from ..policies.memory import oom_backoff, pass_cap, pieces_needed
