@@ -6,7 +6,7 @@ Several specs run one after another in this process (one process: the imports an
 after each, every rank writes ``<out>/throughput.rank<R>.json`` and rank 0 prints ``[arm-done] <out>``, so the parent
 reports an arm as soon as it ends. A record holds, per micro-batch as it ran (step, rows, each row's real tokens, padded
 tokens, real tokens, the work ``a x L + L^2``), per step the wall time at its end, the train time, peak RSS (and peak
-GPU memory), steps and train loss; a profiled spec adds ``profile.json`` (see :func:`profile_window`).
+GPU memory), steps and train loss; a profiled spec adds ``profile.json`` (see :class:`ProfileWindow`).
 
 What runs (``spec['arm']``):
 
@@ -157,7 +157,7 @@ def swift_arm(spec: dict) -> dict:
         def on_step_begin(self, args, state, control, **kwargs):
             first, last = spec.get('profile_steps') or (None, None)
             if first is not None and state.global_step == first:
-                self.window = profile_window(spec, cuda)
+                self.window = ProfileWindow(spec, cuda)
                 self.window.__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -269,7 +269,7 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class profile_window:
+class ProfileWindow:
     """Steps ``spec['profile_steps']`` of an arm under ``torch.profiler`` and, on CUDA, the synchronisation debug mode:
     writes ``<out>/profile.json`` with the window's wall time, the GPU's busy time (the sum of its kernels' time),
     the operators that took most host time, and every host-device synchronisation with the first frame outside torch
@@ -279,7 +279,7 @@ class profile_window:
         self.spec, self.cuda = spec, cuda
         self.syncs: dict[str, int] = {}
 
-    def __enter__(self) -> 'profile_window':
+    def __enter__(self) -> 'ProfileWindow':
         import torch
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.cuda:
