@@ -211,7 +211,7 @@ def _timed_hooks(acc: dict[str, list[tuple[float, float]]]):
     import transformers
     from swift_dynamic_callbacks.integrations import trainer as integ
     from swift_dynamic_callbacks.integrations.decisions import Decisions
-    from swift_dynamic_callbacks.loader import ElasticDataLoader
+    from swift_dynamic_callbacks.data.elastic import ElasticDataLoader
 
     patched: list[tuple[Any, str, Any]] = []
 

@@ -80,7 +80,7 @@ def swift_arm(spec: dict) -> dict:
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.policies.balance import work_coefficient
     from swift_dynamic_callbacks.integrations.padding_free import PackedBatch
-    from swift_dynamic_callbacks.slots import slot_batches
+    from swift_dynamic_callbacks.data.slots import slot_batches
     from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
 
     record: dict[str, Any] = {'micro': [], 'step_end': [], 'train_s': None, 'steps': None, 'train_loss': None}

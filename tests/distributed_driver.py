@@ -97,8 +97,8 @@ def _full_trainable(trainer) -> dict:
 
 def _replay_patch(paths: list[str]) -> None:
     """One process trains on the union of the ranks' micro-batches of every step (see the module docstring)."""
-    from swift_dynamic_callbacks.loader import ElasticDataLoader
-    from swift_dynamic_callbacks.slots import EmptyMicroBatch
+    from swift_dynamic_callbacks.data.elastic import ElasticDataLoader
+    from swift_dynamic_callbacks.data.slots import EmptyMicroBatch
     rows = []
     for path in paths:
         with open(path, encoding='utf-8') as f:

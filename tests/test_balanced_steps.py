@@ -16,11 +16,11 @@ from torch.utils.data import Dataset
 from swift_dynamic_callbacks import distributed
 from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.config.length_batching import LengthBatchingConfig
-from swift_dynamic_callbacks.loader import ElasticDataLoader
+from swift_dynamic_callbacks.data.elastic import ElasticDataLoader
 from swift_dynamic_callbacks.policies.balance import (balanced_layout, batch_work, deal, rank_sizes, rank_work,
                                                        share_counts, work_coefficient, work_spread)
 from swift_dynamic_callbacks.policies.length import BatchPlan
-from swift_dynamic_callbacks.rows import dataset_lengths
+from swift_dynamic_callbacks.data.rows import dataset_lengths
 
 
 def lognormal_lengths(n, seed=0):
@@ -220,7 +220,7 @@ def test_bad_settings_are_refused_naming_the_setting(settings_, match):
 def test_balanced_plan_round_trips_and_a_stream_refuses_it():
     plan = LengthBatchingConfig(**{'mode': 'balanced', 'padding_free': True}).plan(3)
     assert plan.balanced and plan.padding_free and BatchPlan.from_json(plan.to_json()) == plan
-    from swift_dynamic_callbacks.stream_loader import StreamLoader
+    from swift_dynamic_callbacks.data.stream import StreamLoader
     stream = StreamLoader.__new__(StreamLoader)
     stream.plan = None
     with pytest.raises(ConfigError, match='streaming'):

@@ -275,7 +275,7 @@ def test_state_round_trip(tmp_path):
 
 
 def test_state_round_trip_of_callback_and_loader(tmp_path):
-    from swift_dynamic_callbacks.loader import ElasticDataLoader
+    from swift_dynamic_callbacks.data.elastic import ElasticDataLoader
     loader = ElasticDataLoader(list(range(10)), list, lambda epoch: list(range(10)), batch_size=3, entries_per_step=1)
     loader.next_step(1)
     callback = BatchScheduleCallback(BatchScheduleConfig(schedule={0: 3}))

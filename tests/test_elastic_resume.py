@@ -11,7 +11,7 @@ import random
 import pytest
 
 from swift_dynamic_callbacks.errors import StateError
-from swift_dynamic_callbacks.loader import ElasticDataLoader
+from swift_dynamic_callbacks.data.elastic import ElasticDataLoader
 from swift_dynamic_callbacks.policies.data_plan import per_device_batch, redeal
 from swift_dynamic_callbacks.policies.length import BatchPlan
 from swift_dynamic_callbacks.state import pack_indices, unpack_indices
@@ -107,7 +107,7 @@ def test_a_redealt_epoch_saved_again_resumes_on_the_same_and_on_another_world():
     same = _loaders(3, batch_size=1)
     for r, loader in enumerate(same):
         loader.resume_from_rests(saved, rank=r, world=3)
-    assert [loader._order for loader in same] == [unpack_indices(s['rest']) for s in saved]  # each its own rest
+    assert [loader.shard.order for loader in same] == [unpack_indices(s['rest']) for s in saved]  # each its own rest
     assert sorted(first + second + _draw(same)) == list(range(N))
     single = _loaders(1, batch_size=4)
     single[0].resume_from_rests(saved, rank=0, world=1)

@@ -226,7 +226,7 @@ def test_a_placeholder_pass_adds_a_plain_zero_to_the_logged_loss():
     returns is added to HF's logged training loss, so it must be a plain zero (a NaN made a sharded engine's run stop
     early with reason ``non_finite``)."""
     from swift_dynamic_callbacks.integrations.steps import StepRunner
-    from swift_dynamic_callbacks.slots import EmptyMicroBatch
+    from swift_dynamic_callbacks.data.slots import EmptyMicroBatch
 
     class NaNPlaceholderEngine(Engine):
         def check_wrapped(self, model):

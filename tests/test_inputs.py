@@ -10,7 +10,7 @@ import torch
 from swift_dynamic_callbacks.integrations.inputs import prepare_batch, prepare_slot, same_length_rows, to_device
 from swift_dynamic_callbacks.integrations.padding_free import PackedBatch, flatten_rows, split_packed
 from swift_dynamic_callbacks.integrations.passes import batch_shape, row_tokens, split_micro_batch
-from swift_dynamic_callbacks.slots import EmptyMicroBatch, PassGroup
+from swift_dynamic_callbacks.data.slots import EmptyMicroBatch, PassGroup
 
 
 def padded(lengths, width=None, left=False):

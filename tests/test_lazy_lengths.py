@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from swift_dynamic_callbacks.length_estimates import apply, char_counts, estimate_lengths, fit, is_lazy
-from swift_dynamic_callbacks.loader import ElasticDataLoader
-from swift_dynamic_callbacks.rows import item_lengths, row_cost
+from swift_dynamic_callbacks.data.length_estimates import apply, char_counts, estimate_lengths, fit, is_lazy
+from swift_dynamic_callbacks.data.elastic import ElasticDataLoader
+from swift_dynamic_callbacks.data.rows import item_lengths, row_cost
 from swift_dynamic_callbacks.policies.length import BatchPlan
 
 
@@ -99,12 +99,12 @@ def test_loader_refines_estimates_and_notes_micro_batches_over_the_budget():
     assert sorted(seen) == list(range(24))
     real = [row_cost(item_lengths(lazy.encode_func(raw[i]))) for i in range(24)]
     assert loader.lengths == real  # every estimate replaced by the real cost once encoded
-    assert loader.over_estimates and all(e['padded'] > 200 for e in loader.over_estimates)
+    assert loader.stats.over_estimates and all(e['padded'] > 200 for e in loader.stats.over_estimates)
     loader.start_next_epoch()  # the next epoch is planned from the real lengths: within the budget
-    loader.over_estimates.clear()
+    loader.stats.over_estimates.clear()
     while not loader.epoch_complete:
         loader.next_step(1)
-    assert loader.over_estimates == []
+    assert loader.stats.over_estimates == []
 
 
 @pytest.mark.e2e

@@ -15,9 +15,9 @@ from torch.utils.data import Dataset
 from swift_dynamic_callbacks import protocol
 from swift_dynamic_callbacks.callbacks.length_batching import LengthBatchingCallback, LengthBatchingConfig
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.loader import ElasticDataLoader
-from swift_dynamic_callbacks.slots import EmptyMicroBatch
-from swift_dynamic_callbacks.rows import dataset_lengths
+from swift_dynamic_callbacks.data.elastic import ElasticDataLoader
+from swift_dynamic_callbacks.data.slots import EmptyMicroBatch
+from swift_dynamic_callbacks.data.rows import dataset_lengths
 from swift_dynamic_callbacks.policies.length import (BatchPlan, agreed_steps, epoch_layout, equalize_steps, even_split,
                                                       greedy_pieces, over_budget, padding, padding_fraction,
                                                       plan_sizes, rule_size)
@@ -362,7 +362,7 @@ def test_plan_set_mid_epoch_keeps_the_rest_of_the_order():
     lengths = random_lengths(40, seed=2)
     loader = make_loader(lengths, batch_size=4)
     first = loader.next_step(1)[0][0]
-    order = loader._epoch_order(0)
+    order = loader.layout.epoch_order(0)
     loader.set_plan(BatchPlan(max_tokens=800))
     assert not loader.order_bucketed
     rest, _ = draw_epoch(loader, 1)

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Dataset
 
-from swift_dynamic_callbacks.loader import ElasticDataLoader
-from swift_dynamic_callbacks.slots import EmptyMicroBatch
+from swift_dynamic_callbacks.data.elastic import ElasticDataLoader
+from swift_dynamic_callbacks.data.slots import EmptyMicroBatch
 from swift_dynamic_callbacks.policies.data_plan import step_sizes
 from swift_dynamic_callbacks.state import StateError
 
@@ -87,7 +87,7 @@ def run_epoch(loader, changes, start=0):
         position = loader.position
         out = loader.next_step(entries)
         drawn = check_step(loader, out, batch_size, entries, before)
-        assert drawn == loader._epoch_order(loader.epoch)[position:position + len(drawn)]
+        assert drawn == loader.layout.epoch_order(loader.epoch)[position:position + len(drawn)]
         assert loader.position == position + len(drawn)
         seen.extend(drawn)
         k += 1
@@ -174,8 +174,7 @@ def test_entries_change_between_steps():
 
 def shutdown_workers(loader):
     """Drop the worker iterator by reference count, while its queues are intact (see test_loader_is_not_cyclic)."""
-    loader._iterator = None
-    loader._loader._iterator = None
+    loader.prefetch.close()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from swift_dynamic_callbacks import distributed
 from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.config.length_batching import LengthBatchingConfig
-from swift_dynamic_callbacks.slots import EmptyMicroBatch, PassGroup, slot_batches
+from swift_dynamic_callbacks.data.slots import EmptyMicroBatch, PassGroup, slot_batches
 from swift_dynamic_callbacks.policies.balance import pass_cost, pass_slots, step_passes
 from swift_dynamic_callbacks.policies.length import BatchPlan
 from test_balanced_steps import lognormal_lengths, make_loader

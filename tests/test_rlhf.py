@@ -13,7 +13,7 @@ import yaml
 
 from swift_dynamic_callbacks import cli
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.rows import dataset_lengths, dataset_real_tokens, item_lengths, row_cost
+from swift_dynamic_callbacks.data.rows import dataset_lengths, dataset_real_tokens, item_lengths, row_cost
 from swift_dynamic_callbacks.testing.tiny import MODEL_FLAGS
 from swift_runs import decisions, indices_by_epoch, read_jsonl, sample_trace, train_logs
 

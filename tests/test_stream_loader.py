@@ -9,7 +9,7 @@ from torch.utils.data import IterableDataset
 
 from swift_dynamic_callbacks.policies.length import BatchPlan
 from swift_dynamic_callbacks.state import StateError
-from swift_dynamic_callbacks.stream_loader import StreamLoader, _RankShard, stream_fingerprint
+from swift_dynamic_callbacks.data.stream import StreamLoader, _RankShard, stream_fingerprint
 
 
 class Stream(IterableDataset):
@@ -125,7 +125,7 @@ def test_over_budget_rows_are_noted_and_run_alone():
     while not loader.epoch_complete:
         batches += [indices for indices, _ in loader.next_step(1) if indices]
     assert [1] in batches and sorted(i for b in batches for i in b) == [0, 1, 2, 3]  # the long row alone
-    assert loader.over_budget_rows == [(1, 500)]
+    assert loader.stats.rows_over_budget == [(1, 500)]
 
 
 def test_rank_shards_cover_the_stream():

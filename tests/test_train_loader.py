@@ -1,4 +1,4 @@
-"""The loader interface (``train_loader.TrainLoader``): both loaders meet it, the stream without an epoch budget, and
+"""The loader interface (``data.interface.TrainLoader``): both loaders meet it, the stream without an epoch budget, and
 the integration asks what a loader can do through its capability flags, never by probing for attributes."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import re
 import torch
 
 import swift_dynamic_callbacks
-from swift_dynamic_callbacks.loader import ElasticDataLoader
-from swift_dynamic_callbacks.stream_loader import StreamLoader
-from swift_dynamic_callbacks.train_loader import SizedTrainLoader, TrainLoader, meets
+from swift_dynamic_callbacks.data.elastic import ElasticDataLoader
+from swift_dynamic_callbacks.data.stream import StreamLoader
+from swift_dynamic_callbacks.data.interface import SizedTrainLoader, TrainLoader, meets
 
 
 class Stream(torch.utils.data.IterableDataset):

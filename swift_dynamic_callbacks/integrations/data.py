@@ -3,7 +3,7 @@
 estimated for a lazily tokenised dataset); the reports of micro-batches and samples over a token budget; the
 per-step sample trace.
 
-Both loaders meet :class:`~..train_loader.TrainLoader`: the integration does not ask which one it has, only what it
+Both loaders meet :class:`~..data.interface.TrainLoader`: the integration does not ask which one it has, only what it
 can do (``loader.has_length``, ``loader.lengths_estimated``).
 """
 
@@ -22,15 +22,15 @@ from ..config import ConfigError
 from ..config.integration import IntegrationConfig
 from ..config.launch import group_by_length_error
 from ..config.rules import RunFacts, check_facts
-from ..length_estimates import cache_dir, estimate_lengths, is_lazy, mean_ratio
-from ..loader import ElasticDataLoader
+from ..data.length_estimates import cache_dir, estimate_lengths, is_lazy, mean_ratio
+from ..data.elastic import ElasticDataLoader
 from ..policies.balance import work_coefficient
 from ..policies.length import BatchPlan
 from ..records import DecisionRecord
-from ..rows import dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths, row_cost
+from ..data.rows import dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths, row_cost
 from ..state import StateError
-from ..stream_loader import StreamLoader, stream_fingerprint
-from ..train_loader import TrainLoader
+from ..data.stream import StreamLoader, stream_fingerprint
+from ..data.interface import TrainLoader
 from .decisions import Decisions
 
 logger = logging.getLogger('swift_dynamic_callbacks')
@@ -120,7 +120,7 @@ class DataFeed:
 
     def _stream_loader(self, host_loader: Any, dataset: Any, loader_kwargs: dict[str, Any],
                        batch_size: int) -> StreamLoader:
-        """``streaming: true``: a :class:`~..stream_loader.StreamLoader` over this rank's shard of the stream."""
+        """``streaming: true``: a :class:`~..data.stream.StreamLoader` over this rank's shard of the stream."""
         args = self.trainer.args
         check_supported(self.trainer, self.config, streaming=True)
         if host_loader.num_workers > 0:
@@ -131,8 +131,8 @@ class DataFeed:
 
     def dataset_lengths(self, dataset: Any) -> list[int]:
         """Every sample's cost for a batch plan: the dataset's own lengths, or, for a lazily tokenised dataset, cheap
-        estimates (:mod:`..lengths`; cached beside the dataset, shared by the ranks, refined as rows are encoded),
-        with one ``length_estimate`` record."""
+        estimates (:mod:`..data.length_estimates`; cached beside the dataset, shared by the ranks, refined as rows are
+        encoded), with one ``length_estimate`` record."""
         if not is_lazy(dataset):
             return dataset_lengths(dataset)
         start = time.perf_counter()

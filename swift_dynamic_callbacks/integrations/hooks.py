@@ -5,7 +5,7 @@ stand-in when the pack is off.
 ``Seq2SeqTrainer`` and for a plain ``transformers.Trainer``) and adds :class:`IntegrationCallback`. From then on:
 
 - ``get_train_dataloader`` wraps the host's loader settings (collate function, workers, seed order) into an
-  :class:`~swift_dynamic_callbacks.loader.ElasticDataLoader` that has no fixed length, so HF runs its
+  :class:`~swift_dynamic_callbacks.data.elastic.ElasticDataLoader` that has no fixed length, so HF runs its
   ``max_steps`` loop (for ``num_train_epochs`` runs, ``max_steps`` is derived from the initial batch size and the
   epoch budget is enforced by the integration);
 - ``get_batch_samples`` (called by HF once per optimizer step, in every supported transformers version) is
@@ -34,9 +34,9 @@ from transformers import TrainerCallback
 from .. import protocol
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
-from ..loader import ElasticDataLoader
+from ..data.elastic import ElasticDataLoader
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
-from ..stream_loader import StreamLoader
+from ..data.stream import StreamLoader
 from .trainer import Integration, logger
 
 DISABLE_ENV = 'SWIFT_DYNAMIC_CALLBACKS_DISABLE'

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..slots import EmptyMicroBatch, PassGroup
+from ..data.slots import EmptyMicroBatch, PassGroup
 from .padding_free import PackedBatch, flatten_rows
 
 

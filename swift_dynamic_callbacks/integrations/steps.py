@@ -29,7 +29,7 @@ from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
 from ..config.rules import PAIRS_WHY
-from ..slots import EmptyMicroBatch, PassGroup
+from ..data.slots import EmptyMicroBatch, PassGroup
 from ..device_memory import device_figures, free_memory, is_oom
 from ..policies.data_plan import piece_bounds
 from ..policies.memory import oom_backoff, pass_cap, pieces_needed

@@ -24,7 +24,7 @@ import torch
 
 from .. import distributed, protocol
 from ..config.integration import IntegrationConfig
-from ..slots import slot_batches
+from ..data.slots import slot_batches
 from ..records import DECISIONS_FILE, DecisionRecord
 from ..state import stateful_components
 from .apply import RequestApplier

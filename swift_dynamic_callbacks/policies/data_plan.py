@@ -9,7 +9,7 @@ samples remaining.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 
 #: epochs and samples computed from fractions are compared and rounded with this tolerance (floating-point noise:
@@ -104,6 +104,65 @@ def steps_to_budget(epoch: int, position: int, epoch_size: int, budget_epochs: f
         steps += steps_in_epoch(epoch_size - position, batch_size, entries)
         epoch, position = epoch + 1, 0
     return steps
+
+
+def planned_steps_to_budget(epoch: int, position: int, epoch_size: int, budget_epochs: float, entries: int,
+                            sizes: Sequence[int], epoch_sizes: Callable[[int], Sequence[int]]) -> int:
+    """Optimizer steps still needed to use ``budget_epochs`` epochs of data when epochs are cut into planned
+    micro-batches (a batch plan) instead of equal ones (:func:`steps_to_budget`).
+
+    Args:
+        epoch, position: this device's position (``position`` samples into ``epoch``; ``position == epoch_size``: the
+            epoch is used up).
+        epoch_size: samples of an epoch on this device (>= 1).
+        budget_epochs: training stops once ``epoch + position / epoch_size`` reaches it.
+        entries: micro-batches per optimizer step.
+        sizes: the micro-batch sizes planned for the rest of ``epoch`` from ``position``.
+        epoch_sizes: ``epoch -> its micro-batch sizes from its start`` (called only for the epochs the budget reaches).
+
+    Each epoch takes ``ceil(micro-batches / entries)`` steps; an epoch the budget ends inside counts the micro-batches
+    that reach its share of the epoch (:func:`tolerant_ceil`).
+    """
+    if epoch_size < 1:
+        raise ValueError(f'planned_steps_to_budget: epoch_size must be >= 1, got {epoch_size}')
+    steps = 0
+    while before(epoch + position / epoch_size, budget_epochs):
+        if position >= epoch_size:
+            epoch, position, sizes = epoch + 1, 0, epoch_sizes(epoch + 1)
+            continue
+        target = min(epoch_size, tolerant_ceil(min(budget_epochs - epoch, 1.0) * epoch_size))
+        count = micro_batches_to(sizes, target - position)
+        steps += -(-count // entries)
+        if target < epoch_size:
+            break
+        position = epoch_size
+    return steps
+
+
+def micro_batches_to(sizes: Sequence[int], samples: int) -> int:
+    """How many of the micro-batches ``sizes`` (in drawing order) are drawn until at least ``samples`` samples are."""
+    count, taken = 0, 0
+    for size in sizes:
+        if taken >= samples:
+            break
+        taken += size
+        count += 1
+    return count
+
+
+def redealt_to_draw(budget_epochs: float, epoch: int, dataset_size: int, consumed: int, dealt: int, share: int,
+                    done: int) -> int:
+    """Samples of this device's share of a re-dealt epoch still to draw to reach ``budget_epochs``.
+
+    The epoch was re-dealt after ``consumed`` of its ``dataset_size`` samples were used: ``dealt`` samples, of which
+    this device holds ``share`` and used ``done``. When the budget ends inside the epoch, each device draws its
+    proportional part of the samples still needed (rounded up); otherwise its whole share.
+    """
+    target = share
+    if before(budget_epochs, epoch + 1):  # the budget ends inside this epoch
+        need = tolerant_ceil((budget_epochs - epoch) * dataset_size) - consumed
+        target = min(share, -(-max(need, 0) * share // max(dealt, 1)))
+    return max(target - done, 0)
 
 
 def redeal(rests: list[list[int]], world: int) -> list[list[int]]:

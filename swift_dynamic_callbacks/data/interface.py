@@ -1,7 +1,7 @@
 """The interface every training loader of the pack meets: what the integration calls, declared once.
 
-Two loaders implement it: :class:`~.loader.ElasticDataLoader` (a map-style dataset: exactly-once epochs, length-aware
-plans, balanced steps, resume on another number of processes) and :class:`~.stream_loader.StreamLoader` (a stream:
+Two loaders implement it: :class:`~.elastic.ElasticDataLoader` (a map-style dataset: exactly-once epochs, length-aware
+plans, balanced steps, resume on another number of processes) and :class:`~.stream.StreamLoader` (a stream:
 rows in stream order, buckets inside bounded windows). The integration asks a loader what it can do through the
 capability flags below instead of probing for attributes; what only a loader with a length offers is
 :class:`SizedTrainLoader`.
@@ -13,7 +13,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, runtime_checkable
 
-from .policies.length import BatchPlan
+from ..policies.length import BatchPlan
 
 
 @dataclass

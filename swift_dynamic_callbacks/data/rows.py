@@ -8,7 +8,7 @@ rejected rows, KTO's completion and KL row); the batch plans count every row.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 _LENGTHS_ATTR = '_sdc_lengths'
 _REAL_ATTR = '_sdc_real_tokens'
@@ -115,3 +115,52 @@ def dataset_fingerprint(dataset: Any, samples: int = 8) -> dict[str, Any]:
             return {'size': size, 'sha256': None}
         digest.update(repr([int(x) for x in ids]).encode())
     return {'size': size, 'sha256': digest.hexdigest()}
+
+
+class RowLengths:
+    """The cost (:func:`row_cost`) and real tokens of every dataset index, read once, when a batch plan first needs
+    them; when they are estimates (a lazy dataset, ``estimated``), each row's real cost replaces its estimate as the
+    row is encoded (:meth:`refine`).
+
+    Args:
+        size: samples in the dataset (the lengths must match it).
+        costs: ``() -> cost of every index``, or None (a loader that never plans by length).
+        real: ``() -> real tokens of every index, or None`` (None: the costs), called once after ``costs``.
+    """
+
+    def __init__(self, size: int, costs: Callable[[], Sequence[int]] | None,
+                 real: Callable[[], Sequence[int] | None] | None = None) -> None:
+        self.size = size
+        self.estimated = False
+        self._costs_fn, self._real_fn = costs, real
+        self._costs: list[int] | None = None
+        self._real: list[int] | None = None
+
+    @property
+    def costs(self) -> list[int]:
+        """Tokens of every dataset index (read on first use)."""
+        if self._costs is None:
+            if self._costs_fn is None:
+                raise ValueError('a batch plan needs the samples\' lengths, but this loader was built without them')
+            costs = [int(x) for x in self._costs_fn()]
+            if len(costs) != self.size:
+                raise ValueError(f'got {len(costs)} lengths for a dataset of {self.size} samples')
+            self._costs = costs
+            real = self._real_fn() if self._real_fn is not None else None
+            self._real = [int(x) for x in real] if real is not None else costs
+        return self._costs
+
+    @property
+    def real(self) -> list[int]:
+        """Real tokens of every dataset index (the costs, unless a sample is several rows)."""
+        self.costs  # noqa: B018
+        return self._real
+
+    def refine(self, indices: Sequence[int], costs: Sequence[int | None]) -> None:
+        """Replace the estimates of ``indices`` by the real costs of their rows just encoded (None: unknown)."""
+        table, real = self.costs, self._real
+        for i, cost in zip(indices, costs):
+            if cost is not None:
+                table[i] = cost
+                if real is not table:
+                    real[i] = cost

@@ -1,6 +1,6 @@
 """The elastic loader over a stream (``streaming: true``, an ``IterableDataset``): exactly-once, in stream order.
 
-:class:`StreamLoader` is what :class:`~.loader.ElasticDataLoader` is for a map-style dataset, for a dataset with no
+:class:`StreamLoader` is what :class:`~.elastic.ElasticDataLoader` is for a map-style dataset, for a dataset with no
 length. Each rank takes its shard of the stream (rows ``rank::world`` of the stream's order, the stream's own
 shuffle included); :meth:`StreamLoader.next_step` takes the next rows of the shard for each micro-batch at the
 batch size of this step, so a batch-size change applies at the next optimizer step and no row is dropped or read
@@ -9,7 +9,7 @@ again from the start of the epoch and skips that many rows (they are read, not t
 next unseen one. An epoch ends when every rank's shard is used up (a rank whose shard ended first runs placeholder
 micro-batches until then); the next epoch calls the dataset's ``set_epoch`` and reads it again.
 
-Length-aware batching (a :class:`~.policies.length.BatchPlan`) works on a bounded **window** of the stream: the next
+Length-aware batching (a :class:`~..policies.length.BatchPlan`) works on a bounded **window** of the stream: the next
 ``window`` rows of the shard are read, laid out (bucketed, with the plan's seed, the epoch and the window's number)
 and cut into micro-batches by the plan, exactly as the map-style loader does with a whole epoch; then the next
 window. Inside a window rows leave stream order (that is what bucketing is), never the window. The state holds the
@@ -28,12 +28,13 @@ from typing import Any, Callable, Iterator, Mapping
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import distributed
-from .errors import ConfigError
-from .slots import EmptyMicroBatch
+from .. import distributed
+from ..errors import ConfigError, StateError
+from ..policies import length as length_policy
+from .interface import BudgetReports
 from .rows import item_lengths, row_cost, row_tokens
-from .train_loader import BudgetReports
-from .policies import length as length_policy
+from .slots import EmptyMicroBatch
+from .stats import DrawStats
 
 
 class _RankShard(IterableDataset):
@@ -93,7 +94,7 @@ class StreamLoader:
         self.loader_kwargs = {k: v for k, v in dict(loader_kwargs or {}).items() if v is not None}
         self.num_workers = min(int(self.loader_kwargs.get('num_workers', 0)), 1)
         self.plan: length_policy.BatchPlan | None = None
-        self.token_stats = [0, 0, 0]
+        self.stats = DrawStats()
         self._rank, self._world = distributed.rank(), distributed.world_size()
         self._source: Iterator[tuple[int, Any]] | None = None
         self._ahead: deque[tuple[int, Any]] = deque()  # rows read from the shard, not yet consumed
@@ -107,8 +108,6 @@ class StreamLoader:
         self._window_start = 0
         self._window_number = 0
         self._sizes: list[int] = []
-        #: ``(stream index, cost)`` of rows over the token budget met in windows since the integration last took them
-        self.over_budget_rows: list[tuple[int, int]] = []
 
     # ---- what HF sees ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -185,7 +184,7 @@ class StreamLoader:
         self._window_costs = [costs[i] for i in order]
         self._window_chunks = chunks
         if self.plan.mode == 'token_budget':
-            self.over_budget_rows.extend((rows[i][0], costs[i]) for i in range(len(rows))
+            self.stats.rows_over_budget.extend((rows[i][0], costs[i]) for i in range(len(rows))
                                          if costs[i] > self.plan.max_tokens)
         self._replan()
 
@@ -275,13 +274,11 @@ class StreamLoader:
         return real, padded, len(batches)
 
     def take_token_stats(self) -> tuple[int, int, int]:
-        stats, self.token_stats = tuple(self.token_stats), [0, 0, 0]
-        return stats
+        return self.stats.take_token_stats()
 
     def take_reports(self) -> BudgetReports:
         """The rows read over the token budget since the last call (each runs alone)."""
-        reports, self.over_budget_rows = BudgetReports(rows_over_budget=self.over_budget_rows), []
-        return reports
+        return self.stats.take_reports()
 
     def skip_to(self, consumed: int) -> None:
         """Resume by HF's arithmetic (a checkpoint without the pack's state): this rank's first ``consumed`` rows
@@ -326,9 +323,8 @@ class StreamLoader:
             if self.plan is not None:
                 lengths = [item_lengths(row, k) for k, row in rows]
                 costs = [row_cost(v) for v in lengths]
-                self.token_stats[0] += sum(row_tokens(v) for v in lengths)
-                self.token_stats[1] += sum(costs) if self.plan.padding_free else len(costs) * max(costs)
-                self.token_stats[2] += 1
+                real = sum(row_tokens(v) for v in lengths)
+                self.stats.count_batch(real, sum(costs) if self.plan.padding_free else len(costs) * max(costs))
             out.append((indices, self.collate_fn([row for _, row in rows])))
         if self.plan is None or self._window_done():
             self._fill(1)  # is there a row left on this rank?
@@ -351,7 +347,6 @@ class StreamLoader:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        from .state import StateError
         if not state.get('streaming'):
             raise StateError('the checkpoint was written for a map-style training dataset, but this run streams it '
                              '(streaming: true); resume with the same dataset settings')
@@ -383,7 +378,7 @@ class StreamLoader:
         rows = self._take(self.window)
         self._window_start, self._window_taken = start, 0
         self._layout(rows)
-        self.over_budget_rows.clear()  # recorded by the interrupted run
+        self.stats.rows_over_budget.clear()  # recorded by the interrupted run
         self._window_taken = taken
         self.position = start + taken
         self._replan()
