@@ -137,6 +137,26 @@ def test_growth_run_exactly_once_lr_scaled_and_resumable(tmp_path, tiny_llama, g
         plugin._configured = None
 
 
+@pytest.mark.e2e
+def test_rewarm_in_swift_the_logged_lr_ramps_to_each_growths_scale(tmp_path, tiny_llama, gsm8k_16):
+    """A real run with rewarm: 2 (linear scaling, constant schedule): the LR logged at each step is the ramp the
+    callback requested, the samples are those of the same growth without re-warming."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    try:
+        sdc.register(batch_growth={**GROWTH, 'interval': 3, 'maximum': 4, 'rewarm': 2},
+                     integration={'record_samples': True})
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'rewarm'), max_steps=8, save_steps=100, **RUN)
+        # growths after steps 3 (1 -> 2) and 6 (2 -> 4): half-way the step after, the whole scale the next
+        assert [row['learning_rate'] for row in train_logs(out)] == pytest.approx(
+            [1e-3 * s for s in [1, 1, 1, 1.5, 2, 2, 3, 4]])
+        assert [row['batch_size'] for row in sample_trace(out)] == [1, 1, 1, 2, 2, 2, 4, 4]
+        ramp = [(d['step'], d['values']['new']) for d in decisions(out) if d['reason'] == 'rewarm']
+        assert ramp == [(4, 2.0), (7, 4.0)]
+    finally:
+        plugin._configured = None
+
+
 def test_loss_variability_policy_table():
     kw = dict(window=4, threshold=0.05, factor=2, maximum=16)
     assert loss_variability_size([2.0, 2.0, 2.0], 2, **kw) == 2  # too few values: hold
@@ -394,6 +414,49 @@ def test_the_lr_in_effect_is_the_schedule_times_the_requested_scale(settings):
     assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 4  # every policy here grows to 4 in the run
     if config.policy == 'seesaw':
         assert [s for s, _, _ in requests[1:]] == _cut_steps(_FACTORS, 2.0, 2)
+
+
+def test_rewarm_ramps_the_requested_lr_scale_to_each_growths_in_n_steps():
+    """rewarm: 3 with growths 1 -> 2 -> 4 every 4 steps (sqrt): each growth requests a third of the way from the scale
+    in effect, the next two steps the rest; the LR in effect is the schedule's times what was requested."""
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    from swift_dynamic_callbacks.policies.growth import rewarm_scale
+    cb = BatchGrowthCallback(BatchGrowthConfig(policy='interval', initial=1, factor=2, interval=4, maximum=4,
+                                               rewarm=3))
+    requests, decided, effect = _drive_with_requested_scale(cb, [1.0] * 12)
+    assert [(s, b) for s, b, _ in requests] == [(0, 1), (4, 2), (8, 4)]
+    r2 = math.sqrt(2)
+    ramp = [1 + (r2 - 1) / 3, 1 + 2 * (r2 - 1) / 3, r2, r2, r2 + (2 - r2) / 3, r2 + 2 * (2 - r2) / 3]
+    assert [lr / 1e-3 for _, _, lr in effect[4:10]] == pytest.approx(ramp)  # steps 5-10
+    assert effect[11][2] == pytest.approx(2e-3)  # reached: the growth's scale
+    rewarms = [r for r in decided if r.reason == 'rewarm']
+    assert [(r.step, r.values['step_of_rewarm']) for r in rewarms] == [(5, 2), (6, 3), (9, 2), (10, 3)]
+    assert all(r.kind == 'lr_scale' for r in rewarms)
+    grown = [r for r in decided if r.kind == 'batch_size' and r.reason == 'interval']
+    assert [r.values['lr_scale_target'] for r in grown] == pytest.approx([r2, 2.0])
+    assert rewarm_scale(1.0, 2.0, 1, 0) == 2.0 and rewarm_scale(1.0, 2.0, 5, 4) == 2.0
+
+
+def test_rewarm_resumes_mid_ramp_and_is_refused_where_it_cannot_apply():
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    config = BatchGrowthConfig(policy='interval', initial=1, factor=4, interval=2, maximum=4, rewarm=4)
+    cb = BatchGrowthCallback(config)
+    _drive_with_requested_scale(cb, [1.0] * 3)  # grown at step 2 to 4 (scale 2): 2 of the 4 ramp steps requested
+    assert cb.rewarm == {'before': 1.0, 'after': 2.0, 'done': 2} and cb.lr_scale == pytest.approx(1.5)
+    restored = BatchGrowthCallback(config)
+    restored.load_state_dict(cb.state_dict())
+    control = TrainerControl()
+    args = TrainingArguments(output_dir='unused', gradient_accumulation_steps=1, report_to=[])
+    restored.on_step_end(args, TrainerState(global_step=4, max_steps=9), control, lr_scheduler=_Sched(1e-3))
+    assert control.new_lr_scale == pytest.approx(1.75) and getattr(control, 'new_batch_size', None) is None
+    with pytest.raises(ConfigError, match='rewarm: policy seesaw'):
+        BatchGrowthConfig(policy='seesaw', rewarm=2)
+    with pytest.raises(ConfigError, match='rewarm'):
+        BatchGrowthConfig(policy='interval', lr_scaling='none', rewarm=2)
+    old = BatchGrowthCallback(config)  # a checkpoint from before re-warming: the batch's own scale
+    old.load_state_dict({'batch_size': 4, 'pending': None})
+    assert old.lr_scale == pytest.approx(2.0) and old.rewarm is None
 
 
 def _hf_cosine(step: int, warmup: int, total: int) -> float:

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from .. import distributed, protocol
 from ..config.batch_growth import BatchGrowthConfig
-from ..policies.growth import lr_scale, optimizer_scale, pieces_for_cap
+from ..policies.growth import lr_scale, optimizer_scale, pieces_for_cap, rewarm_scale
 from ..records import DecisionRecord
 from .base import DynamicCallback
 from .growth import GrowthStrategy, StepView, strategy_for
@@ -26,8 +26,11 @@ class BatchGrowthCallback(DynamicCallback):
     ``new_optimizer_scale`` with ``weight_decay_scaling`` / ``beta2_scaling``; ``measure_grad_noise`` when the
     strategy measures the gradient noise; ``dynamic_metrics`` (what the strategy publishes, e.g.
     ``dynamic/grad_noise_scale``, ``dynamic/late_switch_wait``).
-    State: ``batch_size`` (last requested), ``pending`` (held for the epoch end) and the strategy's own keys; the
-    loader's position and the LR scale are restored by the integration.
+    With ``rewarm: N`` a growth's LR scale is reached in N steps (``policies.growth.rewarm_scale``): the growth
+    requests the first of them, each next step the next one (an ``lr_scale`` record, reason ``rewarm``).
+    State: ``batch_size`` (last requested), ``pending`` (held for the epoch end), ``rewarm`` (a re-warm under way:
+    ``before``, ``after``, ``done`` steps; else None) and the strategy's own keys; the loader's position and the LR
+    scale in effect are restored by the integration.
     """
 
     name = 'batch_growth'
@@ -37,6 +40,8 @@ class BatchGrowthCallback(DynamicCallback):
         super().__init__(config)
         self.batch_size: int | None = None
         self.pending: int | None = None
+        self.rewarm: dict[str, float] | None = None
+        self.lr_scale: float | None = None  # last requested
         self.strategy: GrowthStrategy = strategy_for(self.config)
 
     def target(self, step: int, current: int) -> int:
@@ -70,6 +75,9 @@ class BatchGrowthCallback(DynamicCallback):
             self.pending = size
         else:
             self._request(args, control, size, state.global_step, reason=self.config.policy)
+            return
+        if self.rewarm is not None:
+            self._rewarm_step(control, state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         loss = protocol.true_training_value(control, logs or {}, 'loss')  # NaN for HF's substitute of a NaN step
@@ -88,15 +96,25 @@ class BatchGrowthCallback(DynamicCallback):
         scale = lr_scale(size, c.reference_batch or c.initial, c.lr_scaling)
         optimizer = optimizer_scale(size / (c.reference_batch or c.initial), scale,
                                     weight_decay=c.weight_decay_scaling, beta2=c.beta2_scaling)
+        requested = scale
+        if c.rewarm and old is not None and self.lr_scale is not None and scale != self.lr_scale:
+            self.rewarm = {'before': self.lr_scale, 'after': scale, 'done': 1}
+            requested = rewarm_scale(self.lr_scale, scale, 1, c.rewarm)
+            if requested == scale:
+                self.rewarm = None
+        else:
+            self.rewarm = None
         protocol.request_batch_size(control, size)
         protocol.request_num_pieces(control, pieces)
-        protocol.request_lr_scale(control, scale)
+        protocol.request_lr_scale(control, requested)
         if optimizer:
             protocol.request_optimizer_scale(control, optimizer)
         per_step = _passes_per_step(args)
         extra = dict(self.strategy.record_values(reason, per_step))
         if optimizer:
             extra['optimizer_scale'] = optimizer
+        if self.rewarm is not None:
+            extra.update(lr_scale_target=scale, rewarm=c.rewarm)
         protocol.record_decision(
             control,
             DecisionRecord(
@@ -105,22 +123,43 @@ class BatchGrowthCallback(DynamicCallback):
                     'new': size,
                     'num_pieces': pieces,
                     'global_batch_size': size * per_step,
-                    'lr_scale': scale,
+                    'lr_scale': requested,
                     **extra
                 },
-                message=f'global batch {old * per_step if old else "-"} -> {size * per_step}, lr x{scale:.4g}',
+                message=f'global batch {old * per_step if old else "-"} -> {size * per_step}, lr x{requested:.4g}'
+                + (f' (re-warming to x{scale:.4g} in {c.rewarm} steps)' if self.rewarm is not None else ''),
                 step=step))
         self.strategy.resized(old, size, scale)
         self.batch_size = size
+        self.lr_scale = requested
         self.pending = None
+
+    def _rewarm_step(self, control: Any, step: int) -> None:
+        """The next LR scale of the re-warm under way, requested for the next step."""
+        ramp, steps = self.rewarm, self.config.rewarm
+        done = int(ramp['done']) + 1
+        scale = rewarm_scale(ramp['before'], ramp['after'], done, steps)
+        protocol.request_lr_scale(control, scale)
+        protocol.record_decision(control, DecisionRecord(
+            self.name, 'lr_scale', 'rewarm', {'old': self.lr_scale, 'new': scale, 'step_of_rewarm': done,
+                                              'rewarm': steps, 'target': ramp['after']},
+            message=f'lr x{self.lr_scale:.4g} -> x{scale:.4g} (re-warm {done}/{steps})', step=step))
+        self.lr_scale = scale
+        self.rewarm = None if done >= steps else {**ramp, 'done': done}
 
     # ---- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {'batch_size': self.batch_size, 'pending': self.pending, **self.strategy.state_dict()}
+        return {'batch_size': self.batch_size, 'pending': self.pending, 'rewarm': self.rewarm,
+                'lr_scale': self.lr_scale, **self.strategy.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.batch_size = state.get('batch_size')
         self.pending = state.get('pending')
+        self.rewarm = dict(state['rewarm']) if state.get('rewarm') else None
+        self.lr_scale = state.get('lr_scale')
+        if self.lr_scale is None and self.batch_size is not None:  # a checkpoint before re-warming: the batch's scale
+            c = self.config
+            self.lr_scale = lr_scale(self.batch_size, c.reference_batch or c.initial, c.lr_scaling)
         self.strategy.load_state_dict(state)
 
 

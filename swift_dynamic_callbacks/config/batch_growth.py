@@ -128,6 +128,10 @@ class BatchGrowthConfig(Settings):
             ``linear`` or ``none``; the factor is relative to ``reference_batch``.
         reference_batch: the per-device batch size the configured learning rate is meant for (default
             ``initial``).
+        rewarm: optimizer steps over which the LR scale moves from its value before a growth to the new one,
+            linearly (``policies.growth.rewarm_scale``; 0, the default: at once). Adam's moment estimates were made
+            at the old gradient noise; a short ramp avoids a sudden jump of the update size. Not with ``seesaw``
+            (it reads the LR it set) or ``lr_scaling: none`` (nothing to ramp).
         apply_at: ``step`` (a change applies at the next optimizer step) or ``epoch`` (held until the next
             epoch boundary: fewer loader restarts).
         window: logged losses the loss_variability policy looks at (default 20: with ``logging_steps: 1``, enough
@@ -177,6 +181,7 @@ class BatchGrowthConfig(Settings):
     micro_batch_cap: int | None = setting(Int(1, optional=True), None)
     lr_scaling: str = setting(Choice(('sqrt', 'linear', 'none')), 'sqrt')
     reference_batch: int | None = setting(Int(1, optional=True), None)
+    rewarm: int = setting(Int(0), 0)
     apply_at: str = setting(Choice(('step', 'epoch')), 'step')
     window: int = setting(Int(2), 20)
     threshold: float = setting(Number(0, float('inf'), low_open=True, high_open=True), 0.05)
@@ -198,7 +203,8 @@ class BatchGrowthConfig(Settings):
             'seesaw': ('factor', ),
             'late_switch': ('switch_at', 'switch_patience'),
         }),
-        Reads('lr_scaling', {'sqrt': ('reference_batch', ), 'linear': ('reference_batch', ), 'none': ()}),
+        Reads('lr_scaling', {'sqrt': ('reference_batch', 'rewarm'), 'linear': ('reference_batch', 'rewarm'),
+                             'none': ()}),
         Reads('switch_patience', {'>= 1': ('switch_min_delta', 'switch_smooth'), 'none': ()},
               classify=lambda n: 'none' if n is None else '>= 1' if n >= 1 else 'invalid'),
     )
@@ -210,6 +216,9 @@ class BatchGrowthConfig(Settings):
         if self.policy == 'seesaw' and self.lr_scaling != 'sqrt':
             raise ConfigError(f'lr_scaling: policy seesaw cuts the LR by sqrt(factor) for every batch x factor, so it '
                               f'needs lr_scaling: sqrt, got {self.lr_scaling!r}')
+        if self.policy == 'seesaw' and self.rewarm:
+            raise ConfigError(f'rewarm: policy seesaw grows when the LR it set has been cut by the schedule, so it '
+                              f'cannot ramp its LR scale; use rewarm: 0 with seesaw, got {self.rewarm}')
         if self.policy == 'table' and not self.table:
             raise ConfigError('table: the table policy needs at least one {step: batch_size} entry, got none')
         if self.policy == 'callable':

@@ -110,6 +110,15 @@ def optimizer_scale(ratio: float, lr_factor: float, *, weight_decay: str, beta2:
     return out
 
 
+def rewarm_scale(before: float, after: float, step: int, steps: int) -> float:
+    """The LR scale ``step`` optimizer steps into a re-warm of ``steps`` (``1 <= step``) from ``before`` (the scale
+    before a growth) to ``after`` (the growth's): linear, ``after`` from ``step == steps`` on (and when ``steps`` is
+    0)."""
+    if steps <= 0 or step >= steps:
+        return after
+    return before + (after - before) * step / steps
+
+
 def lr_scale(global_batch: int, reference_batch: int, rule: str) -> float:
     """LR factor for a global batch relative to the one the configured LR is meant for.
 
