@@ -52,6 +52,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -128,6 +129,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, model: str, flags: di
     overrides, pack, callbacks = arm_settings(name, steps_small, args.max_length)
     lr = (float(base_lr) if base_lr else args.lr) * overrides.pop('lr_factor', 1.0)
     out = os.path.join(args.out, f'{arm}-seed{seed}')
+    shutil.rmtree(out, ignore_errors=True)  # a run of another study in the same folder: its checkpoint and logs go
     kwargs = offline_sft_kwargs(
         model, train, out, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=args.ga, learning_rate=lr,
         lr_scheduler_type='cosine', warmup_ratio=0.1, seed=seed, data_seed=seed, max_length=args.max_length,

@@ -13,14 +13,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-JSONL=${1:-output/bench_quality/study30.jsonl}
-PNG=${2:-output/bench_quality/pareto30.png}
+JSONL=${1:-docs/figures/quality_30.jsonl}  # committed: a study run in parts continues from it
+PNG=${2:-docs/figures/quality_30.png}
 STAGE=${STAGE:-all}
 TUNE=(0)
 REPORT=(1 2 3 4 5)
 PACK_ARMS=(growth growth_token_budget growth_optimizer seesaw late_switch late_switch_plateau late_switch_half_budget
            growth_gentle growth_rewarm)
-mkdir -p "$(dirname "$JSONL")"
+BEST=output/bench_quality/$(basename "$JSONL").best  # each arm's LR, made from the tuning runs
+mkdir -p "$(dirname "$JSONL")" output/bench_quality
 B=("$PY" scripts/bench_quality.py --samples 128 --eval-rows 100 --answers 100 --jsonl "$JSONL" --skip-done)
 if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then
   "${B[@]}" --seeds "${TUNE[@]}" --skip-base --arms fixed_small --arm-lrs 1e-3 2e-3 4e-3
@@ -29,7 +30,7 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = report ]; then
   # each arm's LR on the tuning seeds ("arm lr" lines)
-  "$PY" - "$JSONL" "${TUNE[@]}" > "$JSONL.best" <<'EOF'
+  "$PY" - "$JSONL" "${TUNE[@]}" > "$BEST" <<'EOF'
 import json, statistics, sys
 tune = {int(s) for s in sys.argv[2:]}
 losses = {}
@@ -48,7 +49,7 @@ EOF
   for seed in "${REPORT[@]}"; do
     while read -r arm lr; do
       "${B[@]}" --seeds "$seed" --skip-base --arms "$arm" --arm-lrs "$lr" < /dev/null
-    done < "$JSONL.best"
+    done < "$BEST"
   done
 fi
 "$PY" scripts/bench_quality.py --samples 128 --eval-rows 100 --from-jsonl "$JSONL" --report-seeds "${REPORT[@]}" \

@@ -242,7 +242,7 @@ def _same_training(a, b):
 @pytest.fixture(scope='module')
 def mixed_rows(tmp_path_factory):
     from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
-    return str(write_mixed_length_dataset(tmp_path_factory.mktemp('pass_tokens') / 'mixed.jsonl', n=32))
+    return str(write_mixed_length_dataset(tmp_path_factory.mktemp('pass_tokens') / 'mixed.jsonl', n=16))
 
 
 @pytest.fixture(scope='module')

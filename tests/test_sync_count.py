@@ -101,13 +101,13 @@ def test_the_pack_makes_no_synchronising_call_per_micro_batch(tmp_path, tiny_qwe
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     from swift_runs import run_sft, train_logs
-    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=24))
+    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=12))
     try:
         sdc.register(**settings)
         with counting(monkeypatch) as counter:
             out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'out'), callbacks=list(settings), max_steps=-1,
                           num_train_epochs=1, per_device_train_batch_size=2, gradient_accumulation_steps=ga,
-                          max_length=2048)
+                          max_length=1024)
     finally:
         plugin._configured = None
     logs = train_logs(out)
