@@ -25,7 +25,7 @@ import swift_dynamic_callbacks
 PACKAGE = os.path.dirname(swift_dynamic_callbacks.__file__)
 METHODS = ('item', 'tolist', '__bool__', 'cpu', 'numpy', '__int__', '__float__', '__index__', 'nonzero')
 #: the host-side reads the step boundary may make (module docstring), by function name
-HOST_READS = {'count_tokens', 'same_length_rows', 'flatten_rows', 'next_step'}
+HOST_READS = {'count_tokens', 'same_length_rows', 'flatten_rows', 'start'}
 
 
 class SyncCounter:
@@ -116,7 +116,7 @@ def test_the_pack_makes_no_synchronising_call_per_micro_batch(tmp_path, tiny_qwe
     assert not micro, f'synchronising calls on the micro-batch path: {dict(micro)}'
     step = counter.by_phase('step')
     assert {function for _, function, _, _ in step} <= HOST_READS, dict(step)
-    seeds = sum(n for (_, function, _, _), n in step.items() if function == 'next_step')
+    seeds = sum(n for (_, function, _, _), n in step.items() if function == 'start')
     assert seeds == 1  # the loader's seed draw, once in this one-epoch run
     log = counter.by_phase('log')
     assert sum(log.values()) <= 2 * len(logs), dict(log)  # the non-finite flags of the logged steps
