@@ -125,7 +125,7 @@ def _replay_patch(paths: list[str]) -> None:
                 out.append(([], EmptyMicroBatch()))
                 continue
             out.append((list(indices), self.collate_fn([self.dataset[i] for i in indices])))
-            self.samples_seen += len(indices)
+            self.shard.samples_seen += len(indices)
         return out
 
     ElasticDataLoader.next_step = next_step
