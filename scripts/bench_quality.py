@@ -296,9 +296,8 @@ def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> in
         wall_spread = statistics.stdev(walls) if len(walls) > 1 else 0.0
         padded = [r['padded_tokens'] for r in mine if r.get('padded_tokens') is not None]
         scored = [r for r in mine if r.get('answer_rows')]
-        answers = (f'{statistics.fmean(r["formed"] for r in scored):.1f} / '
-                   f'{statistics.fmean(r["correct"] for r in scored):.1f} of {scored[0]["answer_rows"]}'
-                   if scored else '-')
+        answers = (f'{statistics.fmean(r["formed"] / r["answer_rows"] for r in scored):.0%} / '
+                   f'{statistics.fmean(r["correct"] / r["answer_rows"] for r in scored):.0%}' if scored else '-')
         print(f'| {arm} | {len(mine)} | {mean("optimizer_steps"):.1f} | {mean("train_loss"):.4f} | '
               f'{mean("eval_loss"):.4f} ± {spread:.4f} | {mean("wall_s"):.1f} ± {wall_spread:.1f} | '
               f'{mean("padding"):.3f} | {statistics.fmean(padded) if padded else float("nan"):,.0f} | {answers} |')
