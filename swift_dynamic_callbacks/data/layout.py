@@ -24,7 +24,7 @@ class EpochLayout:
         epoch_order: ``epoch -> this rank's share of the epoch in the host's order``.
         global_order: ``epoch -> every rank's samples in the host's order`` (balanced steps under several processes;
             one process: ``epoch_order``).
-        lengths: the dataset's row costs.
+        rows: the dataset's row costs.
         work_coef: ``a`` of a row's work ``a x L + L^2`` (:func:`~..policies.balance.work_coefficient`).
 
     State: ``plan`` (the plan that laid out the current epoch, None: the host's order), ``chunks`` (its chunk sizes,
@@ -32,11 +32,11 @@ class EpochLayout:
     saves ``plan`` as ``order_plan``; chunks and spreads are computed again from it.
     """
 
-    def __init__(self, epoch_order: Order, global_order: Order | None, lengths: RowLengths, *,
+    def __init__(self, epoch_order: Order, global_order: Order | None, rows: RowLengths, *,
                  work_coef: float = DEFAULT_WORK_COEF) -> None:
         self.epoch_order = epoch_order
         self._global_order = global_order
-        self.lengths = lengths
+        self.rows = rows
         self.work_coef = float(work_coef)
         self.plan: length_policy.BatchPlan | None = None
         self.chunks: list[int] | None = None
@@ -66,7 +66,7 @@ class EpochLayout:
         base = list(self.epoch_order(epoch))
         if plan is None or not plan.bucketing:
             return base, None, []
-        order, chunks = length_policy.epoch_layout(base, self.lengths.costs, plan, epoch)
+        order, chunks = length_policy.epoch_layout(base, self.rows.costs, plan, epoch)
         return order, chunks, []
 
     def lay_out(self, epoch: int, plan: length_policy.BatchPlan | None, batch: int, entries: int) -> list[int]:
@@ -80,7 +80,7 @@ class EpochLayout:
     def balanced_share(self, order: list[int], epoch: int, plan: length_policy.BatchPlan, batch: int, entries: int, *,
                        salt: int = 0) -> tuple[list[int], list[tuple[float, float]]]:
         """This rank's share of ``order`` (all ranks' samples) laid out in balanced steps, and the steps' spreads."""
-        layout = balanced_layout(order, self.lengths.costs, world=distributed.world_size(), batch=batch,
+        layout = balanced_layout(order, self.rows.costs, world=distributed.world_size(), batch=batch,
                                  entries=entries, seed=plan.seed + salt, epoch=epoch, jitter=plan.bucket_width,
                                  coef=self.work_coef, padding_free=plan.padding_free)
         return layout.shares[distributed.rank()], list(zip(layout.spread, layout.unbalanced))
@@ -95,7 +95,7 @@ class EpochLayout:
         """The micro-batch sizes ``plan`` cuts ``order`` into from ``start`` (``chunks``: its bucketing chunks)."""
         if plan.balanced:
             return rank_sizes(len(order) - start, batch, entries)
-        costs = self.lengths.costs
+        costs = self.rows.costs
         return length_policy.plan_sizes([costs[i] for i in order], start, chunks, plan, batch)
 
     def step_spread(self, step: int) -> tuple[float, float] | None:

@@ -57,7 +57,10 @@ class _PlannedBatchSampler:
         self._rest = weakref.WeakMethod(rest_batches)
 
     def __iter__(self) -> Iterator[list[int]]:
-        order, start, sizes = self._rest()()  # a snapshot now: the plan of the rest of the epoch
+        return self._batches(*self._rest()())  # a snapshot now, at iter(): the plan of the rest of the epoch
+
+    @staticmethod
+    def _batches(order: list[int], start: int, sizes: list[int]) -> Iterator[list[int]]:
         for size in sizes:
             yield order[start:start + size]
             start += size
