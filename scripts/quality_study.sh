@@ -8,7 +8,7 @@
 # 3. reporting, seeds 1-5: every arm at its LR;
 # 4. the tables over the reporting seeds only, paired against fixed_small with 95 % paired-t intervals.
 # Every run appends one JSON line to $JSONL; a stopped study continues where it stopped (--skip-done). 77 runs of
-# about 6.5 minutes (4.6 training, 1 eval, about 1.5 answers): about 8 hours on 2 CPU cores, run in parts. Needs the
+# about 7.3 minutes (4.6 training, 1 eval, 1.5 answers): about 9.5 hours on 2 CPU cores, run in parts. Needs the
 # demo extra (scripts/main_job.sh installs it). Never part of the test run (tests/test_bench_quality.py smokes the script).
 # Usage: bash scripts/quality_study.sh [JSONL] [PNG]     STAGE=tune|report|table to run one stage only
 set -euo pipefail
