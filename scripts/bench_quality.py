@@ -176,14 +176,12 @@ def held_out_answers(model: str, out: str, test: str, rows: int) -> dict:
     """Greedy answers of the run's last checkpoint to the first ``rows`` held-out questions, scored as the main job
     scores them: ``{'answer_rows', 'formed', 'correct'}``."""
     import torch
-    from main_job_answer import greedy, score
+    from main_job_answer import greedy, read_rows, score
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
     [checkpoint] = [d for d in os.listdir(out) if d.startswith('checkpoint-')]
-    with open(test, encoding='utf-8') as f:
-        data = [json.loads(line) for line in f if line.strip()][:rows]
-    questions = [next(m['content'] for m in r['messages'] if m['role'] == 'user') for r in data]
-    references = [next(m['content'] for m in r['messages'] if m['role'] == 'assistant') for r in data]
+    questions, references = read_rows(test)
+    questions, references = questions[:rows], references[:rows]
     tokenizer = AutoTokenizer.from_pretrained(model)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     tuned = PeftModel.from_pretrained(base, os.path.join(out, checkpoint)).eval()

@@ -42,6 +42,15 @@ def score(answers: list[str], references: list[str]) -> tuple[int, int]:
     return formed, correct
 
 
+def read_rows(path: str) -> tuple[list[str], list[str]]:
+    """``(questions, reference answers)`` of the held-out rows in messages form (JSONL) at ``path``."""
+    with open(path, encoding='utf-8') as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    questions = [next(m['content'] for m in r['messages'] if m['role'] == 'user') for r in rows]
+    references = [next(m['content'] for m in r['messages'] if m['role'] == 'assistant') for r in rows]
+    return questions, references
+
+
 def greedy(model, tokenizer, questions: list[str], max_new_tokens: int, no_repeat: int) -> list[str]:
     import torch
     tokenizer.padding_side = 'left'
@@ -65,12 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--no-repeat-ngram', type=int, default=6,
                         help='greedy decoding never repeats the same n tokens verbatim (0: off)')
     args = parser.parse_args(argv)
-    with open(args.data, encoding='utf-8') as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if not 0 <= args.index < len(rows):
-        parser.error(f'--index: between 0 and {len(rows) - 1} for {args.data}, got {args.index}')
-    questions = [next(m['content'] for m in r['messages'] if m['role'] == 'user') for r in rows]
-    references = [next(m['content'] for m in r['messages'] if m['role'] == 'assistant') for r in rows]
+    questions, references = read_rows(args.data)
+    if not 0 <= args.index < len(questions):
+        parser.error(f'--index: between 0 and {len(questions) - 1} for {args.data}, got {args.index}')
 
     import torch
     from peft import PeftModel
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     model = PeftModel.from_pretrained(model, args.adapter).eval()
     after = greedy(model, tokenizer, questions, args.max_new_tokens, args.no_repeat_ngram)
     (formed_0, correct_0), (formed_1, correct_1) = score(before, references), score(after, references)
-    n = len(rows)
+    n = len(questions)
     print(f'held-out GSM8K rows ({n}), greedy: answers in the "#### N" form {formed_0}/{n} -> {formed_1}/{n}; '
           f'correct final number {correct_0}/{n} -> {correct_1}/{n}\n')
     i = args.index
