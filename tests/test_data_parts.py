@@ -86,8 +86,12 @@ def test_a_shorter_shard_pads_its_last_step_and_a_share_counts_as_redealt():
     assert shard.redealt == {'consumed': 20, 'dealt': 6, 'world': 2}
     # 20 of 26 used before the re-deal, none of the share since: not complete
     assert shard.coverage(planned=True, complete=False, dataset_size=26) == pytest.approx(20 / 26)
+    state = shard.state_dict()
     shard.start_epoch(1, list(range(5)))
     assert (shard.epoch, shard.span, shard.redealt, shard.full_span) == (1, 5, None, 5)
+    shard.take_share([7, 8, 9], consumed=20, dealt=6, world=2)
+    shard.load({**state, 'redealt': None}, list(range(3)))  # a state without a re-deal: the stale record goes
+    assert (shard.span, shard.redealt, shard.epoch) == (5, None, 0)
 
 
 def test_saved_rests_are_checked_before_they_are_dealt():

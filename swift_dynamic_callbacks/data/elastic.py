@@ -370,7 +370,7 @@ class ElasticDataLoader:
                 return steps
             return steps + steps_to_budget(shard.epoch + 1, 0, self.epoch_size, budget_epochs, batch, entries)
         epoch_size = max(self.epoch_size, 1)
-        sizes = self.cursor.budget_sizes(self.remaining, batch, entries)
+        sizes = self.budget_sizes()
         if redealt is None:
             steps = planned_steps_to_budget(shard.epoch, shard.position, epoch_size, budget_epochs, entries, sizes,
                                             self._epoch_sizes)
@@ -455,7 +455,6 @@ class ElasticDataLoader:
         self.entries_per_step = int(state.get('entries_per_step', self.entries_per_step))
         order = self.layout.lay_out(int(state['epoch']), order_plan, self.batch_size, self.entries_per_step)
         self.shard.load(state, order)
-        self.shard.span, self.shard.redealt = self.shard.full_span, None
         self.cursor.load(state, self.remaining, self.entries_per_step)
         self.num_pieces = int(state.get('num_pieces', 1))
         self.prefetch.new_epoch()

@@ -114,6 +114,7 @@ class ShardPosition:
         self.epoch, self.order, self.position = int(state['epoch']), order, position
         self.samples_seen = int(state.get('samples_seen', 0))
         self.padding = int(state.get('padding', 0))
+        self.span, self.redealt = self.full_span, None  # a saved epoch that was re-dealt resumes by saved_rests
 
 
 @dataclass(frozen=True)
