@@ -93,17 +93,13 @@ class BatchGrowthCallback(DynamicCallback):
         c = self.config
         old = self.batch_size
         pieces = pieces_for_cap(size, c.micro_batch_cap)
-        scale = lr_scale(size, c.reference_batch or c.initial, c.lr_scaling)
+        scale = self._scale_for(size)
         optimizer = optimizer_scale(size / (c.reference_batch or c.initial), scale,
                                     weight_decay=c.weight_decay_scaling, beta2=c.beta2_scaling)
-        requested = scale
-        if c.rewarm and old is not None and self.lr_scale is not None and scale != self.lr_scale:
+        requested, self.rewarm = scale, None
+        if c.rewarm > 1 and old is not None and self.lr_scale not in (None, scale):  # rewarm 1: at once
             self.rewarm = {'before': self.lr_scale, 'after': scale, 'done': 1}
             requested = rewarm_scale(self.lr_scale, scale, 1, c.rewarm)
-            if requested == scale:
-                self.rewarm = None
-        else:
-            self.rewarm = None
         protocol.request_batch_size(control, size)
         protocol.request_num_pieces(control, pieces)
         protocol.request_lr_scale(control, requested)
@@ -147,6 +143,11 @@ class BatchGrowthCallback(DynamicCallback):
         self.lr_scale = scale
         self.rewarm = None if done >= steps else {**ramp, 'done': done}
 
+    def _scale_for(self, size: int) -> float:
+        """The LR scale of a per-device batch of ``size`` (``lr_scaling`` relative to ``reference_batch``)."""
+        c = self.config
+        return lr_scale(size, c.reference_batch or c.initial, c.lr_scaling)
+
     # ---- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {'batch_size': self.batch_size, 'pending': self.pending, 'rewarm': self.rewarm,
@@ -158,8 +159,7 @@ class BatchGrowthCallback(DynamicCallback):
         self.rewarm = dict(state['rewarm']) if state.get('rewarm') else None
         self.lr_scale = state.get('lr_scale')
         if self.lr_scale is None and self.batch_size is not None:  # a checkpoint before re-warming: the batch's scale
-            c = self.config
-            self.lr_scale = lr_scale(self.batch_size, c.reference_batch or c.initial, c.lr_scaling)
+            self.lr_scale = self._scale_for(self.batch_size)
         self.strategy.load_state_dict(state)
 
 
