@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--skip-done', action='store_true',
                         help='skip the (arm, seed) runs already in --jsonl: continue a study that was stopped, or add '
                         'arms / LRs to it')
+    parser.add_argument('--prepare', action='store_true',
+                        help='train nothing: build the model folder and the data files (before runs that share them)')
     parser.add_argument('--from-jsonl', nargs='+', default=None, metavar='FILE',
                         help='train nothing: print the table (and --png) of result lines saved by --jsonl, e.g. a '
                         'study run in parts; --samples / --eval-rows / --seeds only label the table then')
@@ -246,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         args.seeds = sorted({r['seed'] for r in results})
         return report(results, arms, args)
     model, flags, train, test = prepare(args.model, args.samples, args.eval_rows, os.path.join(ROOT, '.cache', 'bench'))
+    if args.prepare:
+        return 0
     arms = list(args.arms) + [f'{a}@{lr:g}' for lr in args.baseline_lrs for a in ('fixed_small', 'fixed_large')
                               if a in args.arms]
     arms += [f'{a}@{lr:g}' for lr in args.arm_lrs for a in args.arms if f'{a}@{lr:g}' not in arms]

@@ -3,55 +3,124 @@
 # held-out GSM8K test rows, and greedy answers to the first 16 of them (the main job's two scores on the main job's
 # rows; answers to all 100 take 11 minutes a run on 2 cores). Tuning and reporting seeds apart:
 # 1. tuning, seed 0 only: fixed_small at 1e-3 / 2e-3 / 4e-3 (brackets its optimum: 5e-4 was far worse in the earlier
-#    study), every pack arm at 1e-3 / 2e-3, fixed_large at 1e-3 (x2 applied);
+#    study), fixed_large at 1e-3 (x2 applied), every pack arm at 1e-3 / 2e-3;
 # 2. each arm's LR: the lowest eval loss on the tuning seed;
-# 3. reporting, seeds 1-5: every arm at its LR;
-# 4. the tables over the reporting seeds only, paired against fixed_small with 95 % paired-t intervals.
-# Every run appends one JSON line to $JSONL; a stopped study continues where it stopped (--skip-done). 77 runs of
-# about 7.3 minutes (4.6 training, 1 eval, 1.5 answers): about 9.5 hours on 2 CPU cores, run in parts. Needs the
-# demo extra (scripts/main_job.sh installs it). Never part of the test run (tests/test_bench_quality.py smokes the script).
-# Usage: bash scripts/quality_study.sh [JSONL] [PNG]     STAGE=tune|report|table to run one stage only
+# 3. the arms reported: fixed_small, and each pack arm that could meet the goal on the tuning seed: >= 40 % fewer
+#    optimizer steps than fixed_small at an eval loss within $MARGIN of fixed_small's best, the $KEEP best of them
+#    (REPORT_ALSO="arm ..." adds arms at their tuning LR);
+# 4. reporting, seeds 1-5: those arms at their LR;
+# 5. the tables over the reporting seeds only, paired against fixed_small with 95 % paired-t intervals.
+# Runs go $LANES at a time, each on its own core with one thread (taskset): a run of this size on one thread takes
+# about as long as on two (7-8 minutes), so two lanes nearly halve the study. Every run appends one JSON line to
+# $JSONL; a stopped study continues where it stopped (--skip-done). About 22 tuning + 25 reporting runs: 3 hours on
+# 2 cores. Needs the demo extra (scripts/main_job.sh installs it). Never part of the test run
+# (tests/test_bench_quality.py runs this script on the tiny model with MODEL=tiny and two arms).
+# Usage: bash scripts/quality_study.sh [JSONL] [PNG]     STAGE=tune|select|report|table: one stage only (select: print
+# the reported arms and their LRs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 JSONL=${1:-docs/figures/quality_30.jsonl}  # committed: a study run in parts continues from it
-PNG=${2:-docs/figures/quality_30.png}
+PNG=${2-docs/figures/quality_30.png}  # "": no plot
 STAGE=${STAGE:-all}
-TUNE=(0)
-REPORT=(1 2 3 4 5)
-PACK_ARMS=(growth growth_token_budget growth_optimizer seesaw late_switch late_switch_plateau late_switch_half_budget
-           growth_gentle growth_rewarm)
-BEST=output/bench_quality/$(basename "$JSONL").best  # each arm's LR, made from the tuning runs
-mkdir -p "$(dirname "$JSONL")" output/bench_quality
-B=("$PY" scripts/bench_quality.py --samples 128 --eval-rows 100 --answers 16 --jsonl "$JSONL" --skip-done)
-if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then
-  "${B[@]}" --seeds "${TUNE[@]}" --skip-base --arms fixed_small --arm-lrs 1e-3 2e-3 4e-3
-  "${B[@]}" --seeds "${TUNE[@]}" --skip-base --arms fixed_large --arm-lrs 1e-3
-  "${B[@]}" --seeds "${TUNE[@]}" --skip-base --arms "${PACK_ARMS[@]}" --arm-lrs 1e-3 2e-3
-fi
-if [ "$STAGE" = all ] || [ "$STAGE" = report ]; then
-  # each arm's LR on the tuning seeds ("arm lr" lines)
-  "$PY" - "$JSONL" "${TUNE[@]}" > "$BEST" <<'EOF'
+LANES=${LANES:-2}
+MODEL=${MODEL:-smollm2}
+SAMPLES=${SAMPLES:-128}
+EVAL_ROWS=${EVAL_ROWS:-100}
+ANSWERS=${ANSWERS:-16}
+MAX_LENGTH=${MAX_LENGTH:-512}
+OUT=${OUT:-output/bench_quality}  # each run's folder and this study's queue and logs
+MARGIN=${MARGIN:-0.02}
+KEEP=${KEEP:-2}
+read -r -a TUNE <<< "${TUNE_SEEDS:-0}"
+read -r -a REPORT <<< "${REPORT_SEEDS:-1 2 3 4 5}"
+ALL_ARMS="growth growth_token_budget growth_optimizer seesaw late_switch late_switch_plateau late_switch_half_budget"
+read -r -a PACK_ARMS <<< "${PACK_ARMS:-$ALL_ARMS growth_gentle growth_rewarm}"
+read -r -a SMALL_LRS <<< "${SMALL_LRS:-1e-3 2e-3 4e-3}"
+read -r -a PACK_LRS <<< "${PACK_LRS:-1e-3 2e-3}"
+read -r -a LARGE_LRS <<< "${LARGE_LRS-1e-3}"
+WORK=$OUT/$(basename "$JSONL")
+mkdir -p "$(dirname "$JSONL")" "$WORK"
+B=("$PY" scripts/bench_quality.py --model "$MODEL" --samples "$SAMPLES" --eval-rows "$EVAL_ROWS" --answers "$ANSWERS"
+   --max-length "$MAX_LENGTH" --out "$OUT" --jsonl "$JSONL" --skip-done)
+case $STAGE in
+  all | tune | report) "${B[@]}" --prepare ;;  # the model folder and the data files, once, before the lanes share them
+  select | table) ;;
+  *) echo "STAGE: all, tune, select, report or table, got '$STAGE'" >&2; exit 2 ;;
+esac
+
+lane() {  # lane INDEX: runs the "arm lr seed" lines of $WORK/queue, first come first served, until none is left
+  local job arm lr seed pin=()
+  [ "$LANES" -gt 1 ] && pin=(env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$1")
+  while job=$(flock "$WORK/queue.lock" sh -c 'head -n 1 "$1"; sed -i 1d "$1"' _ "$WORK/queue") && [ -n "$job" ]; do
+    read -r arm lr seed <<< "$job"
+    local log=$WORK/$arm@$lr-$seed.log
+    "${pin[@]}" "${B[@]}" --skip-base --seeds "$seed" --arms "$arm" --arm-lrs "$lr" < /dev/null > "$log" 2>&1 \
+      || { echo "failed: $arm at $lr, seed $seed (log: $log)" >&2; return 1; }
+    echo "done: $arm at $lr, seed $seed"
+  done
+}
+
+run() {  # run: the "arm lr seed" lines on stdin, $LANES at a time
+  local pids=() failed=0 i
+  cat > "$WORK/queue"
+  for ((i = 0; i < LANES; i++)); do lane "$i" & pids+=($!); done
+  for i in "${pids[@]}"; do wait "$i" || failed=1; done
+  return "$failed"
+}
+
+pick() {  # pick candidates|reported: from the tuning runs in $JSONL, "arm" lines or "arm lr" lines (see the top)
+  "$PY" - "$1" "$JSONL" "$MARGIN" "$KEEP" "${TUNE[*]}" "${REPORT_ALSO:-}" <<'EOF'
 import json, statistics, sys
-tune = {int(s) for s in sys.argv[2:]}
-losses = {}
-for line in open(sys.argv[1], encoding='utf-8'):
+what, path, margin, keep, tune, also = sys.argv[1:]
+tune = {int(s) for s in tune.split()}
+runs = {}
+for line in open(path, encoding='utf-8'):
     row = json.loads(line)
     if row['seed'] in tune:
-        losses.setdefault(row['arm'], []).append(row['eval_loss'])
-best = {}
-for arm, values in losses.items():
+        runs.setdefault(row['arm'], []).append(row)
+best = {}  # arm -> (lr, mean eval loss, mean optimizer steps) at its best LR
+for arm, rows in runs.items():
     base, _, lr = arm.partition('@')
-    if base not in best or statistics.fmean(values) < best[base][1]:
-        best[base] = (lr, statistics.fmean(values))
-for base, (lr, _) in best.items():
-    print(base, lr)
+    loss = statistics.fmean(r['eval_loss'] for r in rows)
+    if base not in best or loss < best[base][1]:
+        best[base] = (lr, loss, statistics.fmean(r['optimizer_steps'] for r in rows))
+_, small_loss, small_steps = best['fixed_small']
+fewer = {base for base, (_, _, steps) in best.items() if base != 'fixed_small' and steps <= 0.6 * small_steps}
+if what == 'candidates':  # the arms that save >= 40 % of the steps
+    print('\n'.join(sorted(fewer)))
+else:
+    fit = sorted((loss, base) for base, (_, loss, _) in best.items()
+                 if base in fewer and loss <= small_loss * (1 + float(margin)))
+    chosen = ['fixed_small'] + [base for _, base in fit[:int(keep)]] + [a for a in also.split() if a in best]
+    for base in dict.fromkeys(chosen):
+        print(base, best[base][0])
 EOF
-  for seed in "${REPORT[@]}"; do
-    while read -r arm lr; do
-      "${B[@]}" --seeds "$seed" --skip-base --arms "$arm" --arm-lrs "$lr" < /dev/null
-    done < "$BEST"
-  done
+}
+
+if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then
+  for seed in "${TUNE[@]}"; do
+    for lr in "${SMALL_LRS[@]}"; do echo "fixed_small $lr $seed"; done
+    for lr in "${LARGE_LRS[@]}"; do echo "fixed_large $lr $seed"; done
+    for arm in "${PACK_ARMS[@]}"; do echo "$arm ${PACK_LRS[0]} $seed"; done
+  done | run
+  # the further LRs only for the arms that could meet the goal: >= 40 % fewer optimizer steps at the first LR
+  read -r -a CANDIDATES <<< "$(pick candidates | tr '\n' ' ')"
+  for seed in "${TUNE[@]}"; do
+    for lr in "${PACK_LRS[@]:1}"; do
+      for arm in "${PACK_ARMS[@]}"; do
+        if [[ " ${CANDIDATES[*]} " == *" $arm "* ]]; then echo "$arm $lr $seed"; fi
+      done
+    done
+  done | run
 fi
-"$PY" scripts/bench_quality.py --samples 128 --eval-rows 100 --from-jsonl "$JSONL" --report-seeds "${REPORT[@]}" \
-  --tune-seeds "${TUNE[@]}" --png "$PNG"
+if [ "$STAGE" = all ] || [ "$STAGE" = select ] || [ "$STAGE" = report ]; then
+  pick reported > "$WORK/reported"  # "arm lr" lines, fixed_small first
+  echo "reported arms and their LRs (from seeds ${TUNE[*]}):"; cat "$WORK/reported"
+  if [ "$STAGE" = select ]; then exit 0; fi
+  for seed in "${REPORT[@]}"; do
+    while read -r arm lr; do echo "$arm $lr $seed"; done < "$WORK/reported"
+  done | run
+fi
+"$PY" scripts/bench_quality.py --model "$MODEL" --samples "$SAMPLES" --eval-rows "$EVAL_ROWS" --from-jsonl "$JSONL" \
+  --report-seeds "${REPORT[@]}" --tune-seeds "${TUNE[@]}" ${PNG:+--png "$PNG"}

@@ -1,12 +1,15 @@
-"""The quality study's script (``scripts/bench_quality.py``): every arm's settings are valid pack settings, the paired
-interval and the verdict it supports, the reporting seeds kept apart from the tuning seeds, and a smoke run on the tiny
-model with the held-out answers scored."""
+"""The quality study's scripts. ``scripts/bench_quality.py``: every arm's settings are valid pack settings, the paired
+interval and the verdict it supports, the reporting seeds kept apart from the tuning seeds.
+``scripts/quality_study.sh``: the arms it reports, and the whole study on the tiny model with the held-out answers
+scored."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -71,17 +74,57 @@ def test_the_tables_keep_only_the_reporting_seeds(bench, tmp_path, capsys):
     assert '| growth@0.002 | 2 | 53% | +0.9% |' in out
 
 
+STUDY = os.path.join(ROOT, 'scripts', 'quality_study.sh')
+
+
+def study_env(tmp_path, **settings: str) -> dict:
+    return {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'), **settings}
+
+
+def test_the_study_reports_the_arms_that_could_meet_the_goal_on_the_tuning_seed(tmp_path):
+    tuning = [('fixed_small@0.001', 0.8400, 64), ('fixed_small@0.002', 0.8333, 64), ('fixed_large@0.001', 0.8813, 16),
+              ('growth@0.001', 0.8536, 29), ('growth@0.002', 0.8450, 29),  # within 2 % at 2e-3 only
+              ('seesaw@0.001', 0.8380, 44),  # close, but 31 % fewer steps: cannot meet the goal
+              ('growth_token_budget@0.001', 0.8435, 31), ('growth_token_budget@0.002', 0.8600, 31),
+              ('growth_gentle@0.001', 0.8400, 35), ('growth_rewarm@0.002', 0.8600, 29)]  # 3.2 % behind
+    lines = [{'arm': arm, 'seed': 0, 'eval_loss': loss, 'optimizer_steps': steps} for arm, loss, steps in tuning]
+    lines.append({'arm': 'growth_rewarm@0.002', 'seed': 1, 'eval_loss': 0.5, 'optimizer_steps': 29})  # a reporting seed
+    jsonl = tmp_path / 'study.jsonl'
+    jsonl.write_text(''.join(json.dumps(line) + '\n' for line in lines), encoding='utf-8')
+
+    def select(**settings: str) -> list[str]:
+        done = subprocess.run(['bash', STUDY, str(jsonl), ''], env=study_env(tmp_path, STAGE='select', **settings),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return (tmp_path / 'out' / 'study.jsonl' / 'reported').read_text(encoding='utf-8').splitlines()
+
+    assert select() == ['fixed_small 0.002', 'growth_gentle 0.001', 'growth_token_budget 0.001']
+    assert select(KEEP='4') == ['fixed_small 0.002', 'growth_gentle 0.001', 'growth_token_budget 0.001', 'growth 0.002']
+    assert select(KEEP='1', REPORT_ALSO='seesaw') == ['fixed_small 0.002', 'growth_gentle 0.001', 'seesaw 0.001']
+    assert select(MARGIN='0.05', KEEP='9')[-1] == 'growth_rewarm 0.002'  # the seed-1 line never counts
+
+
 @pytest.mark.e2e
-def test_a_smoke_run_on_the_tiny_model_scores_the_held_out_answers(bench, tmp_path, capsys):
-    lines = tmp_path / 'smoke.jsonl'
-    code = bench.main(['--model', 'tiny', '--samples', '8', '--eval-rows', '4', '--answers', '2', '--max-length',
-                       '256', '--arms', 'fixed_small', 'growth', '--seeds', '3', '--out', str(tmp_path / 'out'),
-                       '--jsonl', str(lines)])
-    assert code == 0
-    rows = [json.loads(line) for line in lines.read_text(encoding='utf-8').splitlines()]
-    assert [r['arm'] for r in rows] == ['fixed_small', 'growth'] and {r['seed'] for r in rows} == {3}
+def test_the_study_on_the_tiny_model_tunes_on_one_seed_and_reports_on_two_others(tmp_path):
+    """The whole study script, two lanes: tuning runs on seed 0 (growth's second LR because it saves >= 40 % of the
+    steps: 4 of 8), the reported arms at their LRs on seeds 1 and 2, every run's held-out answers scored, the tables
+    over the reporting seeds only."""
+    jsonl = tmp_path / 'study.jsonl'
+    env = study_env(tmp_path, MODEL='tiny', SAMPLES='16', EVAL_ROWS='4', ANSWERS='2', MAX_LENGTH='256', TUNE_SEEDS='0',
+                    REPORT_SEEDS='1 2', PACK_ARMS='growth', SMALL_LRS='1e-3', PACK_LRS='1e-3 2e-3', LARGE_LRS='',
+                    KEEP='0', REPORT_ALSO='growth', LANES='2')
+    done = subprocess.run(['bash', STUDY, str(jsonl), ''], env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in jsonl.read_text(encoding='utf-8').splitlines()]
+    tuning = [r for r in rows if r['seed'] == 0]
+    assert sorted(r['arm'] for r in tuning) == ['fixed_small@0.001', 'growth@0.001', 'growth@0.002']
+    growth = min((r for r in tuning if r['arm'].startswith('growth')), key=lambda r: r['eval_loss'])['arm']
+    reported = sorted((r['arm'], r['seed']) for r in rows if r['seed'] != 0)
+    assert reported == sorted((arm, seed) for arm in ('fixed_small@0.001', growth) for seed in (1, 2))
     for row in rows:
         assert row['answer_rows'] == 2 and 0 <= row['correct'] <= row['formed'] <= 2, row
         assert row['eval_rows'] == 4 and row['eval_loss'] > 0 and row['optimizer_steps'] > 0
-    assert rows[1]['optimizer_steps'] < rows[0]['optimizer_steps']  # growth: fewer steps for the same 8 samples
-    assert 'paired-t' in capsys.readouterr().out
+    by = {(r['arm'], r['seed']): r for r in rows}
+    assert all(by[(growth, s)]['optimizer_steps'] < by[('fixed_small@0.001', s)]['optimizer_steps'] for s in (1, 2))
+    assert 'LRs chosen on seeds [0]; reported on seeds [1, 2] only' in done.stdout
+    assert f'| {growth} | 2 |' in done.stdout  # paired with fixed_small on both reporting seeds, with an interval
