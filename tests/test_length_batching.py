@@ -349,6 +349,27 @@ def test_loader_plan_exactly_once_within_budget_across_epochs(bucketing):
     assert orders[0] != orders[1] != orders[2]
 
 
+@pytest.mark.parametrize('plan', [BatchPlan(max_tokens=1024, bucketing=True, seed=3), BatchPlan(max_tokens=1024),
+                                  BatchPlan(mode='balanced', seed=1, bucket_width=0.03)])
+def test_a_resume_by_step_arithmetic_plans_the_rest_of_the_epoch_again(plan):
+    """A checkpoint without the pack's state (``skip_to``) under an active plan: the rest of the epoch is planned from
+    the new position, each of its samples once (before, the plan of the whole epoch ran on past the epoch's end)."""
+    lengths = random_lengths(97)
+    loader = make_loader(lengths, batch_size=8, entries=2)
+    loader.set_plan(plan)
+    rest = {}
+    for epoch in (1, 2):  # the samples after position 32 in epochs 1 and 2, drawn from the start
+        loader.start_next_epoch()
+        rest[epoch] = set(loader.shard.order[32:])
+    resumed = make_loader(lengths, batch_size=8, entries=2)
+    resumed.set_plan(plan)
+    resumed.skip_to(97 + 32)  # 8 steps of 16 samples
+    assert (resumed.epoch, resumed.position) == (1, 32)
+    batches, _ = draw_epoch(resumed, 2)
+    drawn = [i for b in batches for i in b]
+    assert len(drawn) == len(set(drawn)) == 97 - 32 and set(drawn) == rest[1]
+
+
 def test_loader_cap_change_replans_the_rest_exactly_once():
     lengths = random_lengths(120, seed=1)
     loader = make_loader(lengths, batch_size=16)

@@ -192,11 +192,13 @@ class ElasticDataLoader:
 
     def skip_to(self, consumed: int) -> None:
         """Resume by HF's arithmetic (a checkpoint without the pack's state): ``consumed`` samples, at a constant
-        batch size, are behind."""
+        batch size, are behind. An active plan is planned again from the new position."""
         epoch, position = divmod(consumed, max(self.epoch_size, 1))
         for _ in range(epoch):
             self.start_next_epoch()
         self.shard.skip_to(position, consumed)
+        self._replan()
+        self._restart()
 
     def start_next_epoch(self) -> None:
         epoch = self.epoch + 1
