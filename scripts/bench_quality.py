@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.from_jsonl:
             with open(path, encoding='utf-8') as f:
                 results += [json.loads(line) for line in f if line.strip()]
+        if args.tune_seeds:
+            tuning_table([r for r in results if r['seed'] in args.tune_seeds], args.tune_seeds)
         if args.report_seeds:
             results = [r for r in results if r['seed'] in args.report_seeds]
         arms = list(dict.fromkeys(r['arm'] for r in results))
@@ -322,6 +324,38 @@ def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> in
         pareto(points, args.png, f'{args.model}, {args.samples} samples, seeds {args.seeds}',
                f'{args.lr:g}', ref)
     return 0
+
+
+def tuning_table(results: list[dict], seeds: list[int]) -> None:
+    """The tuning runs: each arm's mean eval loss (and optimizer steps) at every LR it ran on ``seeds``, its lowest in
+    bold, and how far that is from ``fixed_small``'s lowest."""
+    grid: dict[str, dict[str, list[dict]]] = {}
+    for r in results:
+        base, _, lr = r['arm'].partition('@')
+        grid.setdefault(base, {}).setdefault(lr, []).append(r)
+    if not grid:
+        return
+    lrs = sorted({lr for runs in grid.values() for lr in runs}, key=lambda lr: float(lr) if lr else 0.0)
+
+    def loss(runs: list[dict]) -> float:
+        return statistics.fmean(r['eval_loss'] for r in runs)
+
+    best = {base: min(loss(runs) for runs in by_lr.values()) for base, by_lr in grid.items()}
+    small = best.get('fixed_small')
+    print(f'\ntuning runs, seeds {sorted(seeds)}: eval loss (optimizer steps) at each batch-1 LR; bold: the arm\'s LR')
+    print('| arm | ' + ' | '.join(lr or 'default' for lr in lrs) + ' | best vs fixed_small |')
+    print('|---|' + '---:|' * (len(lrs) + 1))
+    for base in sorted(grid, key=lambda b: (ARMS.index(b) if b in ARMS else len(ARMS), b)):
+        cells = []
+        for lr in lrs:
+            runs = grid[base].get(lr)
+            if runs is None:
+                cells.append('–')
+                continue
+            cell = f'{loss(runs):.4f} ({statistics.fmean(r["optimizer_steps"] for r in runs):.0f})'
+            cells.append(f'**{cell}**' if loss(runs) == best[base] else cell)
+        versus = f'{best[base] / small - 1:+.1%}' if small else '-'
+        print(f'| {base} | ' + ' | '.join(cells) + f' | {versus} |')
 
 
 def paired_interval(deltas: list[float]) -> tuple[float, float, float]:

@@ -72,6 +72,8 @@ def test_the_tables_keep_only_the_reporting_seeds(bench, tmp_path, capsys):
     assert 'LRs chosen on seeds [0]; reported on seeds [1, 2] only' in out
     # seed 0's -12.5 % is left out: +1.2 % and +0.6 % on the reporting seeds
     assert '| growth@0.002 | 2 | 53% | +0.9% |' in out
+    # the tuning seed has its own table: -12.5 % there
+    assert '| growth | **0.7000 (30)** | -12.5% |' in out and '| fixed_small | **0.8000 (64)** | +0.0% |' in out
 
 
 STUDY = os.path.join(ROOT, 'scripts', 'quality_study.sh')
