@@ -112,6 +112,10 @@ BAD = [
      ['packing: true cannot be combined with dynamic_callbacks.length_batching.split: passes']),
     ('stream_window_without_streaming', case(['batch_growth'], {**GROWTH, 'integration': {'stream_window': 64}}), [],
      ['dynamic_callbacks.integration.stream_window: only read with streaming: true', 'got 64']),
+    ('packed_attention_without_padding_free', case(['length_batching'], {'length_batching': {'mode': 'balanced'},
+                                                                          'integration': {'packed_attention': 'keep'}}),
+     [], ['dynamic_callbacks.integration.packed_attention: only read with length_batching.padding_free: true',
+          "got 'keep'"]),
     ('samples_unit_without_max_steps', case(['batch_growth'], {**GROWTH, 'integration': {'max_steps_unit': 'samples'}},
                                             num_train_epochs=2), [],
      ['dynamic_callbacks.integration.max_steps_unit: samples counts max_steps in samples, but max_steps is not set']),
@@ -157,6 +161,8 @@ GOOD = [
     ('flag_overrides_file', case(['batch_growth'], GROWTH, streaming=True), ['--streaming', 'false']),
     ('stream_window_with_streaming', case(['batch_growth', 'length_batching'], {
         **GROWTH, 'integration': {'stream_window': 64}}, streaming=True, max_steps=10), []),
+    ('packed_attention_keep', case(['length_batching'], {'length_batching': {'mode': 'balanced', 'padding_free': True},
+                                                         'integration': {'packed_attention': 'keep'}}), []),
     ('samples_unit_with_max_steps', case(['batch_growth'], {**GROWTH, 'integration': {'max_steps_unit': 'samples'}},
                                          max_steps=64), []),
 ]

@@ -42,7 +42,7 @@ def test_parse_good_section():
     assert pack.to_json()['integration'] == {'record_samples': True, 'log_values': True, 'max_steps_unit': 'steps',
                                              'oom_recovery': 'auto', 'oom_single_sample_retries': 2, 'enabled': True,
                                              'fail_fast': False, 'replay': None, 'allow_config_change': False,
-                                             'stream_window': 1024}
+                                             'stream_window': 1024, 'packed_attention': 'auto'}
     assert pack.to_json()['batch_schedule']['via'] == 'dataloader'
 
 
@@ -138,7 +138,7 @@ def test_integration_unknown_setting():
     assert 'dynamic_callbacks.integration' in message
     assert 'record_sample' in message
     assert ('allowed: allow_config_change, enabled, fail_fast, log_values, max_steps_unit, oom_recovery, '
-            'oom_single_sample_retries, record_samples, replay') in message
+            'oom_single_sample_retries, packed_attention, record_samples, replay') in message
 
 
 @pytest.mark.parametrize('section', [
@@ -174,7 +174,7 @@ def test_check_good_yaml(tmp_path, capsys):
     assert printed['integration'] == {'record_samples': False, 'log_values': True, 'max_steps_unit': 'steps',
                                       'oom_recovery': 'auto', 'oom_single_sample_retries': 2, 'enabled': True,
                                       'fail_fast': False, 'replay': None, 'allow_config_change': False,
-                                      'stream_window': 1024}
+                                      'stream_window': 1024, 'packed_attention': 'auto'}
     assert err == ''
 
 

@@ -1,6 +1,8 @@
 """Padding-free micro-batches (``length_batching.padding_free``): the packed row gives the padded micro-batch's loss
-and gradient and never attends across rows (both tiny models, sdpa and eager, fp32), the train-start proof refuses
-what would mix rows, the token budget counts real tokens, and a real swift sft run trains as the padded one does."""
+and gradient and never attends across rows (both tiny models, sdpa and eager, fp32; flex_attention's loss on CPU,
+where it has no backward; flash attention's varlen path through a stand-in kernel that reads the rows' boundaries),
+the train-start proof refuses what would mix rows, the choice of attention, the token budget counts real tokens, and
+a real swift sft run trains as the padded one does."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.integrations.padding_free import check_packed_attention, flatten_rows
+from swift_dynamic_callbacks.integrations.padding_free import FLEX_BLOCK, PackedBatch, best_packed_attention, \
+    check_packed_attention, flatten_rows, split_packed, use_packed_attention
 from swift_dynamic_callbacks.policies.length import BatchPlan, greedy_pieces
 
 
@@ -93,15 +96,143 @@ class Mixing(torch.nn.Module):
         self.config = type('Config', (), {'vocab_size': 16, '_attn_implementation': implementation})()
         self.embed = torch.nn.Embedding(16, 16)
 
-    def forward(self, input_ids, position_ids=None, use_cache=None):
+    def forward(self, input_ids, position_ids=None, use_cache=None, **varlen):
         return type('Out', (), {'logits': self.embed(input_ids).cumsum(dim=1)})()
 
 
 def test_the_train_start_proof_refuses_what_would_mix_rows():
-    with pytest.raises(ConfigError, match='attends across rows'):
-        check_packed_attention(Mixing())
-    with pytest.raises(ConfigError, match='attn_impl sdpa or eager'):
-        check_packed_attention(Mixing('flash_attention_2'))
+    for implementation in ('sdpa', 'flex_attention', 'flash_attention_2'):
+        with pytest.raises(ConfigError, match='attends across rows'):
+            check_packed_attention(Mixing(implementation))
+    with pytest.raises(ConfigError, match="got 'paged_attention'"):
+        check_packed_attention(Mixing('paged_attention'))
+
+
+@pytest.mark.parametrize('arch', ['qwen2', 'llama'])
+def test_flex_attention_packed_row_has_the_padded_loss(arch, tiny_qwen, tiny_llama):
+    """flex_attention (compiled; forward only on CPU): the packed row, filled up to a multiple of 128 tokens, gives
+    the padded sdpa batch's loss; lengths of 8 + 16 k tokens, where torch 2.13's CPU kernel is wrong unfilled."""
+    path = tiny_qwen if arch == 'qwen2' else tiny_llama
+    padded_model, flex_model = model_of(path, 'sdpa'), model_of(path, 'flex_attention')
+    for lengths in ((7, 12, 1, 5), (24, 40, 8), (100, 60)):
+        rows, labels = rows_and_labels(padded_model.config.vocab_size, lengths=lengths)
+        padded = padded_batch(rows, labels)
+        flat = flatten_rows(padded, 'flex_attention')
+        tokens = sum(lengths)
+        assert flat['input_ids'].shape[1] % FLEX_BLOCK == 0 and flat.fill == flat['input_ids'].shape[1] - tokens
+        assert flat['position_ids'][0, tokens:].tolist() == list(range(flat.fill))  # a row of its own
+        assert (flat['labels'][0, tokens:] == -100).all()
+        items = int((padded['labels'][:, 1:] != -100).sum())
+        with torch.no_grad():
+            loss_padded, _ = loss_and_grads_no_backward(padded_model, padded, items)
+            loss_flex, _ = loss_and_grads_no_backward(flex_model, flat, items)
+        assert float(loss_flex) == pytest.approx(float(loss_padded), rel=1e-5), lengths
+    check_packed_attention(flex_model)
+
+
+def loss_and_grads_no_backward(model, batch, num_items):
+    inputs = {k: v for k, v in batch.items() if k != 'labels'}
+    logits = model(**inputs).logits[0 if batch['input_ids'].shape[0] == 1 else slice(None)]
+    labels = batch['labels'] if batch['input_ids'].shape[0] > 1 else batch['labels'][0]
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift.reshape(-1),
+                                             ignore_index=-100, reduction='sum') / num_items, None
+
+
+def varlen_stand_in(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """flash attention's varlen call, in plain torch: attention within each row of ``cu_seq_lens_q``, which must be
+    given (the pack's boundaries; transformers would otherwise find them from the positions on the device)."""
+    bounds = kwargs['cu_seq_lens_q'].tolist()
+    assert kwargs['cu_seq_lens_k'].tolist() == bounds and attention_mask is None
+    assert kwargs['max_length_q'] == max(b - a for a, b in zip(bounds, bounds[1:]))
+    repeat = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+    out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling)
+        for a, b in zip(bounds, bounds[1:])], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize('arch', ['qwen2', 'llama'])
+def test_flash_varlen_packed_row_has_the_padded_loss_and_gradient(arch, tiny_qwen, tiny_llama, monkeypatch):
+    """The flash path without flash-attn: a stand-in varlen kernel registered as flash_attention_2 gets the rows'
+    boundaries the pack computed on the host (the same as transformers derives from the positions) and gives the
+    padded batch's loss and gradient, also for the pieces of a split."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, 'flash_attention_2', varlen_stand_in)
+    assert 'flash_attention_2' in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    path = tiny_qwen if arch == 'qwen2' else tiny_llama
+    padded_model = model_of(path, 'sdpa')
+    varlen_model = model_of(path, 'sdpa')
+    varlen_model.config._attn_implementation_internal = 'flash_attention_2'  # flash-attn itself is not installed
+    rows, labels = rows_and_labels(padded_model.config.vocab_size, lengths=(7, 12, 1, 5, 9))
+    padded = padded_batch(rows, labels)
+    flat = flatten_rows(padded, 'flash_attention_2')
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(flat['position_ids'])
+    assert flat['cu_seq_lens_q'].tolist() == cu_q.tolist() == [0, 7, 19, 20, 25, 34]
+    assert flat['max_length_q'] == int(max_q) == 12 and flat.fill == 0
+    items = int((padded['labels'][:, 1:] != -100).sum())
+    loss_padded, grads_padded = loss_and_grads(padded_model, padded, items)
+    loss_flat, grads_flat = loss_and_grads(varlen_model, flat, items)
+    assert float(loss_flat) == pytest.approx(float(loss_padded), rel=1e-6)
+    assert max(float((a - b).abs().max()) for a, b in zip(grads_flat, grads_padded)) < 1e-5
+    pieces = split_packed(flat, 2)
+    assert [p['cu_seq_lens_q'].tolist() for p in pieces] == [[0, 7, 19, 20], [0, 5, 14]]
+    loss_pieces = sum(loss_and_grads(varlen_model, p, items)[0] for p in pieces)
+    assert float(loss_pieces) == pytest.approx(float(loss_padded), rel=1e-5)
+    check_packed_attention(varlen_model)
+
+
+def test_flex_filler_is_cut_off_and_added_again_at_a_split():
+    rows = [torch.arange(1, n + 1) for n in (50, 70, 30, 9)]
+    batch = padded_batch(rows, [r.clone() for r in rows])
+    batch['loss_scale'] = batch['attention_mask'].float()
+    flat = flatten_rows(batch, 'flex_attention')
+    assert flat['input_ids'].shape == (1, 256) and flat.fill == 256 - 159 and flat.attention == 'flex_attention'
+    assert flat['loss_scale'][0, 159:].sum() == 0
+    pieces = split_packed(flat, 2)
+    assert [p.row_lengths for p in pieces] == [(50, 70), (30, 9)]
+    assert [p['input_ids'].shape[1] for p in pieces] == [128, 128] and [p.fill for p in pieces] == [8, 89]
+    for piece in pieces:
+        tokens = sum(piece.row_lengths)
+        assert all(v.shape[1] == 128 for v in piece.values() if isinstance(v, torch.Tensor))
+        assert (piece['labels'][0, tokens:] == -100).all() and piece['position_ids'][0, tokens] == 0
+    real = torch.cat([p['input_ids'][:, :sum(p.row_lengths)] for p in pieces], dim=1)
+    assert torch.equal(real, flat['input_ids'][:, :159])
+    from swift_dynamic_callbacks.data.slots import PassGroup
+    from swift_dynamic_callbacks.integrations.inputs import prepare_slot
+    ready = prepare_slot(PassGroup([batch, batch]), padding_free=True, attention='flex_attention', device=None)
+    assert [p.fill for p in ready.passes] == [97, 97]  # the runner hands its attention to every pass of a step
+    plain = flatten_rows(batch)
+    assert isinstance(plain, PackedBatch) and plain['input_ids'].shape == (1, 159) and 'cu_seq_lens_q' not in plain
+
+
+def test_the_best_packed_attention():
+    best = best_packed_attention
+    assert best('sdpa', mode='auto', cuda=True, flash='flash_attention_2', flex=True)[0] == 'flash_attention_2'
+    assert best('sdpa', mode='auto', cuda=True, flash=None, flex=True)[0] == 'flex_attention'
+    assert best('sdpa', mode='auto', cuda=True, flash=None, flex=False) == (
+        'sdpa', 'neither flash-attn nor flex_attention is available')
+    assert best('sdpa', mode='auto', cuda=False, flash=None, flex=True)[0] == 'sdpa'  # no flex backward on CPU
+    assert best('eager', mode='auto', cuda=True, flash='flash_attention_2', flex=True)[0] == 'eager'  # chosen
+    assert best('sdpa', mode='keep', cuda=True, flash='flash_attention_2', flex=True)[0] == 'sdpa'
+
+
+def test_a_kernel_that_fails_is_undone_and_said(tiny_qwen, monkeypatch):
+    from swift_dynamic_callbacks.integrations import padding_free
+    model = model_of(tiny_qwen, 'sdpa')
+    assert use_packed_attention(model, 'auto') == {
+        'old': 'sdpa', 'new': 'sdpa',
+        'why': 'not on CUDA (flex_attention has no backward on CPU; flash-attn needs CUDA)'}
+    monkeypatch.setattr(padding_free, 'best_packed_attention', lambda *a, **k: ('flash_attention_2', 'test'))
+    chosen = use_packed_attention(model, 'auto')  # flash-attn is not installed: loading it fails
+    assert chosen['new'] == 'sdpa' and chosen['why'].startswith('flash_attention_2 failed (')
+    assert model.config._attn_implementation == 'sdpa'
+    monkeypatch.setattr(padding_free, 'best_packed_attention', lambda *a, **k: ('flex_attention', 'test'))
+    assert use_packed_attention(model, 'auto')['new'] == 'flex_attention'  # the proof runs (forward) on CPU
+    assert model.config._attn_implementation == 'flex_attention'
 
 
 def test_flatten_refuses_what_it_cannot_flatten():
@@ -156,3 +287,6 @@ def test_swift_sft_padding_free_trains_as_the_padded_run(tmp_path, tiny_llama):
     assert packed[-1]['dynamic/padded_tokens_seen'] == packed[-1]['dynamic/tokens_seen']
     [plan] = [d for d in decisions(runs[True]) if d['kind'] == 'batch_plan']
     assert 'padding-free' in plan['message']
+    [attention] = [d for d in decisions(runs[True]) if d['kind'] == 'packed_attention']
+    assert attention['reason'] == 'sdpa' and attention['values']['mode'] == 'auto'  # CPU: sdpa stays
+    assert not [d for d in decisions(runs[False]) if d['kind'] == 'packed_attention']

@@ -46,6 +46,11 @@ class IntegrationConfig(Settings):
             read ahead and laid out at once: sorted into length buckets and cut by the token budget or rules
             (default 1024; larger: less padding, more rows held in memory). Rows never leave their window, so the
             stream order is kept across windows. Read only on a stream.
+        packed_attention: with ``length_batching.padding_free``, the attention the packed rows run with: ``auto``
+            (default) switches a model on sdpa to the best kernel the machine has for packed rows (flash-attn's
+            varlen where it is installed, else ``flex_attention`` on CUDA; on CPU sdpa stays), ``keep`` leaves the
+            model's. Either way the choice is proven to keep rows apart before training and written as a
+            ``packed_attention`` record; a kernel that fails to load or the proof is undone (said in the record).
     """
 
     record_samples: bool = setting(Flag(), False)
@@ -58,6 +63,7 @@ class IntegrationConfig(Settings):
     replay: str | None = setting(Text('output/first_run/dynamic_decisions.jsonl', optional=True), None)
     allow_config_change: bool = setting(Flag(), False)
     stream_window: int = setting(Int(1, 10_000_000), 1024)
+    packed_attention: str = setting(Choice(('auto', 'keep')), 'auto')
 
     reads = (Reads('oom_recovery', {'auto': ('oom_single_sample_retries', ), True: ('oom_single_sample_retries', ),
                                     False: ()}), )

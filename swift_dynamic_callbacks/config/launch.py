@@ -226,6 +226,15 @@ def _stream_window(run: LaunchRun) -> None:
                           'remove it, or set streaming: true')
 
 
+def _packed_attention(run: LaunchRun) -> None:
+    length = run.configs.get('length_batching')
+    mode = run.pack.integration.packed_attention
+    if mode != IntegrationConfig().packed_attention and not (length is not None and length.padding_free):
+        raise ConfigError(f'{SECTION}.integration.packed_attention: only read with length_batching.padding_free: '
+                          f'true (it chooses the attention packed rows run with), got {mode!r} in a run without '
+                          'padding-free micro-batches; remove it, or set length_batching.padding_free: true')
+
+
 def _samples_unit(run: LaunchRun) -> None:
     if run.pack.integration.max_steps_unit == 'samples' and (run.number('max_steps', -1) or -1) <= 0:
         raise ConfigError(f'{SECTION}.integration.max_steps_unit: samples counts max_steps in samples, but max_steps '
@@ -330,9 +339,9 @@ def _rlhf(run: LaunchRun) -> None:
 
 #: the launch rules :func:`check_run` applies in order, each a small named function of :class:`LaunchRun`
 LAUNCH_RULES: tuple[Callable[[LaunchRun], None], ...] = (
-    _split_passes_and_backoff, _run_facts, _stream_window, _samples_unit, _packing, _rotation_limit, _eval_metrics,
-    _lambda_scheduler, _noise_scale, _optimizer_scaling, _memory_probe, _group_by_length, _ignore_data_skip, _epochs,
-    _rlhf)
+    _split_passes_and_backoff, _run_facts, _stream_window, _packed_attention, _samples_unit, _packing, _rotation_limit,
+    _eval_metrics, _lambda_scheduler, _noise_scale, _optimizer_scaling, _memory_probe, _group_by_length,
+    _ignore_data_skip, _epochs, _rlhf)
 
 
 #: ``optim`` values whose param groups have no ``betas`` (HF's names; the rest are Adam-family or Lion)

@@ -87,7 +87,9 @@ class RequestApplier:
         old = loader.plan.to_json() if loader.plan is not None else None
         if plan.cuts_passes:  # a step's share in passes other than HF's micro-batches: where passes may split
             self.runner.check_splittable('length_batching.pass_tokens', 'pass_limit')
-        self.runner.set_padding_free(plan.padding_free, self.runner.trainer.model)
+        attention = self.runner.set_padding_free(plan.padding_free, self.runner.trainer.model)
+        if attention is not None:
+            self.decisions.write(attention)
         if not loader.set_plan(plan):
             return
         self.refresh_budget('batch_plan')

@@ -3,7 +3,8 @@
 The loader collates on the host. Before the step's first pass, every batch of the step is, in this order:
 
 1. packed into one row when the plan is padding-free (:func:`.padding_free.flatten_rows`, on the host: the rows'
-   lengths are read from the host's attention mask, never from the device);
+   lengths are read from the host's attention mask, never from the device; flash attention's row boundaries and
+   flex_attention's filler are built there too);
 2. left without its ``attention_mask`` when every row has the same length (the mask is all ones): the model then
    builds its plain causal mask, and sdpa takes its causal fast path instead of a dense masked one; the loss is the
    same;
@@ -24,22 +25,23 @@ from ..data.slots import EmptyMicroBatch, PassGroup
 from .padding_free import PackedBatch, flatten_rows
 
 
-def prepare_slot(slot: Any, *, padding_free: bool, device: torch.device | None) -> Any:
+def prepare_slot(slot: Any, *, padding_free: bool, device: torch.device | None, attention: str = 'sdpa') -> Any:
     """One of HF's micro-batch slots (an empty one, a batch, or a :class:`PassGroup`) with every batch prepared."""
     if isinstance(slot, EmptyMicroBatch):
         return slot
     if isinstance(slot, PassGroup):
-        return PassGroup([prepare_batch(b, padding_free=padding_free, device=device) for b in slot.passes])
-    return prepare_batch(slot, padding_free=padding_free, device=device)
+        return PassGroup([prepare_batch(b, padding_free=padding_free, device=device, attention=attention)
+                          for b in slot.passes])
+    return prepare_batch(slot, padding_free=padding_free, device=device, attention=attention)
 
 
-def prepare_batch(batch: Any, *, padding_free: bool, device: torch.device | None) -> Any:
-    """One collated batch, packed or mask-free as the module docstring says, then on ``device`` (``None``: left
-    where it is)."""
+def prepare_batch(batch: Any, *, padding_free: bool, device: torch.device | None, attention: str = 'sdpa') -> Any:
+    """One collated batch, packed (for ``attention``: :func:`.padding_free.finish_packed`) or mask-free as the
+    module docstring says, then on ``device`` (``None``: left where it is)."""
     if not isinstance(batch, Mapping):
         return batch
     if padding_free:
-        batch = flatten_rows(batch)
+        batch = flatten_rows(batch, attention)
     elif same_length_rows(batch):
         batch = type(batch)({k: v for k, v in batch.items() if k != 'attention_mask'})
     return to_device(batch, device)
@@ -60,5 +62,5 @@ def to_device(batch: Mapping[str, Any], device: torch.device | None) -> Any:
     moved = {k: (v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) and v.device.type == 'cpu'
                  else v) for k, v in batch.items()}
     if isinstance(batch, PackedBatch):
-        return PackedBatch(moved, batch.row_lengths)
+        return PackedBatch(moved, batch.row_lengths, batch.attention, batch.fill)
     return type(batch)(moved) if type(batch) is not dict else moved

@@ -35,7 +35,7 @@ from ..policies.data_plan import piece_bounds
 from ..policies.memory import oom_backoff, pass_cap, pieces_needed
 from ..records import DecisionRecord
 from .engines import Engine, select_engine
-from .padding_free import check_packed_attention
+from .padding_free import use_packed_attention
 from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, restore_grads, row_tokens, \
     split_micro_batch
 
@@ -91,6 +91,8 @@ class StepRunner:
         self._checked = False
         self._can_split: bool | None = None  # whether a micro-batch may run as several passes (checked once)
         self.padding_free = False  # every pass runs as one packed row (a batch plan's padding_free)
+        self.packed_attention_mode = 'auto'  # integration.packed_attention
+        self.packed_attention = 'sdpa'  # the attention packed rows are finished for (chosen by set_padding_free)
         self._pass_stats = [0, 0]  # forward/backward passes run, steps started, since the last read
 
     def begin(self, config: IntegrationConfig, pack_config: Mapping[str, Any]) -> DecisionRecord:
@@ -107,6 +109,7 @@ class StepRunner:
                                   f'rlhf: {PAIRS_WHY}; use auto or false')
             recovery, why_off = False, f'swift rlhf: {PAIRS_WHY}'
         self.oom_recovery, self.single_sample_retries = recovery, config.oom_single_sample_retries
+        self.packed_attention_mode = config.packed_attention
         self.oom_count, self._checked, self._can_split, self._adapter_like = 0, False, None, None
         message = f'engine {self.engine.name}' + ('' if recovery else f'; OOM recovery off ({why_off})')
         if not recovery and config.oom_recovery == 'auto':
@@ -126,9 +129,12 @@ class StepRunner:
                               'a packed micro-batch is one [1, N] row and cannot be split')
         self.engine.refuse(feature, setting)
 
-    def set_padding_free(self, on: bool, model: Any) -> None:
-        """Run every pass as one packed row from now on (``on``), after proving the model keeps packed rows apart
-        (:func:`.padding_free.check_packed_attention`); refused under ``swift rlhf`` and ms-swift's own packing."""
+    def set_padding_free(self, on: bool, model: Any) -> DecisionRecord | None:
+        """Run every pass as one packed row from now on (``on``), with the attention
+        :func:`.padding_free.use_packed_attention` chooses (``integration.packed_attention``) and proves keeps packed
+        rows apart; refused under ``swift rlhf`` and ms-swift's own packing. Returns the ``packed_attention``
+        decision when padding-free passes start."""
+        record = None
         if on and not self.padding_free:
             setting = 'length_batching.padding_free'
             if is_pairs(self.trainer):
@@ -136,8 +142,15 @@ class StepRunner:
                                   'pairs them; they are not flattened)')
             if host_packs_rows(self.trainer):
                 raise ConfigError(f'{setting}: ms-swift\'s padding_free / packing already pack the rows; use one')
-            check_packed_attention(model, setting)
+            chosen = use_packed_attention(model, self.packed_attention_mode, setting)
+            self.packed_attention = chosen['new']
+            message = (f'padding-free passes run with attn_impl {chosen["new"]}' +
+                       (f' (was {chosen["old"]})' if chosen['new'] != chosen['old'] else '') + f': {chosen["why"]}')
+            logger.info(message)
+            record = DecisionRecord('integration', 'packed_attention', chosen['new'],
+                                    {**chosen, 'mode': self.packed_attention_mode}, message)
         self.padding_free = bool(on)
+        return record
 
     def splittable(self) -> bool:
         """Whether a micro-batch may run as several passes here (checked once)."""

@@ -124,7 +124,9 @@ class Integration:
         self.layout.begin(distributed.world_size(), loader.entries_per_step, initial_batch_size)
         self.checkpoints.restore_loader(loader, self.feed.fingerprint, self.layout)
         if loader.plan is not None and loader.plan.padding_free:  # a resumed plan is not requested again
-            self.runner.set_padding_free(True, self.trainer.model)
+            attention = self.runner.set_padding_free(True, self.trainer.model)
+            if attention is not None:
+                self.decisions.write(attention)
         if self.checkpoints.payload is not None and self.layout.batch != initial_batch_size:
             self.decisions.write(DecisionRecord(
                 'integration', 'resume', 'batch_setting', {'run': self.layout.batch, 'now': initial_batch_size,
@@ -178,7 +180,8 @@ class Integration:
         self.metrics.count([batch for _, slot in pairs for batch in slot_batches(slot)],
                            padding_free=self.runner.padding_free)
         target = trainer.args.device if trainer.args.device.type == 'cuda' else None
-        pairs = [(indices, prepare_slot(slot, padding_free=self.runner.padding_free, device=target))
+        pairs = [(indices, prepare_slot(slot, padding_free=self.runner.padding_free,
+                                                 attention=self.runner.packed_attention, device=target))
                  for indices, slot in pairs]
         real = [batch for _, slot in pairs for batch in slot_batches(slot)]
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
