@@ -26,7 +26,9 @@ gradient accumulation, LR, seed and number of processes, so the same global batc
 Per arm and process count (medians over ``--repeats``, run alternately, the arm order rotated each repeat): real
 (non-padding) tokens per second of training, padded-token fraction, rank work spread (per step: max over ranks of
 ``sum over micro-batches of a x L + L^2`` / mean - 1, mean over steps; ``a`` from the model's shape), p50 / p90 step
-time, peak RSS, optimizer steps, train loss (HF's ``train_loss``, the mean over ranks: each rank's is over its own
+time, the first step's time (compiles and warm-up: flex_attention's kernels) and the real tokens/s after it, the
+attention the arm ran with (a padding-free arm on CUDA: ``integration.packed_attention: auto``'s choice), peak RSS,
+optimizer steps, train loss (HF's ``train_loss``, the mean over ranks: each rank's is over its own
 micro-batches). Output: a markdown table per process count (median and min-max of
 tokens/s), one JSON line per arm and process count (``--jsonl``), a PNG chart (``--png``).
 
@@ -230,6 +232,8 @@ def summarize(arm: str, procs: int, ranks: list[dict]) -> dict:
         spreads.append(max(works) / mean - 1 if mean else 0.0)
     ends = ranks[0]['step_end']
     durations = [b - a for a, b in zip(ends, ends[1:])]
+    first = ends[0] - ranks[0]['start'] if ends and 'start' in ranks[0] else None  # compiles, warm-up
+    later = sum(m['real'] for r in ranks for m in r['micro'] if m['step'] != steps[0]) if steps else 0
     quantiles = statistics.quantiles(durations, n=10) if len(durations) >= 2 else [0.0] * 9
     return {'arm': arm, 'procs': procs, 'real_tokens_per_s': real / seconds, 'padding': 1 - real / padded,
             'rank_spread': statistics.fmean(spreads) if spreads else 0.0,
@@ -237,14 +241,17 @@ def summarize(arm: str, procs: int, ranks: list[dict]) -> dict:
             'peak_rss_gib': max(r['peak_rss_gib'] for r in ranks), 'optimizer_steps': ranks[0]['steps'],
             'peak_cuda_gib': max((r.get('peak_cuda_gib') or 0.0) for r in ranks),
             'train_loss': statistics.fmean(r['train_loss'] for r in ranks),  # HF's is each rank's own tokens
-            'train_s': seconds, 'real_tokens': real,
+            'train_s': seconds, 'real_tokens': real, 'first_step_s': first,
+            'steady_tokens_per_s': later / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else None,
+            'attention': ranks[0].get('attention') or 'sdpa',
             'passes': sum(1 for r in ranks for m in r['micro'] if m['real']) / len(ranks)}
 
 
 def median_row(runs: list[dict]) -> dict:
     row = {'arm': runs[0]['arm'], 'procs': runs[0]['procs'], 'repeats': len(runs)}
-    for key in KEYS[2:] + ('train_s', 'peak_cuda_gib', 'passes'):
-        values = [r[key] for r in runs if r[key] is not None]
+    row['attention'] = runs[0].get('attention', 'sdpa')
+    for key in KEYS[2:] + ('train_s', 'peak_cuda_gib', 'passes', 'first_step_s', 'steady_tokens_per_s'):
+        values = [r.get(key) for r in runs if r.get(key) is not None]
         row[key] = round(statistics.median(values), 5) if values else None
     tps = [r['real_tokens_per_s'] for r in runs]
     row['real_tokens_per_s_range'] = [round(min(tps), 1), round(max(tps), 1)]
@@ -256,17 +263,22 @@ def table(rows: list[dict], procs: int) -> list[str]:
     base = {r['arm']: r['real_tokens_per_s'] for r in rows}
     lines = [f'**{procs} process(es)**', '',
              '| arm | real tokens/s (min-max) | x random | x group_by_length | padding | passes a step | rank spread | '
-             'p50 / p90 step s | peak RSS GiB | peak GPU GiB | steps | train loss |',
-             '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
+             'p50 / p90 step s | first step s | after it, tokens/s | peak RSS GiB | peak GPU GiB | steps | '
+             'train loss |',
+             '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
     for r in rows:
         ratio = r['real_tokens_per_s'] / base['random'] if base.get('random') else float('nan')
         by_group = (r['real_tokens_per_s'] / base['group_by_length'] if base.get('group_by_length')
                     else float('nan'))
         lo, hi = r['real_tokens_per_s_range']
         per_step = r['passes'] / r['optimizer_steps'] if r['optimizer_steps'] else float('nan')
-        lines.append(f'| {r["arm"]} | {r["real_tokens_per_s"]:.0f} ({lo:.0f}-{hi:.0f}) | {ratio:.2f} | '
+        name = r['arm'] + (f' ({r["attention"]})' if r.get('attention', 'sdpa') != 'sdpa' else '')
+        first, steady = r.get('first_step_s'), r.get('steady_tokens_per_s')
+        lines.append(f'| {name} | {r["real_tokens_per_s"]:.0f} ({lo:.0f}-{hi:.0f}) | {ratio:.2f} | '
                      f'{by_group:.2f} | {100 * r["padding"]:.1f} % | {per_step:.2f} | {100 * r["rank_spread"]:.2f} % | '
-                     f'{r["p50_step_s"]:.2f} / {r["p90_step_s"]:.2f} | {r["peak_rss_gib"]:.2f} | '
+                     f'{r["p50_step_s"]:.2f} / {r["p90_step_s"]:.2f} | '
+                     f'{"-" if first is None else f"{first:.1f}"} | {"-" if steady is None else f"{steady:.0f}"} | '
+                     f'{r["peak_rss_gib"]:.2f} | '
                      f'{r["peak_cuda_gib"] or 0:.1f} | {r["optimizer_steps"]} | {r["train_loss"]:.4f} |')
     return lines
 

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # The throughput benchmark on one GPU (scripts/bench_throughput.py --device cuda): a random-weight model of a real
 # shape (default the Qwen2.5-1.5B shape, bf16, sdpa, LoRA), 512 rows of the data mix, per-device batch 4 x GA 4
-# (global batch 16), max_length 2048; plain ms-swift's random order, group_by_length and BatchRebalanceSampler, the
-# pack's balanced steps in micro-batches and in passes cut by pass_tokens, then the bare PEFT loop as the physical
-# reference; then a profiled window of random, group_by_length and pack_passes (wall vs GPU busy, the host-device
-# synchronisations and who makes them). Every arm's figures are printed and appended to $OUT/throughput.jsonl as soon
-# as it ends. Not run in CI (no GPU there). Record the output in docs/benchmarks.md ("Throughput").
+# (global batch 16), max_length 2048. Phase "main" (about 6 minutes): plain ms-swift's random order and
+# group_by_length, the pack's balanced steps in micro-batches, in passes cut by pass_tokens, and padding-free passes
+# (integration.packed_attention: auto runs them with flash-attn where installed, else flex_attention: the table names
+# which, with its first step's time, the compiles), 2 repeats alternated, then the bare PEFT loop as the physical
+# reference, then a profiled window of random, group_by_length and pack_passes (wall vs GPU busy, the host-device
+# synchronisations and who makes them). Phase "liger" (about 2 minutes, needs liger-kernel): pack_passes with
+# ms-swift's use_liger_kernel (fused linear cross-entropy: no fp32 logits) at pass_tokens 16384 and 32768, for the
+# peak memory and whether twice the pass fits. Every arm's figures are printed and appended to
+# $OUT/throughput.jsonl (phase liger: $OUT/liger.jsonl) as soon as it ends. PHASES="main liger" (default) picks
+# them. Not run in CI (no GPU there). Record the output in docs/benchmarks.md ("Throughput").
 #
 # On a machine without network (../shared/gpu/README.md): bring the wheels and the data mix into the working tree
 #   bash ../shared/gpu/fetch_wheels.sh .gpu/whl && mkdir -p .gpu/data && cp -r ../shared/data/{gsm8k,alpaca-gpt4-en-demo,lima,glaive-toolcall-en-demo} .gpu/data/
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/whl liger-kernel==0.8.5
 # and run  WHEELS=.gpu/whl DATA=.gpu/data bash scripts/gpu_throughput.sh  (the wheels go to /tmp/site, PYTHONPATH).
-# Usage: bash scripts/gpu_throughput.sh [extra bench_throughput.py args, e.g. --model random:qwen2.5-7b --repeats 1]
+# Usage: bash scripts/gpu_throughput.sh [extra bench_throughput.py args for phase main, e.g. --model random:qwen2.5-7b]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,8 +30,22 @@ require_gpus 1 scripts/gpu_throughput.sh
 OUT=${OUT:-output/gpu_throughput}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-"$PY" scripts/bench_throughput.py --device cuda --procs 1 --model random:qwen2.5-1.5b --rows 512 --batch 4 --ga 4 \
-  --max-length 2048 --repeats 2 --threads 4 --pass-tokens 16384 \
-  --arms random group_by_length batch_rebalance pack_balanced pack_passes bare_loop \
-  --profile-arms random group_by_length pack_passes \
-  ${DATA:+--data "$DATA"} --work /tmp/bench_throughput --jsonl "$OUT/throughput.jsonl" "$@" 2>&1 | tee "$OUT/log.txt"
+PHASES=${PHASES:-main liger}
+common=(--device cuda --procs 1 --model random:qwen2.5-1.5b --rows 512 --batch 4 --ga 4 --max-length 2048
+        --threads 4 ${DATA:+--data "$DATA"} --work /tmp/bench_throughput)
+if [[ " $PHASES " == *" main "* ]]; then
+  "$PY" scripts/bench_throughput.py "${common[@]}" --repeats 2 --pass-tokens 16384 --deadline 400 \
+    --arms random group_by_length pack_balanced pack_passes pack_passes_padding_free bare_loop \
+    --profile-arms random group_by_length pack_passes \
+    --jsonl "$OUT/throughput.jsonl" "$@" 2>&1 | tee "$OUT/log.txt"
+fi
+if [[ " $PHASES " == *" liger "* ]]; then
+  if "$PY" -c 'import liger_kernel' 2>/dev/null; then
+    for tokens in 16384 32768; do
+      "$PY" scripts/bench_throughput.py "${common[@]}" --repeats 1 --pass-tokens "$tokens" --arms pack_passes \
+        --swift use_liger_kernel=true --jsonl "$OUT/liger-$tokens.jsonl" 2>&1 | tee -a "$OUT/log.txt" || true
+    done
+  else
+    echo "phase liger skipped: liger-kernel is not installed (see the header)" | tee -a "$OUT/log.txt"
+  fi
+fi

@@ -119,7 +119,7 @@ def swift_arm(spec: dict) -> dict:
             packed = m.pop('packed')
             m['lengths'] = lengths
             m['real'] = total
-            m['padded'] = total if packed else (rows * width if lengths else 0)
+            m['padded'] = (width if packed else rows * width) if lengths else 0  # packed: with flex's filler
             m['work'] = (coef['a'] * total + total * total if packed else
                          rows * (coef['a'] * width + width * width)) if lengths else 0.0
 
@@ -171,6 +171,7 @@ def swift_arm(spec: dict) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             record['train_s'] = time.perf_counter() - record['start']
+            record['attention'] = getattr(self.trainer.model.config, '_attn_implementation', None)
             resolve()
             record['steps'] = state.global_step
             losses = [row['train_loss'] for row in state.log_history if 'train_loss' in row]
