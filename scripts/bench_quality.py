@@ -224,7 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--from-jsonl', nargs='+', default=None, metavar='FILE',
                         help='train nothing: print the table (and --png) of result lines saved by --jsonl, e.g. a '
                         'study run in parts; --samples / --eval-rows / --seeds only label the table then')
+    parser.add_argument('--pick', choices=('candidates', 'reported'), default=None,
+                        help='with --from-jsonl and --tune-seeds: print only the study\'s choice on the tuning seeds '
+                        '(candidates: the arms saving >= 40 %% of the steps; reported: "arm lr" lines; '
+                        'see study_choice)')
+    parser.add_argument('--margin', type=float, default=0.02, help='--pick reported: within this of fixed_small')
+    parser.add_argument('--keep', type=int, default=2, help='--pick reported: this many candidates')
+    parser.add_argument('--report-also', nargs='*', default=[], help='--pick reported: these arms too')
     args = parser.parse_args(argv)
+    if args.pick and not (args.from_jsonl and args.tune_seeds):
+        parser.error('--pick: needs --from-jsonl (the tuning runs) and --tune-seeds (which of them count)')
     if not 1 <= args.samples <= 500:
         parser.error(f'--samples: between 1 and 500, got {args.samples}')
     if args.skip_base and not (args.arm_lrs or args.baseline_lrs):
@@ -241,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.from_jsonl:
             with open(path, encoding='utf-8') as f:
                 results += [json.loads(line) for line in f if line.strip()]
+        if args.pick:
+            best = best_by_arm([r for r in results if r['seed'] in args.tune_seeds])
+            if 'fixed_small' not in best:
+                parser.error(f'--pick: no fixed_small run on the tuning seeds {args.tune_seeds}')
+            for line in study_choice(best, args.pick, margin=args.margin, keep=args.keep, also=args.report_also):
+                print(line)
+            return 0
         if args.tune_seeds:
             tuning_table([r for r in results if r['seed'] in args.tune_seeds], args.tune_seeds)
         if args.report_seeds:
@@ -326,6 +342,37 @@ def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> in
     return 0
 
 
+def best_by_arm(results: list[dict]) -> dict[str, tuple[str, float, float]]:
+    """Each arm's best LR: arm (without ``@lr``) -> (its LR, ``''`` for ``--lr``; mean eval loss; mean optimizer
+    steps) at the LR whose runs have the lowest mean eval loss."""
+    grid: dict[str, dict[str, list[dict]]] = {}
+    for r in results:
+        base, _, lr = r['arm'].partition('@')
+        grid.setdefault(base, {}).setdefault(lr, []).append(r)
+    best = {}
+    for base, by_lr in grid.items():
+        lr, runs = min(by_lr.items(), key=lambda item: statistics.fmean(r['eval_loss'] for r in item[1]))
+        best[base] = (lr, statistics.fmean(r['eval_loss'] for r in runs),
+                      statistics.fmean(r['optimizer_steps'] for r in runs))
+    return best
+
+
+def study_choice(best: dict[str, tuple[str, float, float]], what: str, *, margin: float, keep: int,
+                 also: list[str]) -> list[str]:
+    """``scripts/quality_study.sh``'s rule on the tuning runs' :func:`best_by_arm`. ``candidates``: the arms that save
+    >= 40 % of ``fixed_small``'s optimizer steps (only they can meet the goal; they get the further LRs);
+    ``reported``: ``"arm lr"`` lines, ``fixed_small`` first, then the ``keep`` candidates with the lowest eval loss
+    within ``margin`` of ``fixed_small``'s, then ``also`` (at their best LR)."""
+    _, small_loss, small_steps = best['fixed_small']
+    fewer = {base for base, (_, _, steps) in best.items() if base != 'fixed_small' and steps <= 0.6 * small_steps}
+    if what == 'candidates':
+        return sorted(fewer)
+    fit = sorted((loss, base) for base, (_, loss, _) in best.items()
+                 if base in fewer and loss <= small_loss * (1 + margin))
+    chosen = ['fixed_small'] + [base for _, base in fit[:keep]] + [a for a in also if a in best]
+    return [f'{base} {best[base][0]}' for base in dict.fromkeys(chosen)]
+
+
 def tuning_table(results: list[dict], seeds: list[int]) -> None:
     """The tuning runs: each arm's mean eval loss (and optimizer steps) at every LR it ran on ``seeds``, its lowest in
     bold, and how far that is from ``fixed_small``'s lowest."""
@@ -340,7 +387,7 @@ def tuning_table(results: list[dict], seeds: list[int]) -> None:
     def loss(runs: list[dict]) -> float:
         return statistics.fmean(r['eval_loss'] for r in runs)
 
-    best = {base: min(loss(runs) for runs in by_lr.values()) for base, by_lr in grid.items()}
+    best = {base: lowest for base, (_, lowest, _) in best_by_arm(results).items()}
     small = best.get('fixed_small')
     print(f'\ntuning runs, seeds {sorted(seeds)}: eval loss (optimizer steps) at each batch-1 LR; bold: the arm\'s LR')
     print('| arm | ' + ' | '.join(lr or 'default' for lr in lrs) + ' | best vs fixed_small |')

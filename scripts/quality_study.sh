@@ -71,33 +71,9 @@ run() {  # run: the "arm lr seed" lines on stdin, $LANES at a time
   return "$failed"
 }
 
-pick() {  # pick candidates|reported: from the tuning runs in $JSONL, "arm" lines or "arm lr" lines (see the top)
-  "$PY" - "$1" "$JSONL" "$MARGIN" "$KEEP" "${TUNE[*]}" "${REPORT_ALSO:-}" <<'EOF'
-import json, statistics, sys
-what, path, margin, keep, tune, also = sys.argv[1:]
-tune = {int(s) for s in tune.split()}
-runs = {}
-for line in open(path, encoding='utf-8'):
-    row = json.loads(line)
-    if row['seed'] in tune:
-        runs.setdefault(row['arm'], []).append(row)
-best = {}  # arm -> (lr, mean eval loss, mean optimizer steps) at its best LR
-for arm, rows in runs.items():
-    base, _, lr = arm.partition('@')
-    loss = statistics.fmean(r['eval_loss'] for r in rows)
-    if base not in best or loss < best[base][1]:
-        best[base] = (lr, loss, statistics.fmean(r['optimizer_steps'] for r in rows))
-_, small_loss, small_steps = best['fixed_small']
-fewer = {base for base, (_, _, steps) in best.items() if base != 'fixed_small' and steps <= 0.6 * small_steps}
-if what == 'candidates':  # the arms that save >= 40 % of the steps
-    print('\n'.join(sorted(fewer)))
-else:
-    fit = sorted((loss, base) for base, (_, loss, _) in best.items()
-                 if base in fewer and loss <= small_loss * (1 + float(margin)))
-    chosen = ['fixed_small'] + [base for _, base in fit[:int(keep)]] + [a for a in also.split() if a in best]
-    for base in dict.fromkeys(chosen):
-        print(base, best[base][0])
-EOF
+pick() {  # pick candidates|reported: the rule on the tuning runs in $JSONL (bench_quality.py study_choice)
+  "$PY" scripts/bench_quality.py --from-jsonl "$JSONL" --tune-seeds "${TUNE[@]}" --pick "$1" --margin "$MARGIN" \
+    --keep "$KEEP" --report-also ${REPORT_ALSO:-}
 }
 
 if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then

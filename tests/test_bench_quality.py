@@ -76,6 +76,28 @@ def test_the_tables_keep_only_the_reporting_seeds(bench, tmp_path, capsys):
     assert '| growth | **0.7000 (30)** | -12.5% |' in out and '| fixed_small | **0.8000 (64)** | +0.0% |' in out
 
 
+def test_each_arms_best_lr_and_the_studys_rule_in_process(bench):
+    runs = [('fixed_small@0.001', 0, 0.84, 64), ('fixed_small@0.002', 0, 0.83, 64), ('fixed_small@0.002', 1, 0.84, 64),
+            ('growth@0.001', 0, 0.86, 30), ('growth@0.002', 0, 0.84, 30), ('seesaw@0.001', 0, 0.831, 44),
+            ('growth_gentle@0.001', 0, 0.845, 38)]
+    results = [{'arm': a, 'seed': s, 'eval_loss': loss, 'optimizer_steps': n} for a, s, loss, n in runs]
+    best = bench.best_by_arm(results)
+    assert best['fixed_small'] == ('0.002', pytest.approx(0.835), 64)  # the mean over both seeds at 2e-3
+    assert best['growth'] == ('0.002', 0.84, 30)
+    choose = bench.study_choice
+    assert choose(best, 'candidates', margin=0.02, keep=2, also=[]) == ['growth', 'growth_gentle']  # seesaw: 31 %
+    assert choose(best, 'reported', margin=0.02, keep=2, also=[]) == [
+        'fixed_small 0.002', 'growth 0.002', 'growth_gentle 0.001']
+    assert choose(best, 'reported', margin=0.007, keep=2, also=['seesaw']) == [
+        'fixed_small 0.002', 'growth 0.002', 'seesaw 0.001']  # growth_gentle is 1.2 % behind
+
+
+def test_pick_needs_the_tuning_runs(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(['--pick', 'reported'])
+    assert '--pick: needs --from-jsonl' in capsys.readouterr().err
+
+
 STUDY = os.path.join(ROOT, 'scripts', 'quality_study.sh')
 
 
