@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The throughput benchmark on one GPU (scripts/bench_throughput.py --device cuda): a random-weight model of a real
 # shape (default the Qwen2.5-1.5B shape, bf16, sdpa, LoRA), 512 rows of the data mix, per-device batch 4 x GA 4
-# (global batch 16), max_length 2048. Phase "main" (about 6 minutes): plain ms-swift's random order and
-# group_by_length, the pack's balanced steps in micro-batches, in passes cut by pass_tokens, and padding-free passes
+# (global batch 16), max_length 2048. Phase "proof" (under a minute): scripts/packed_proof.py, the padded
+# micro-batch against its packed forms on every attention that loads (loss and LoRA gradient; flex_attention's
+# backward only runs on CUDA). Phase "main" (about 6 minutes): plain ms-swift's random order and group_by_length,
+# the pack's balanced steps in micro-batches, in passes cut by pass_tokens, and padding-free passes
 # (integration.packed_attention: auto runs them with flash-attn where installed, else flex_attention: the table names
 # which, with its first step's time, the compiles), 2 repeats alternated, then the bare PEFT loop as the physical
 # reference, then a profiled window of random, group_by_length and pack_passes (wall vs GPU busy, the host-device
 # synchronisations and who makes them). Phase "liger" (about 2 minutes, needs liger-kernel): pack_passes with
 # ms-swift's use_liger_kernel (fused linear cross-entropy: no fp32 logits) at pass_tokens 16384 and 32768, for the
 # peak memory and whether twice the pass fits. Every arm's figures are printed and appended to
-# $OUT/throughput.jsonl (phase liger: $OUT/liger.jsonl) as soon as it ends. PHASES="main liger" (default) picks
-# them. Not run in CI (no GPU there). Record the output in docs/benchmarks.md ("Throughput").
+# $OUT/throughput.jsonl (phase liger: $OUT/liger-<tokens>.jsonl) as soon as it ends. PHASES="proof main liger"
+# (default) picks them; within one 10-minute call run PHASES="proof main", then PHASES=liger. Not run in CI (no GPU
+# there). Record the output in docs/benchmarks.md ("Throughput").
 #
 # On a machine without network (../shared/gpu/README.md): bring the wheels and the data mix into the working tree
 #   bash ../shared/gpu/fetch_wheels.sh .gpu/whl && mkdir -p .gpu/data && cp -r ../shared/data/{gsm8k,alpaca-gpt4-en-demo,lima,glaive-toolcall-en-demo} .gpu/data/
@@ -30,9 +33,13 @@ require_gpus 1 scripts/gpu_throughput.sh
 OUT=${OUT:-output/gpu_throughput}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PHASES=${PHASES:-main liger}
+PHASES=${PHASES:-proof main liger}
 common=(--device cuda --procs 1 --model random:qwen2.5-1.5b --rows 512 --batch 4 --ga 4 --max-length 2048
         --threads 4 ${DATA:+--data "$DATA"} --work /tmp/bench_throughput)
+if [[ " $PHASES " == *" proof "* ]]; then  # padded vs packed: loss and LoRA gradient on every attention that loads
+  "$PY" scripts/packed_proof.py --model random:qwen2.5-1.5b --device cuda --work /tmp/bench_throughput \
+    --jsonl "$OUT/proof.jsonl" 2>&1 | tee "$OUT/proof.txt" || true
+fi
 if [[ " $PHASES " == *" main "* ]]; then
   "$PY" scripts/bench_throughput.py "${common[@]}" --repeats 2 --pass-tokens 16384 --deadline 400 \
     --arms random group_by_length pack_balanced pack_passes pack_passes_padding_free bare_loop \

@@ -290,3 +290,29 @@ def test_swift_sft_padding_free_trains_as_the_padded_run(tmp_path, tiny_llama):
     [attention] = [d for d in decisions(runs[True]) if d['kind'] == 'packed_attention']
     assert attention['reason'] == 'sdpa' and attention['values']['mode'] == 'auto'  # CPU: sdpa stays
     assert not [d for d in decisions(runs[False]) if d['kind'] == 'packed_attention']
+
+
+def test_the_start_up_proof_script_passes_and_can_fail(tmp_path, monkeypatch, capsys):
+    """``scripts/packed_proof.py`` (run on a GPU before the throughput arms): on the tiny model the packed forms give
+    the padded loss and gradient; a packing that lets rows see each other (positions not restarted) is caught."""
+    import importlib.util
+    import os
+    from swift_dynamic_callbacks.integrations import padding_free
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location('packed_proof', os.path.join(root, 'scripts', 'packed_proof.py'))
+    proof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proof)
+    common = ['--model', 'tiny', '--attentions', 'sdpa', 'eager', '--work', str(tmp_path), '--lengths', '9', '40', '3']
+    assert proof.main(common) == 0
+    out = capsys.readouterr().out
+    assert '| sdpa |' in out and '| eager |' in out and 'DIFFERENT' not in out
+    right = padding_free.flatten_rows
+
+    def one_sequence(batch, attention='sdpa'):
+        packed = right(batch, attention)
+        packed['position_ids'] = torch.arange(packed['input_ids'].shape[1])[None]  # one long row: rows mix
+        return packed
+
+    monkeypatch.setattr(padding_free, 'flatten_rows', one_sequence)
+    assert proof.main(common) == 1
+    assert 'DIFFERENT' in capsys.readouterr().out
