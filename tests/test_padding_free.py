@@ -233,6 +233,13 @@ def test_a_kernel_that_fails_is_undone_and_said(tiny_qwen, monkeypatch):
     monkeypatch.setattr(padding_free, 'best_packed_attention', lambda *a, **k: ('flex_attention', 'test'))
     assert use_packed_attention(model, 'auto')['new'] == 'flex_attention'  # the proof runs (forward) on CPU
     assert model.config._attn_implementation == 'flex_attention'
+    from peft import LoraConfig, get_peft_model
+    lora = get_peft_model(model_of(tiny_qwen, 'sdpa'), LoraConfig(r=2, target_modules='all-linear'))
+    assert use_packed_attention(lora, 'auto')['new'] == 'flex_attention'  # switched inside PEFT
+    assert lora.get_base_model().config._attn_implementation == 'flex_attention'
+    monkeypatch.setattr(padding_free, 'check_packed_attention', lambda *a: None)
+    chosen = use_packed_attention(Mixing('sdpa'), 'auto')  # no transformers model to switch: kept, said
+    assert chosen['new'] == 'sdpa' and chosen['why'].startswith('no transformers model inside Mixing')
 
 
 def test_flatten_refuses_what_it_cannot_flatten():

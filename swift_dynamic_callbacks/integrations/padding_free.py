@@ -199,6 +199,13 @@ def installed_flash_attention() -> str | None:
     return None
 
 
+def transformers_model(model: Any) -> Any:
+    """The outermost transformers model in ``model`` (itself, or inside PEFT / ms-swift wrappers), or ``None``."""
+    from transformers import PreTrainedModel
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    return next((m for m in modules if isinstance(m, PreTrainedModel)), None)
+
+
 def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.padding_free') -> dict[str, Any]:
     """Switch ``model`` (a transformers model, possibly inside PEFT) to :func:`best_packed_attention`'s choice and
     prove it keeps packed rows apart (:func:`check_packed_attention`); a choice that fails to load or to pass the
@@ -208,8 +215,10 @@ def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.
     device = next(model.parameters()).device
     new, why = best_packed_attention(old, mode=mode, cuda=device.type == 'cuda', flash=installed_flash_attention(),
                                      flex=is_torch_flex_attn_available())
+    base = transformers_model(model) if new != old else None
+    if new != old and base is None:
+        new, why = old, f'no transformers model inside {type(model).__name__} to switch to {new}; kept {old}'
     if new != old:
-        base = model.get_base_model() if hasattr(model, 'get_base_model') else model
         try:
             base.set_attn_implementation(new)
             check_packed_attention(model, setting)
