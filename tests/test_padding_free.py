@@ -268,35 +268,58 @@ def test_padding_free_token_budget_counts_real_tokens():
 
 
 @pytest.mark.e2e
-def test_swift_sft_padding_free_trains_as_the_padded_run(tmp_path, tiny_llama):
+def test_swift_sft_padding_free_trains_as_the_padded_run(tmp_path, tiny_llama, monkeypatch):
+    """Real swift sft runs, the same samples a step: padded; padding-free on sdpa (auto keeps it on CPU); padding-free
+    switched by auto to flash attention, here the stand-in varlen kernel (flash-attn needs CUDA), which fails unless the
+    rows' boundaries reach it through ms-swift's trainer and PEFT. The same loss at every step."""
     import swift_dynamic_callbacks as sdc
+    from transformers import PreTrainedModel
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from swift_dynamic_callbacks.integrations import padding_free
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     from swift_runs import decisions, run_sft, sample_trace, train_logs
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=12))
-    runs = {}
-    for padding_free in (False, True):
+    runs, calls = {}, []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs['cu_seq_lens_q'].tolist())
+        return varlen_stand_in(*args, **kwargs)
+
+    for variant in ('padded', 'sdpa', 'varlen'):
+        if variant == 'varlen':
+            monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, 'flash_attention_2', counted)
+            monkeypatch.setattr(padding_free, 'best_packed_attention', lambda *a, **k: ('flash_attention_2', 'test'))
+            monkeypatch.setattr(PreTrainedModel, 'set_attn_implementation',  # no flash-attn check on CPU
+                                lambda self, name: setattr(self.config, '_attn_implementation_internal', name))
         try:
-            sdc.register(length_batching={'mode': 'balanced', 'padding_free': padding_free},
+            sdc.register(length_batching={'mode': 'balanced', 'padding_free': variant != 'padded'},
                          integration={'record_samples': True})
-            runs[padding_free] = run_sft(
-                tiny_llama, 'llama', data, str(tmp_path / f'out-{padding_free}'), callbacks=['length_batching'],
+            runs[variant] = run_sft(
+                tiny_llama, 'llama', data, str(tmp_path / f'out-{variant}'), callbacks=['length_batching'],
                 max_steps=-1, num_train_epochs=1, per_device_train_batch_size=3, gradient_accumulation_steps=1,
                 max_length=2048, lora_dropout=0.0, attn_impl='sdpa')
         finally:
             plugin._configured = None
-    padded, packed = (train_logs(runs[k]) for k in (False, True))
-    assert [r['batches'] for r in sample_trace(runs[False])] == [r['batches'] for r in sample_trace(runs[True])]
-    assert len(padded) == len(packed) == 4
-    for a, b in zip(padded, packed):
-        assert b['loss'] == pytest.approx(a['loss'], rel=1e-4)  # the same samples, the same gradients
-        assert b['dynamic/padding_fraction'] == 0.0 and a['dynamic/padding_fraction'] > 0
-    assert packed[-1]['dynamic/padded_tokens_seen'] == packed[-1]['dynamic/tokens_seen']
-    [plan] = [d for d in decisions(runs[True]) if d['kind'] == 'batch_plan']
-    assert 'padding-free' in plan['message']
-    [attention] = [d for d in decisions(runs[True]) if d['kind'] == 'packed_attention']
-    assert attention['reason'] == 'sdpa' and attention['values']['mode'] == 'auto'  # CPU: sdpa stays
-    assert not [d for d in decisions(runs[False]) if d['kind'] == 'packed_attention']
+    padded = train_logs(runs['padded'])
+    assert len(padded) == 4
+    for variant in ('sdpa', 'varlen'):
+        packed = train_logs(runs[variant])
+        trace = [r['batches'] for r in sample_trace(runs[variant])]
+        assert trace == [r['batches'] for r in sample_trace(runs['padded'])]
+        assert len(packed) == 4
+        for a, b in zip(padded, packed):
+            assert b['loss'] == pytest.approx(a['loss'], rel=1e-4), variant  # the same samples, the same gradients
+            assert b['dynamic/padding_fraction'] == 0.0 and a['dynamic/padding_fraction'] > 0
+        assert packed[-1]['dynamic/padded_tokens_seen'] == packed[-1]['dynamic/tokens_seen']
+        [plan] = [d for d in decisions(runs[variant]) if d['kind'] == 'batch_plan']
+        assert 'padding-free' in plan['message']
+        [attention] = [d for d in decisions(runs[variant]) if d['kind'] == 'packed_attention']
+        assert attention['values']['mode'] == 'auto'
+        assert attention['reason'] == {'sdpa': 'sdpa', 'varlen': 'flash_attention_2'}[variant]  # CPU: sdpa stays
+    assert not [d for d in decisions(runs['padded']) if d['kind'] == 'packed_attention']
+    assert len(calls) >= 4 * 2 and all(len(bounds) >= 2 for bounds in calls)  # 4 steps x 2 layers, forward
 
 
 def test_the_start_up_proof_script_passes_and_can_fail(tmp_path, monkeypatch, capsys):
