@@ -368,6 +368,15 @@ def test_a_resume_by_step_arithmetic_plans_the_rest_of_the_epoch_again(plan):
     batches, _ = draw_epoch(resumed, 2)
     drawn = [i for b in batches for i in b]
     assert len(drawn) == len(set(drawn)) == 97 - 32 and set(drawn) == rest[1]
+    further = make_loader(lengths, batch_size=8, entries=2)  # two epochs on: straight there, planned once
+    further.set_plan(plan)
+    plans = []
+    replan = further._replan
+    further._replan = lambda: (plans.append(further.epoch), replan())[1]
+    further.skip_to(2 * 97 + 32)
+    assert (further.epoch, further.position, plans) == (2, 32, [2])
+    batches, _ = draw_epoch(further, 2)
+    assert sorted(i for b in batches for i in b) == sorted(rest[2])
 
 
 def test_loader_cap_change_replans_the_rest_exactly_once():

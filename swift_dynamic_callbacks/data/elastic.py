@@ -194,18 +194,20 @@ class ElasticDataLoader:
         """Resume by HF's arithmetic (a checkpoint without the pack's state): ``consumed`` samples, at a constant
         batch size, are behind. An active plan is planned again from the new position."""
         epoch, position = divmod(consumed, max(self.epoch_size, 1))
-        for _ in range(epoch):
-            self.start_next_epoch()
+        if epoch:  # straight to the epoch it is in: the epochs before it are neither laid out nor planned
+            self._enter_epoch(self.epoch + epoch)
         self.shard.skip_to(position, consumed)
         self._replan()
         self._restart()
 
     def start_next_epoch(self) -> None:
-        epoch = self.epoch + 1
-        self.shard.start_epoch(epoch, self.layout.lay_out(epoch, self.plan, self.batch_size, self.entries_per_step))
-        self.prefetch.new_epoch()
+        self._enter_epoch(self.epoch + 1)
         self._replan()
         self._restart()
+
+    def _enter_epoch(self, epoch: int) -> None:
+        self.shard.start_epoch(epoch, self.layout.lay_out(epoch, self.plan, self.batch_size, self.entries_per_step))
+        self.prefetch.new_epoch()
 
     def set_batch_size(self, batch_size: int) -> None:
         if batch_size != self.batch_size:
