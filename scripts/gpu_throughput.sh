@@ -7,11 +7,12 @@
 # the pack's balanced steps in micro-batches, in passes cut by pass_tokens, and padding-free passes
 # (integration.packed_attention: auto runs them with flash-attn where installed, else flex_attention: the table names
 # which, with its first step's time, the compiles), 2 repeats alternated, then the bare PEFT loop as the physical
-# reference, then a profiled window of random, group_by_length and pack_passes (wall vs GPU busy, the host-device
-# synchronisations and who makes them). Phase "liger" (about 2 minutes, needs liger-kernel): pack_passes with
-# ms-swift's use_liger_kernel (fused linear cross-entropy: no fp32 logits) at pass_tokens 16384 and 32768, for the
-# peak memory and whether twice the pass fits. Every arm's figures are printed and appended to
-# $OUT/throughput.jsonl (phase liger: $OUT/liger-<tokens>.jsonl) as soon as it ends. PHASES="proof main liger"
+# reference (no arm starts after 6 minutes); PROFILE=1 adds a profiled window of random, group_by_length and
+# pack_passes (wall vs GPU busy, the host-device synchronisations and who makes them; about a minute). Phase
+# "liger" (about 2 minutes, needs liger-kernel): pack_passes with ms-swift's use_liger_kernel (fused linear
+# cross-entropy: no fp32 logits) at pass_tokens 16384 and 32768, for the peak memory and whether twice the pass fits.
+# Every arm's figures are printed and appended to $OUT/throughput.jsonl (phase liger: $OUT/liger-<tokens>.jsonl) as
+# soon as it ends. PHASES="proof main liger"
 # (default) picks them; within one 10-minute call run PHASES="proof main", then PHASES=liger. Not run in CI (no GPU
 # there). Record the output in docs/benchmarks.md ("Throughput").
 #
@@ -41,9 +42,10 @@ if [[ " $PHASES " == *" proof "* ]]; then  # padded vs packed: loss and LoRA gra
     --jsonl "$OUT/proof.jsonl" 2>&1 | tee "$OUT/proof.txt" || true
 fi
 if [[ " $PHASES " == *" main "* ]]; then
-  "$PY" scripts/bench_throughput.py "${common[@]}" --repeats 2 --pass-tokens 16384 --deadline 400 \
-    --arms random group_by_length pack_balanced pack_passes pack_passes_padding_free bare_loop \
-    --profile-arms random group_by_length pack_passes \
+  profile=()
+  if [ -n "${PROFILE:-}" ]; then profile=(--profile-arms random group_by_length pack_passes); fi
+  "$PY" scripts/bench_throughput.py "${common[@]}" --repeats 2 --pass-tokens 16384 --deadline 360 \
+    --arms random group_by_length pack_balanced pack_passes pack_passes_padding_free bare_loop "${profile[@]}" \
     --jsonl "$OUT/throughput.jsonl" "$@" 2>&1 | tee "$OUT/log.txt"
 fi
 if [[ " $PHASES " == *" liger "* ]]; then
