@@ -12,9 +12,8 @@
 # "liger" (about 2 minutes, needs liger-kernel): pack_passes with ms-swift's use_liger_kernel (fused linear
 # cross-entropy: no fp32 logits) at pass_tokens 16384 and 32768, for the peak memory and whether twice the pass fits.
 # Every arm's figures are printed and appended to $OUT/throughput.jsonl (phase liger: $OUT/liger-<tokens>.jsonl) as
-# soon as it ends. PHASES="proof main liger"
-# (default) picks them; within one 10-minute call run PHASES="proof main", then PHASES=liger. Not run in CI (no GPU
-# there). Record the output in docs/benchmarks.md ("Throughput").
+# soon as it ends. PHASES="proof main liger" (default) picks them; within one 10-minute call run PHASES="proof main",
+# then PHASES=liger. Not run in CI (no GPU there). Record the output in docs/benchmarks.md ("Throughput").
 #
 # On a machine without network (../shared/gpu/README.md): bring the wheels and the data mix into the working tree
 #   bash ../shared/gpu/fetch_wheels.sh .gpu/whl && mkdir -p .gpu/data && cp -r ../shared/data/{gsm8k,alpaca-gpt4-en-demo,lima,glaive-toolcall-en-demo} .gpu/data/
