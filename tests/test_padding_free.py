@@ -128,6 +128,17 @@ def test_flex_attention_packed_row_has_the_padded_loss(arch, tiny_qwen, tiny_lla
             loss_flex, _ = loss_and_grads_no_backward(flex_model, flat, items)
         assert float(loss_flex) == pytest.approx(float(loss_padded), rel=1e-5), lengths
     check_packed_attention(flex_model)
+    from torch._dynamo.utils import counters
+    compiled = counters['frames']['ok']
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(6):  # packed rows of other lengths: the kernels compiled for dynamic lengths serve them all
+        lengths = torch.randint(1, 200, (int(torch.randint(1, 6, (1, ), generator=generator)), ),
+                                generator=generator).tolist()
+        rows, labels = rows_and_labels(padded_model.config.vocab_size, lengths=[n + 129 for n in lengths])
+        flat = flatten_rows(padded_batch(rows, labels), 'flex_attention')
+        with torch.no_grad():
+            flex_model(**{k: v for k, v in flat.items() if k != 'labels'})
+    assert counters['frames']['ok'] == compiled  # no new compile
 
 
 def loss_and_grads_no_backward(model, batch, num_items):
