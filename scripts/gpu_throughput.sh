@@ -10,7 +10,8 @@
 # reference (no arm starts after 6 minutes); PROFILE=1 adds a profiled window of random, group_by_length and
 # pack_passes (wall vs GPU busy, the host-device synchronisations and who makes them; about a minute). Phase
 # "liger" (about 2 minutes, needs liger-kernel): pack_passes with ms-swift's use_liger_kernel (fused linear
-# cross-entropy: no fp32 logits) at pass_tokens 16384 and 32768, for the peak memory and whether twice the pass fits.
+# cross-entropy: no fp32 logits) at pass_tokens P and 2 P, for the peak memory and whether twice the pass fits.
+# P (PASS_TOKENS): 16384 on a card with 100 GB or more (H200), else 8192 (16384 peaked at 85 GB on the H200).
 # Every arm's figures are printed and appended to $OUT/throughput.jsonl (phase liger: $OUT/liger-<tokens>.jsonl) as
 # soon as it ends. PHASES="proof main liger" (default) picks them; within one 10-minute call run PHASES="proof main",
 # then PHASES=liger. Not run in CI (no GPU there). Record the output in docs/benchmarks.md ("Throughput").
@@ -34,6 +35,10 @@ OUT=${OUT:-output/gpu_throughput}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PHASES=${PHASES:-proof main liger}
+# a pass of 16,384 tokens peaked at 85 GB on the 1.5B shape (H200, stop 33): 8,192 on a card with less than 100 GB
+gib=$("$PY" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)')
+PASS_TOKENS=${PASS_TOKENS:-$([ "$gib" -ge 100 ] && echo 16384 || echo 8192)}
+echo "GPU memory ${gib} GiB: pass_tokens $PASS_TOKENS (liger phase: $PASS_TOKENS and $((2 * PASS_TOKENS)))"
 common=(--device cuda --procs 1 --model random:qwen2.5-1.5b --rows 512 --batch 4 --ga 4 --max-length 2048
         --threads 4 ${DATA:+--data "$DATA"} --work /tmp/bench_throughput)
 if [[ " $PHASES " == *" proof "* ]]; then  # padded vs packed: loss and LoRA gradient on every attention that loads
@@ -43,13 +48,13 @@ fi
 if [[ " $PHASES " == *" main "* ]]; then
   profile=()
   if [ -n "${PROFILE:-}" ]; then profile=(--profile-arms random group_by_length pack_passes); fi
-  "$PY" scripts/bench_throughput.py "${common[@]}" --repeats 2 --pass-tokens 16384 --deadline 360 \
+  "$PY" scripts/bench_throughput.py "${common[@]}" --repeats 2 --pass-tokens "$PASS_TOKENS" --deadline 360 \
     --arms random group_by_length pack_balanced pack_passes pack_passes_padding_free bare_loop "${profile[@]}" \
     --jsonl "$OUT/throughput.jsonl" "$@" 2>&1 | tee "$OUT/log.txt"
 fi
 if [[ " $PHASES " == *" liger "* ]]; then
   if "$PY" -c 'import liger_kernel' 2>/dev/null; then
-    for tokens in 16384 32768; do
+    for tokens in "$PASS_TOKENS" $((2 * PASS_TOKENS)); do
       "$PY" scripts/bench_throughput.py "${common[@]}" --repeats 1 --pass-tokens "$tokens" --arms pack_passes \
         --swift use_liger_kernel=true --jsonl "$OUT/liger-$tokens.jsonl" 2>&1 | tee -a "$OUT/log.txt" || true
     done
