@@ -242,12 +242,18 @@ def test_a_kernel_that_fails_is_undone_and_said(tiny_qwen, monkeypatch):
     assert chosen['new'] == 'sdpa' and chosen['why'].startswith('flash_attention_2 failed (')
     assert model.config._attn_implementation == 'sdpa'
     monkeypatch.setattr(padding_free, 'best_packed_attention', lambda *a, **k: ('flex_attention', 'test'))
-    assert use_packed_attention(model, 'auto')['new'] == 'flex_attention'  # the proof runs (forward) on CPU
+    chosen = use_packed_attention(model, 'auto')  # its forward runs on CPU, its backward does not: caught up front
+    assert chosen['new'] == 'sdpa' and chosen['why'].startswith('flex_attention failed (NotImplementedError')
+    assert 'backward' in chosen['why'] and model.config._attn_implementation == 'sdpa'
+    assert all(p.grad is None for p in model.parameters())  # the backward probe leaves the gradients alone
+    assert use_packed_attention(model, 'auto', probe_backward=False)['new'] == 'flex_attention'  # forward proof only
     assert model.config._attn_implementation == 'flex_attention'
     from peft import LoraConfig, get_peft_model
     lora = get_peft_model(model_of(tiny_qwen, 'sdpa'), LoraConfig(r=2, target_modules='all-linear'))
-    assert use_packed_attention(lora, 'auto')['new'] == 'flex_attention'  # switched inside PEFT
-    assert lora.get_base_model().config._attn_implementation == 'flex_attention'
+    monkeypatch.setattr(padding_free, 'best_packed_attention', lambda *a, **k: ('eager', 'test'))
+    assert use_packed_attention(lora, 'auto')['new'] == 'eager'  # switched inside PEFT, both proofs passed
+    assert lora.get_base_model().config._attn_implementation == 'eager'
+    assert all(p.grad is None for p in lora.parameters())
     monkeypatch.setattr(padding_free, 'check_packed_attention', lambda *a: None)
     chosen = use_packed_attention(Mixing('sdpa'), 'auto')  # no transformers model to switch: kept, said
     assert chosen['new'] == 'sdpa' and chosen['why'].startswith('no transformers model inside Mixing')

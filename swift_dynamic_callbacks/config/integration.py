@@ -49,8 +49,9 @@ class IntegrationConfig(Settings):
         packed_attention: with ``length_batching.padding_free``, the attention the packed rows run with: ``auto``
             (default) switches a model on sdpa to the best kernel the machine has for packed rows (flash-attn's
             varlen where it is installed, else ``flex_attention`` on CUDA; on CPU sdpa stays), ``keep`` leaves the
-            model's. Either way the choice is proven to keep rows apart before training and written as a
-            ``packed_attention`` record; a kernel that fails to load or the proof is undone (said in the record).
+            model's. Either way the choice is proven to keep rows apart before training (a kernel switched to: and
+            to run backward) and written as a ``packed_attention`` record; a kernel that fails to load or a proof is
+            undone (said in the record).
     """
 
     record_samples: bool = setting(Flag(), False)

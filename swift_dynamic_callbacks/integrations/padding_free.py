@@ -25,7 +25,8 @@ What each attention implementation computes for a packed row of ``N`` tokens in 
 :func:`best_packed_attention` chooses among them (``integration.packed_attention: auto``: flash-attn where it is
 installed, else ``flex_attention`` on CUDA, else what the model has), and :func:`check_packed_attention` proves the
 choice on the model at hand before training: two rows run packed, and changing the first row must not change the
-second row's logits (causal attention already keeps the first from the second).
+second row's logits (causal attention already keeps the first from the second); a kernel switched to must also run
+backward (:func:`check_packed_backward`).
 """
 
 from __future__ import annotations
@@ -206,10 +207,13 @@ def transformers_model(model: Any) -> Any:
     return next((m for m in modules if isinstance(m, PreTrainedModel)), None)
 
 
-def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.padding_free') -> dict[str, Any]:
+def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.padding_free', *,
+                         probe_backward: bool = True) -> dict[str, Any]:
     """Switch ``model`` (a transformers model, possibly inside PEFT) to :func:`best_packed_attention`'s choice and
-    prove it keeps packed rows apart (:func:`check_packed_attention`); a choice that fails to load or to pass the
-    proof is undone and the model's own is proven instead. Returns what was decided (``old``, ``new``, ``why``)."""
+    prove it keeps packed rows apart (:func:`check_packed_attention`) and, with ``probe_backward`` (engines whose
+    backward holds no collectives), that it runs backward (:func:`check_packed_backward`); a choice that fails to
+    load or either proof is undone and the model's own is proven instead. Returns what was decided (``old``,
+    ``new``, ``why``)."""
     from transformers.utils import is_torch_flex_attn_available
     old = attention_implementation(model)
     device = next(model.parameters()).device
@@ -222,6 +226,8 @@ def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.
         try:
             base.set_attn_implementation(new)
             check_packed_attention(model, setting)
+            if probe_backward:
+                check_packed_backward(model, new)
         except Exception as error:  # noqa: BLE001 - any failure of the better kernel falls back, said in the record
             base.set_attn_implementation(old)
             why = f'{new} failed ({type(error).__name__}: {str(error)[:200]}); kept {old}'
@@ -230,6 +236,20 @@ def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.
             return {'old': old, 'new': new, 'why': why}
     check_packed_attention(model, setting)
     return {'old': old, 'new': new, 'why': why}
+
+
+def check_packed_backward(model: Any, attention: str) -> None:
+    """One forward and backward of two packed rows finished for ``attention``, the gradient taken to the input
+    embeddings only (the parameters' gradients stay as they are): a kernel that cannot run backward here (flex
+    attention on CPU, a compile that fails) fails now, before training, not in the first training step."""
+    device = next(model.parameters()).device
+    vocab = int(getattr(getattr(model, 'config', None), 'vocab_size', 0) or 32)
+    values = {'input_ids': (torch.arange(1, 9, device=device) % vocab)[None],
+              'position_ids': torch.arange(4, device=device).repeat(2)[None]}
+    packed = dict(finish_packed(PackedBatch(values, (4, 4)), attention))
+    embeds = model.get_input_embeddings()(packed.pop('input_ids')).detach().requires_grad_(True)
+    logits = model(inputs_embeds=embeds, **packed, use_cache=False).logits
+    torch.autograd.grad(logits.float().sum(), embeds)
 
 
 @torch.no_grad()

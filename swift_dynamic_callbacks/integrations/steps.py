@@ -142,7 +142,8 @@ class StepRunner:
                                   'pairs them; they are not flattened)')
             if host_packs_rows(self.trainer):
                 raise ConfigError(f'{setting}: ms-swift\'s padding_free / packing already pack the rows; use one')
-            chosen = use_packed_attention(model, self.packed_attention_mode, setting)
+            chosen = use_packed_attention(model, self.packed_attention_mode, setting,
+                                          probe_backward=self.engine.name in ('single', 'ddp'))
             self.packed_attention = chosen['new']
             message = (f'padding-free passes run with attn_impl {chosen["new"]}' +
                        (f' (was {chosen["old"]})' if chosen['new'] != chosen['old'] else '') + f': {chosen["why"]}')
