@@ -238,15 +238,23 @@ def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.
     return {'old': old, 'new': new, 'why': why}
 
 
-def check_packed_backward(model: Any, attention: str) -> None:
-    """One forward and backward of two packed rows finished for ``attention``, the gradient taken to the input
-    embeddings only (the parameters' gradients stay as they are): a kernel that cannot run backward here (flex
-    attention on CPU, a compile that fails) fails now, before training, not in the first training step."""
+def probe_rows(model: Any, attention: str, shift: int) -> PackedBatch:
+    """Two packed rows of 4 tokens on the model's device, finished for ``attention``: the second is always the same,
+    the first is the second's tokens moved by ``shift`` (the train-start proofs' input)."""
     device = next(model.parameters()).device
     vocab = int(getattr(getattr(model, 'config', None), 'vocab_size', 0) or 32)
-    values = {'input_ids': (torch.arange(1, 9, device=device) % vocab)[None],
+    second = torch.arange(1, 5, device=device) % vocab
+    values = {'input_ids': torch.cat([(second + shift) % vocab, second])[None],
               'position_ids': torch.arange(4, device=device).repeat(2)[None]}
-    packed = dict(finish_packed(PackedBatch(values, (4, 4)), attention))
+    return finish_packed(PackedBatch(values, (4, 4)), attention)
+
+
+def check_packed_backward(model: Any, attention: str) -> None:
+    """One forward and backward of two packed rows finished for ``attention`` (:func:`probe_rows`), the gradient
+    taken to the input embeddings only (the parameters' gradients stay as they are): a kernel that cannot run
+    backward here (flex attention on CPU, a compile that fails) fails now, before training, not in the first training
+    step."""
+    packed = dict(probe_rows(model, attention, 7))
     embeds = model.get_input_embeddings()(packed.pop('input_ids')).detach().requires_grad_(True)
     logits = model(inputs_embeds=embeds, **packed, use_cache=False).logits
     torch.autograd.grad(logits.float().sum(), embeds)
@@ -256,26 +264,20 @@ def check_packed_backward(model: Any, attention: str) -> None:
 def check_packed_attention(model: Any, setting: str = 'length_batching.padding_free') -> None:
     """Refuse padding-free micro-batches where the model would attend across packed rows: an attention
     implementation outside :data:`SUPPORTED_ATTENTION`, or a model whose second row's logits change with the first
-    row's tokens (two tiny forwards of two packed rows finished for the model's attention, in eval mode, on the
+    row's tokens (two tiny forwards of :func:`probe_rows` finished for the model's attention, in eval mode, on the
     model's device; causal attention never lets the first row see the second, so the second is the one to watch)."""
     implementation = attention_implementation(model)
     if implementation not in SUPPORTED_ATTENTION:
         raise ConfigError(f'{setting}: true needs attn_impl {" / ".join(SUPPORTED_ATTENTION)} (got '
                           f'{implementation!r}): those keep packed rows apart by position_ids in transformers')
-    device = next(model.parameters()).device
-    vocab = int(getattr(getattr(model, 'config', None), 'vocab_size', 0) or 32)
-    second = torch.arange(1, 5, device=device) % vocab
-    positions = torch.arange(4, device=device).repeat(2)[None]
 
-    def logits(first: torch.Tensor) -> torch.Tensor:
-        packed = finish_packed(PackedBatch({'input_ids': torch.cat([first, second])[None], 'position_ids': positions},
-                                           (4, 4)), implementation)
-        return model(**packed, use_cache=False).logits[0, 4:8].float()
+    def logits(shift: int) -> torch.Tensor:
+        return model(**probe_rows(model, implementation, shift), use_cache=False).logits[0, 4:8].float()
 
     was_training = model.training
     model.eval()
     try:
-        a, b = logits((second + 7) % vocab), logits((second + 11) % vocab)
+        a, b = logits(7), logits(11)
     finally:
         model.train(was_training)
     if not torch.allclose(a, b, atol=1e-5, rtol=1e-4):
