@@ -41,7 +41,8 @@ def rows_and_labels(vocab, lengths=(7, 12, 1, 5), seed=0):
     return rows, labels
 
 
-def loss_and_grads(model, batch, num_items):
+def loss_and_grads(model, batch, num_items, backward=True):
+    """The token-sum loss over ``num_items`` and, with ``backward``, the parameters' gradients (else ``None``)."""
     model.zero_grad()
     inputs = {k: v for k, v in batch.items() if k != 'labels'}
     logits = model(**inputs).logits[0 if batch['input_ids'].shape[0] == 1 else slice(None)]
@@ -49,6 +50,8 @@ def loss_and_grads(model, batch, num_items):
     shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]  # what transformers' loss does
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift.reshape(-1),
                                              ignore_index=-100, reduction='sum') / num_items
+    if not backward:
+        return loss.detach(), None
     loss.backward()
     return loss.detach(), [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
@@ -124,8 +127,8 @@ def test_flex_attention_packed_row_has_the_padded_loss(arch, tiny_qwen, tiny_lla
         assert (flat['labels'][0, tokens:] == -100).all()
         items = int((padded['labels'][:, 1:] != -100).sum())
         with torch.no_grad():
-            loss_padded, _ = loss_and_grads_no_backward(padded_model, padded, items)
-            loss_flex, _ = loss_and_grads_no_backward(flex_model, flat, items)
+            loss_padded, _ = loss_and_grads(padded_model, padded, items, backward=False)
+            loss_flex, _ = loss_and_grads(flex_model, flat, items, backward=False)
         assert float(loss_flex) == pytest.approx(float(loss_padded), rel=1e-5), lengths
     check_packed_attention(flex_model)
     from torch._dynamo.utils import counters
@@ -139,15 +142,6 @@ def test_flex_attention_packed_row_has_the_padded_loss(arch, tiny_qwen, tiny_lla
         with torch.no_grad():
             flex_model(**{k: v for k, v in flat.items() if k != 'labels'})
     assert counters['frames']['ok'] == compiled  # no new compile
-
-
-def loss_and_grads_no_backward(model, batch, num_items):
-    inputs = {k: v for k, v in batch.items() if k != 'labels'}
-    logits = model(**inputs).logits[0 if batch['input_ids'].shape[0] == 1 else slice(None)]
-    labels = batch['labels'] if batch['input_ids'].shape[0] > 1 else batch['labels'][0]
-    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift.reshape(-1),
-                                             ignore_index=-100, reduction='sum') / num_items, None
 
 
 def varlen_stand_in(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
