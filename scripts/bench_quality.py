@@ -329,13 +329,9 @@ def report(results: list[dict], arms: list[str], args: argparse.Namespace) -> in
             common = set.intersection(*({r['seed'] for r in results if r['arm'] == arm} for arm in mine))
             if not common:
                 continue
-
-            def loss(arm: str) -> float:
-                return statistics.fmean(r['eval_loss'] for r in results if r['arm'] == arm and r['seed'] in common)
-
-            arm = min(mine, key=loss)
-            lr = arm.partition('@')[2] or f'{args.lr:g}'
-            print(f'| {base} | LR {lr} | eval loss {loss(arm):.4f} on seeds {sorted(common)} | of {len(mine)} LRs |')
+            lr, loss, _ = best_by_arm([r for r in results if r['arm'] in mine and r['seed'] in common])[base]
+            print(f'| {base} | LR {lr or f"{args.lr:g}"} | eval loss {loss:.4f} on seeds {sorted(common)} | '
+                  f'of {len(mine)} LRs |')
     if args.png:
         pareto(points, args.png, f'{args.model}, {args.samples} samples, seeds {args.seeds}',
                f'{args.lr:g}', ref)
