@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
 import pytest
+
+from swift_runs import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, 'distributed_driver.py')
@@ -42,12 +43,6 @@ ENGINES: dict[str, dict[str, Any]] = {
 RANK_LOCAL = ('best', 'value', 'wait', 'grad_norm', 'rank', 'position')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 def _tail(path: str, lines: int = 60) -> str:
     with open(path, errors='replace') as f:
         return ''.join(f.readlines()[-lines:])
@@ -64,7 +59,7 @@ def launch(workdir: str, spec: dict[str, Any], *, nproc: int, timeout: int = TIM
            'PYTHONPATH': os.pathsep.join(p for p in (HERE, os.environ.get('PYTHONPATH')) if p)}
     if nproc > 1:
         command = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc), '--master_addr',
-                   '127.0.0.1', '--master_port', str(_free_port()), DRIVER, spec_path]
+                   '127.0.0.1', '--master_port', str(free_port()), DRIVER, spec_path]
     else:
         command = [sys.executable, DRIVER, spec_path]
     log = os.path.join(workdir, 'run.log')

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from typing import Any, Iterable
 
 from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
@@ -28,6 +29,13 @@ def run_sft(model: str, arch: str, dataset: str, output_dir: str, *, callbacks: 
     kwargs = sft_kwargs(model, arch, dataset, output_dir, callbacks=list(callbacks), **overrides)
     sft_main(SftArguments(**kwargs))
     return output_dir
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous: tests may run side by side under pytest-xdist)."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from swift_runs import decisions, indices_by_epoch, read_jsonl, sample_trace, sft_kwargs
+from swift_runs import decisions, free_port, indices_by_epoch, read_jsonl, sample_trace, sft_kwargs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.engines, pytest.mark.e2e]
 
@@ -29,7 +29,7 @@ def test_two_processes_balanced_padding_free_with_a_batch_change(tmp_path, tiny_
                                      'integration': {'record_samples': True}})
     path = tmp_path / 'run.yaml'
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    env = {**os.environ, 'NPROC_PER_NODE': '2', 'MASTER_PORT': str(29500 + os.getpid() % 2000),
+    env = {**os.environ, 'NPROC_PER_NODE': '2', 'MASTER_PORT': str(free_port()),
            'OMP_NUM_THREADS': '1'}
     result = subprocess.run([sys.executable, '-m', 'swift_dynamic_callbacks.cli', 'sft', str(path)],
                             capture_output=True, text=True, env=env, timeout=900, start_new_session=True)

@@ -14,6 +14,7 @@ from swift_dynamic_callbacks.config.engines import (ENGINES, check_engine, engin
 from swift_dynamic_callbacks.integrations.engines import (DDPEngine, DeepSpeedEngineAdapter, Engine, FSDP2Engine,
                                                           engine_name, select_engine, zero_weight_batch)
 from swift_dynamic_callbacks.integrations.engines.ddp import all_reduce_gradients
+from swift_runs import free_port
 
 FEATURES = ('pieces', 'pass_limit', 'noise_scale', 'oom_recovery')
 
@@ -207,12 +208,8 @@ def _reduce_worker(rank: int, port: int, results) -> None:
 
 
 def test_all_reduce_gradients_averages_in_buckets():
-    import socket
-
     import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        port = s.getsockname()[1]
+    port = free_port()
     manager = mp.Manager()
     results = manager.dict()
     mp.spawn(_reduce_worker, args=(port, results), nprocs=2, join=True)

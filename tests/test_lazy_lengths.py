@@ -12,6 +12,7 @@ from swift_dynamic_callbacks.data.length_estimates import apply, char_counts, es
 from swift_dynamic_callbacks.data.elastic import ElasticDataLoader
 from swift_dynamic_callbacks.data.rows import item_lengths, row_cost
 from swift_dynamic_callbacks.policies.length import BatchPlan
+from swift_runs import free_port
 
 
 def raw_rows(n=40):
@@ -169,16 +170,11 @@ def test_two_processes_share_one_cache_file(tmp_path):
     """Under 2 real processes the main one writes the estimates once (atomically), the other reads that file after
     the barrier: the same lengths on both, one file; a second run of both reads it."""
     import json
-    import socket
-
     import torch.multiprocessing as mp
     folder, out = tmp_path / 'cache', tmp_path / 'out'
     folder.mkdir(), out.mkdir()
     for attempt in range(2):
-        with socket.socket() as s:
-            s.bind(('127.0.0.1', 0))
-            port = s.getsockname()[1]
-        mp.spawn(_estimate_on_rank, args=(2, str(folder), port, str(out)), nprocs=2, join=True)
+        mp.spawn(_estimate_on_rank, args=(2, str(folder), free_port(), str(out)), nprocs=2, join=True)
         ranks = [json.loads((out / f'rank{r}.json').read_text()) for r in range(2)]
         assert ranks[0]['lengths'] == ranks[1]['lengths'] and ranks[0]['cache'] == ranks[1]['cache']
         assert ranks[1]['cached'] and ranks[0]['cached'] == (attempt == 1)  # rank 0 wrote it, then both read it
