@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The multi-process engine tests: DDP, FSDP2 and DeepSpeed ZeRO-2/3 on 2 CPU processes (gloo), each compared with one
-# process over the same samples per step (pytest marker `engines`; about 10 minutes on 2 cores).
+# process over the same samples per step (pytest marker `engines`; about 13 minutes on 2 cores, on TEST_WORKERS processes: scripts/pytest_env.sh).
 # Sets up the venv like scripts/test.sh, plus the `deepspeed` extra (deepspeed==0.19.8).
 # Usage: bash scripts/test_engines.sh [extra pytest args]
 set -euo pipefail
@@ -9,4 +9,6 @@ VENV=${VENV:-.venv}
 VENV=$VENV bash scripts/setup_env.sh
 "$VENV/bin/python" -m pip install -q 'torch==2.13.0' -e '.[deepspeed]'
 "$VENV/bin/python" -c 'import deepspeed' 2>/dev/null || { echo "deepspeed failed to import" >&2; exit 1; }
-"$VENV/bin/python" -m pytest -q -m engines "$@"
+# a test a worker, except the tests that share a module fixture (pytest.mark.xdist_group: one worker builds it)
+source scripts/pytest_env.sh loadgroup
+"$VENV/bin/python" -m pytest -q -m engines --durations=20 "${PYTEST_WORKERS[@]}" "$@"

@@ -202,6 +202,7 @@ def elastic_sources(tmp_path_factory, tiny_qwen, dataset_15):
     return sources
 
 
+@pytest.mark.xdist_group('elastic_sources')  # one worker builds the module fixture for all three
 @pytest.mark.parametrize('old,new', [(2, 1), (2, 3), (1, 2)], ids=['2to1', '2to3', '1to2'])
 def test_resume_on_another_number_of_processes(old, new, elastic_sources, tmp_path, tiny_qwen, dataset_15):
     """A DDP run (or one process) resumed from its step-2 checkpoint on another number of processes: an
