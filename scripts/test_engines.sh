@@ -9,6 +9,6 @@ VENV=${VENV:-.venv}
 VENV=$VENV bash scripts/setup_env.sh
 "$VENV/bin/python" -m pip install -q 'torch==2.13.0' -e '.[deepspeed]'
 "$VENV/bin/python" -c 'import deepspeed' 2>/dev/null || { echo "deepspeed failed to import" >&2; exit 1; }
-# a test a worker, except the tests that share a module fixture (pytest.mark.xdist_group: one worker builds it)
-source scripts/pytest_env.sh loadgroup
+# a test a worker (test_engines.py's module fixture that several tests copy is built once: engine_runs.build_once)
+source scripts/pytest_env.sh load
 "$VENV/bin/python" -m pytest -q -m engines --durations=20 "${PYTEST_WORKERS[@]}" "$@"

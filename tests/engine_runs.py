@@ -15,7 +15,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -171,3 +172,21 @@ def decision_keys(trace: dict[str, Any], *, skip_kinds: tuple[str, ...] = ()) ->
         values = {k: v for k, v in d['values'].items() if k not in RANK_LOCAL and not k.startswith('memory_')}
         keys.append((d['step'], d['source'], d['kind'], d['reason'], json.dumps(values, sort_keys=True)))
     return keys
+
+
+def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]) -> Any:
+    """``build(folder)`` once per test run; its result (JSON) is returned to every caller. Under pytest-xdist the
+    workers share the folder (the run's base temporary folder): the first to come builds it while the others wait on a
+    file lock, then they read its result; a build that fails leaves nothing, and the next caller tries again. Without
+    xdist the folder is this process's own."""
+    from filelock import FileLock
+    if 'PYTEST_XDIST_WORKER' not in os.environ:
+        return build(tmp_path_factory.mktemp(name))
+    folder = tmp_path_factory.getbasetemp().parent / name  # a worker's base is <the run's base>/popen-gw<N>
+    with FileLock(f'{folder}.lock'):
+        done = folder / 'result.json'
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            result = build(folder)
+            done.write_text(json.dumps(result), encoding='utf-8')
+        return json.loads(done.read_text(encoding='utf-8'))

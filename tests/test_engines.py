@@ -19,8 +19,8 @@ import os
 
 import pytest
 
-from engine_runs import (assert_engine, assert_same_steps, assert_same_weights, decision_keys, max_difference,
-                         reference, run_ranks, traces, weights)
+from engine_runs import (assert_engine, assert_same_steps, assert_same_weights, build_once, decision_keys,
+                         max_difference, reference, run_ranks, traces, weights)
 from swift_runs import indices_by_epoch, read_jsonl, sample_trace
 
 pytestmark = [pytest.mark.engines, pytest.mark.distributed, pytest.mark.e2e]
@@ -190,19 +190,22 @@ ELASTIC = {  # source world -> (per-device batch, resumed worlds); the global ba
 
 @pytest.fixture(scope='module')
 def elastic_sources(tmp_path_factory, tiny_qwen, dataset_15):
-    """One uninterrupted DDP run per source world (2 epochs of 15 samples, checkpoint at step 2)."""
-    sources = {}
-    for world, (batch, _) in ELASTIC.items():
-        workdir = str(tmp_path_factory.mktemp(f'elastic-{world}'))
-        out = run_ranks(workdir, tiny_qwen, dataset_15, engine='ddp', callbacks=['training_log'],
-                        pack={'integration': {'record_samples': True}, 'training_log': {}}, nproc=world,
-                        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_train_epochs=2,
-                        max_steps=-1, save_steps=2, learning_rate=1e-3, lr_scheduler_type='linear', warmup_steps=0)
-        sources[world] = out
-    return sources
+    """One uninterrupted DDP run per source world (2 epochs of 15 samples, checkpoint at step 2), built once for all
+    pytest-xdist workers (the tests copy them; the tiny model's weights depend only on its seed)."""
+    def build(folder):
+        sources = {}
+        for world, (batch, _) in ELASTIC.items():
+            out = run_ranks(str(folder / f'elastic-{world}'), tiny_qwen, dataset_15, engine='ddp',
+                            callbacks=['training_log'],
+                            pack={'integration': {'record_samples': True}, 'training_log': {}}, nproc=world,
+                            per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+                            num_train_epochs=2, max_steps=-1, save_steps=2, learning_rate=1e-3,
+                            lr_scheduler_type='linear', warmup_steps=0)
+            sources[str(world)] = out
+        return sources
+    return {int(world): out for world, out in build_once(tmp_path_factory, 'elastic-sources', build).items()}
 
 
-@pytest.mark.xdist_group('elastic_sources')  # one worker builds the module fixture for all three
 @pytest.mark.parametrize('old,new', [(2, 1), (2, 3), (1, 2)], ids=['2to1', '2to3', '1to2'])
 def test_resume_on_another_number_of_processes(old, new, elastic_sources, tmp_path, tiny_qwen, dataset_15):
     """A DDP run (or one process) resumed from its step-2 checkpoint on another number of processes: an
