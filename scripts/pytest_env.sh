@@ -8,7 +8,8 @@
 #   that rises to at most 32 MB) is a fresh mmap, zeroed by the kernel on first touch and unmapped when freed; a
 #   training step allocates and frees hundreds of them, and that kernel time was about a third of the e2e tests' CPU
 #   time. Test speed only: nothing a test checks depends on it.
-# Usage: source scripts/pytest_env.sh <dist>   (<dist>: pytest-xdist's --dist mode: loadfile, loadgroup, ...)
+# Usage: source scripts/pytest_env.sh <dist>   (<dist>: pytest-xdist's --dist mode: loadfile or load;
+# not loadgroup, which does not group under pytest 9.2)
 _dist=${1:-loadfile}
 TEST_WORKERS=${TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 1); echo $(( n < 4 ? n : 4 )))}
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4294967296}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The multi-process engine tests: DDP, FSDP2 and DeepSpeed ZeRO-2/3 on 2 CPU processes (gloo), each compared with one
-# process over the same samples per step (pytest marker `engines`; about 13 minutes on 2 cores, on TEST_WORKERS processes: scripts/pytest_env.sh).
+# process over the same samples per step (pytest marker `engines`; about 13 minutes on 2 cores, on TEST_WORKERS
+# processes: scripts/pytest_env.sh).
 # Sets up the venv like scripts/test.sh, plus the `deepspeed` extra (deepspeed==0.19.8).
 # Usage: bash scripts/test_engines.sh [extra pytest args]
 set -euo pipefail
