@@ -29,6 +29,9 @@ flag                        set by               read by                      cl
                             last backward)
 ``pass_size``               the integration      callbacks, in                overwritten every step
                             (after each step)    ``on_step_end``
+``pass_cost``               the integration      callbacks, in                overwritten every step
+                            (after each step,    ``on_step_end``
+                            ``pass_tokens``)
 ``oom_event``               the integration      callbacks, in                by the integration at the next step
                             (after recovering)   ``on_step_end``              boundary
 ``dynamic_fail_fast``       the integration, at  the hook wrapper of every    never (the integration setting
@@ -69,7 +72,12 @@ Semantics:
   as more pieces (same gradient), whatever ``new_num_pieces`` asked. Each request replaces the previous limit
   whole; all values ``None`` removes it. After an out-of-memory error inside a step the integration retries the
   step's passes at half the pass size, lowers the limit itself and reports it in ``oom_event`` (an
-  :class:`OomEvent`); ``pass_size`` is the largest pass (samples) of the step that just ended.
+  :class:`OomEvent`); ``pass_size`` is the largest pass (samples) of the step that just ended. Under
+  ``pass_tokens`` (passes cut by a token budget) memory follows a pass's tokens, not its rows: an OOM lowers a
+  *token* budget instead (``oom_event.new_tokens``; the integration plans later steps at it and raises it again after
+  clean steps, a ``pass_budget`` record each time), ``pass_cost`` is the largest pass's cost in tokens
+  (:func:`~swift_dynamic_callbacks.policies.pass_cost.pass_cost`; 0 when passes are not cut by tokens) and a
+  ``tokens`` cap in ``new_pass_limit`` also lowers the budget the passes are planned at.
 - ``new_optimizer_scale = {'weight_decay': w, 'beta2_power': p}`` sets every optimizer param group's weight decay
   to ``w`` times its configured value and Adam's ``beta2`` to its configured value to the power ``p`` (either key may
   be left out: that setting stays as configured). Absolute, not cumulative, like ``new_lr_scale``; the values live
@@ -137,6 +145,7 @@ NEW_BATCH_PLAN = 'new_batch_plan'
 NEW_PASS_LIMIT = 'new_pass_limit'
 NEW_OPTIMIZER_SCALE = 'new_optimizer_scale'
 PASS_SIZE = 'pass_size'
+PASS_COST = 'pass_cost'
 OOM_EVENT = 'oom_event'
 DYNAMIC_DECISIONS = 'dynamic_decisions'
 DYNAMIC_METRICS = 'dynamic_metrics'
@@ -239,12 +248,18 @@ class OomEvent:
             ``None`` when a one-sample pass was run again as it was (the cap did not change).
         retries: how many times the step's passes were run again.
         memory: device figures (GiB) read after freeing memory.
+        pass_tokens: the failed pass's cost in tokens (:func:`~.policies.pass_cost.pass_cost`).
+        new_tokens: under ``pass_tokens`` (passes cut by a token budget) the token cap the step was retried and
+            finished with (``new_cap`` is then ``None``: rows are not capped); at the next step boundary the
+            integration agrees the token budget later passes are planned at (a ``pass_budget`` record).
     """
 
     pass_size: int
     new_cap: int | None
     retries: int
     memory: Mapping[str, Any]
+    pass_tokens: int | None = None
+    new_tokens: int | None = None
 
 
 def check_pass_limit(limit: Any) -> dict[str, Any]:
@@ -390,7 +405,7 @@ KINDS: dict[str, RequestKind] = {kind.field: kind for kind in REQUESTS}
 REQUEST_FLAGS = (SHOULD_UPDATE_DATALOADER, NEW_DATALOADER) + tuple(kind.flag for kind in REQUESTS)
 #: Every attribute this protocol defines on ``TrainerControl``.
 ALL_FLAGS = REQUEST_FLAGS + (DYNAMIC_DECISIONS, DYNAMIC_METRICS, MEASURE_GRAD_NOISE, GRAD_NOISE_SAMPLE, PASS_SIZE,
-                             OOM_EVENT, FAIL_FAST, DISABLED, LOSS_NONFINITE)
+                             PASS_COST, OOM_EVENT, FAIL_FAST, DISABLED, LOSS_NONFINITE)
 
 #: Controls: what a callback drives through request flags that hold one value per step boundary (the last request
 #: wins). ``control -> (what it is, the flags)``. A callback declares the controls it requests (``controls``); two

@@ -14,8 +14,7 @@ from swift_dynamic_callbacks.callbacks.memory_backoff import MemoryBackoffCallba
 from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.testing.faults import OomInjector
 from swift_dynamic_callbacks.device_memory import MemorySample, is_oom
-from swift_dynamic_callbacks.policies.memory import (PressureState, oom_backoff, pass_cap, pieces_needed,
-                                                     pressure_step)
+from swift_dynamic_callbacks.policies.memory import PressureState, oom_backoff, pass_cap, pressure_step
 from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
 
 
@@ -27,15 +26,6 @@ def test_pass_cap_table():
     assert pass_cap(3000, {'samples': None, 'tokens': 1000, 'rules': []}) == 1  # never below one sample
     both = {'samples': 4, 'tokens': 1000, 'rules': [[512, 3], [2048, 1]]}
     assert [pass_cap(n, both) for n in (100, 600, 3000)] == [4, 1, 1]  # longest matching rule first
-
-
-@given(rows=st.integers(1, 64), requested=st.integers(1, 16), cap=st.one_of(st.none(), st.integers(1, 64)))
-def test_pieces_respect_the_cap(rows, requested, cap):
-    pieces = pieces_needed(rows, requested, cap)
-    assert 1 <= pieces <= rows
-    largest = -(-rows // pieces)
-    assert cap is None or largest <= cap
-    assert pieces >= min(rows, requested)
 
 
 def test_oom_backoff_halves():

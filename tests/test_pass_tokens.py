@@ -17,7 +17,8 @@ from swift_dynamic_callbacks import distributed
 from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.config.length_batching import LengthBatchingConfig
 from swift_dynamic_callbacks.data.slots import EmptyMicroBatch, PassGroup, slot_batches
-from swift_dynamic_callbacks.policies.balance import pass_cost, pass_slots, step_passes
+from swift_dynamic_callbacks.policies.balance import pass_slots, step_passes
+from swift_dynamic_callbacks.policies.pass_cost import pass_cost
 from swift_dynamic_callbacks.policies.length import BatchPlan
 from test_balanced_steps import lognormal_lengths, make_loader
 
@@ -38,11 +39,11 @@ def test_passes_partition_each_step_within_the_budget_and_no_pass_could_take_the
         rows = 0
         for i, p in enumerate(passes):
             chunk = share[rows:rows + p]
-            assert p == 1 or pass_cost(chunk, padding_free=padding_free) <= budget  # a row over it runs alone
+            assert p == 1 or pass_cost(chunk, packed=padding_free) <= budget  # a row over it runs alone
             assert max_rows is None or p <= max_rows
             if i + 1 < len(passes):  # greedy: the next row did not fit
                 grown = share[rows:rows + p + 1]
-                assert (max_rows is not None and p == max_rows) or pass_cost(grown, padding_free=padding_free) > budget
+                assert (max_rows is not None and p == max_rows) or pass_cost(grown, packed=padding_free) > budget
             rows += p
         start += len(share)
     assert start == len(lengths)
@@ -57,8 +58,8 @@ def test_slots_hold_every_pass_empty_ones_first_and_the_last_slot_runs(passes, e
 
 
 def test_cost_and_cut_by_hand():
-    assert pass_cost([300, 200, 100], padding_free=False) == 900
-    assert pass_cost([300, 200, 100], padding_free=True) == 600
+    assert pass_cost([300, 200, 100], packed=False) == 900
+    assert pass_cost([300, 200, 100], packed=True) == 600
     assert step_passes([500, 400, 300, 300, 200, 100, 100, 50], 4, 1000) == [[2, 2], [4]]
     assert step_passes([3000, 10], 8, 1000) == [[1, 1]]  # too long for the budget: alone, never dropped
     assert step_passes([5] * 10, 10, 1000, max_rows=3) == [[3, 3, 3, 1]]
@@ -104,7 +105,7 @@ def test_the_same_steps_as_balanced_micro_batches_in_fewer_or_more_passes(tokens
         passes = [batch for _, slot in slots for batch in slot_batches(slot)]
         counts.append(len(passes))
         for batch in passes:
-            assert len(batch) == 1 or pass_cost([lengths[i] for i in batch], padding_free=False) <= tokens
+            assert len(batch) == 1 or pass_cost([lengths[i] for i in batch], packed=False) <= tokens
         for indices, slot in slots:
             assert isinstance(slot, EmptyMicroBatch) == (not indices)
             assert [i for b in slot_batches(slot) for i in b] == indices

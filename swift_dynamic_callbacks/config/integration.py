@@ -29,6 +29,15 @@ class IntegrationConfig(Settings):
             (the ``engine`` record at start says so); ``true`` there is refused (``config.engines``).
         oom_single_sample_retries: how often a one-sample pass that ran out of memory is run again, memory freed
             before each try (a one-off spike or fragmentation), before the sample is declared too large (default 2).
+        oom_grow_back_steps: under ``length_batching.pass_tokens`` an OOM lowers the *token* budget of a pass (below
+            the failing pass's cost: the largest budget that ran clean, else half the pass) and later steps are
+            planned at it; every this many clean steps (no OOM on any rank) it grows halfway back to the smallest
+            pass that failed, or to ``pass_tokens`` when none did, and stays once within 1/16 of the failure (a
+            ``pass_budget`` record each change; ``dynamic/pass_budget`` in the logs). ``0``: never grows back.
+            Default 2.
+        oom_forget_steps: after this many clean steps at a budget settled just below a failed pass, the failure is
+            forgotten and the budget grows back to ``pass_tokens`` (a one-off OOM does not cap the run for good; a
+            real memory end fails once more and settles again). ``0``: never forgotten. Default 32.
         enabled: ``false`` turns the whole pack off for a baseline run (as does the environment variable
             ``SWIFT_DYNAMIC_CALLBACKS_DISABLE=1``): no integration, no callback does anything, the run is the plain
             trainer's; one log line and one ``pack``/``disabled`` record say so.
@@ -59,6 +68,8 @@ class IntegrationConfig(Settings):
     max_steps_unit: str = setting(Choice(('steps', 'samples')), 'steps')
     oom_recovery: bool | str = setting(Choice(('auto', True, False)), 'auto')
     oom_single_sample_retries: int = setting(Int(0, 100), 2)
+    oom_grow_back_steps: int = setting(Int(0, 100_000), 2)
+    oom_forget_steps: int = setting(Int(0, 1_000_000), 32)
     enabled: bool = setting(Flag(), True)
     fail_fast: bool = setting(Flag(), False)
     replay: str | None = setting(Text('output/first_run/dynamic_decisions.jsonl', optional=True), None)
@@ -66,7 +77,8 @@ class IntegrationConfig(Settings):
     stream_window: int = setting(Int(1, 10_000_000), 1024)
     packed_attention: str = setting(Choice(('auto', 'keep')), 'auto')
 
-    reads = (Reads('oom_recovery', {'auto': ('oom_single_sample_retries', ), True: ('oom_single_sample_retries', ),
+    reads = (Reads('oom_recovery', {'auto': ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_forget_steps'),
+                                    True: ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_forget_steps'),
                                     False: ()}), )
 
     @classmethod

@@ -75,11 +75,11 @@ class ElasticDataLoader:
             balanced steps under several processes; one process: ``epoch_order``.
         work_coef: ``a`` of a row's work ``a x L + L^2`` (:func:`~..policies.balance.work_coefficient`).
 
-    State (``state_dict``): ``batch_size``, ``num_pieces``, ``entries_per_step``; the shard position's (``epoch``,
-    ``position``, ``samples_seen``, ``epoch_size``, ``rest``: this rank's unconsumed samples of the epoch, packed, what
-    a resume on another number of processes re-deals; ``padding``, ``redealt``); with a batch plan the cursor's
-    (``plan``, ``plan_sizes``, ``plan_steps``, ``plan_passes``) and ``order_plan`` (the plan that laid out the current
-    epoch's order).
+    State (``state_dict``): ``batch_size``, ``num_pieces``, ``entries_per_step``, ``pass_budget``; the shard
+    position's (``epoch``, ``position``, ``samples_seen``, ``epoch_size``, ``rest``: this rank's unconsumed samples
+    of the epoch, packed, what a resume on another number of processes re-deals; ``padding``, ``redealt``); with a
+    batch plan the cursor's (``plan``, ``plan_sizes``, ``plan_steps``, ``plan_passes``) and ``order_plan`` (the plan
+    that laid out the current epoch's order).
     """
 
     state_key = 'integration.data'
@@ -102,6 +102,7 @@ class ElasticDataLoader:
         self.batch_size = batch_size
         self.entries_per_step = entries_per_step
         self.num_pieces = 1
+        self.pass_budget: int | None = None  # a token budget below the plan's pass_tokens (OOMs, memory_backoff)
         self.loader_kwargs = dict(loader_kwargs or {})
         self.num_workers = int(self.loader_kwargs.get('num_workers', 0))
         self.rows = RowLengths(len(dataset), lengths, real_tokens)
@@ -282,6 +283,28 @@ class ElasticDataLoader:
                 self._replan()
                 self._restart()
 
+    def set_pass_budget(self, tokens: int | None) -> bool:
+        """Cut the passes of the steps from the next one on within ``tokens`` when that is below the plan's
+        ``pass_tokens`` (``None``: the plan's); returns whether the passes were planned again. Collective when they
+        are (every rank calls it at the same step boundary with the same budget)."""
+        if tokens == self.pass_budget:
+            return False
+        self.pass_budget = tokens
+        if not self.cuts_passes:
+            return False
+        self._replan()
+        self._restart()
+        return True
+
+    @property
+    def pass_tokens(self) -> int | None:
+        """The token budget passes are planned at now: the plan's ``pass_tokens`` or the lower ``pass_budget``
+        (``None``: passes are not cut by tokens)."""
+        if not self.cuts_passes:
+            return None
+        budget = self.plan.pass_tokens
+        return budget if self.pass_budget is None else min(budget, self.pass_budget)
+
     @property
     def lengths(self) -> list[int]:
         """Tokens of every dataset index (computed once, by the ``lengths`` callable)."""
@@ -346,7 +369,7 @@ class ElasticDataLoader:
         lengths, plan = self.lengths, self.plan
         max_rows = -(-self.batch_size // self.num_pieces) if self.num_pieces > 1 else None
         steps = step_passes([lengths[i] for i in self.shard.rest], self.batch_size * self.entries_per_step,
-                            plan.pass_tokens, padding_free=plan.padding_free, max_rows=max_rows) \
+                            self.pass_tokens, padding_free=plan.padding_free, max_rows=max_rows) \
             if self.remaining else []
         agreed = max(distributed.gather_objects(len(steps)))
         steps += [[] for _ in range(agreed - len(steps))]
@@ -443,7 +466,7 @@ class ElasticDataLoader:
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state = {'batch_size': self.batch_size, 'num_pieces': self.num_pieces,
+        state = {'batch_size': self.batch_size, 'num_pieces': self.num_pieces, 'pass_budget': self.pass_budget,
                  'entries_per_step': self.entries_per_step, **self.shard.state_dict(), **self.cursor.state_dict()}
         if self.plan is not None:
             state['order_plan'] = self.layout.plan.to_json() if self.layout.plan is not None else None
@@ -461,6 +484,7 @@ class ElasticDataLoader:
         self.shard.load(state, order)
         self.cursor.load(state, self.remaining, self.entries_per_step)
         self.num_pieces = int(state.get('num_pieces', 1))
+        self.pass_budget = state.get('pass_budget')
         self.prefetch.new_epoch()
         self._restart()
 
@@ -496,6 +520,7 @@ class ElasticDataLoader:
             self.layout.set_current(order_plan, chunks)
             self.shard.take_share(share, consumed=saved.consumed, dealt=saved.left, world=world)
         self.num_pieces = int(own.get('num_pieces', 1))
+        self.pass_budget = own.get('pass_budget')
         seen = [int(s.get('samples_seen', 0)) for s in states]
         self.shard.samples_seen = seen[rank] if same_world else (sum(seen) if rank == 0 else 0)
         saved_entries = int(own.get('entries_per_step', self.entries_per_step))

@@ -65,6 +65,15 @@ def batch_shape(inputs: Mapping[str, Any]) -> tuple[int, int]:
     return int(reference.shape[0]), int(reference.shape[-1]) if reference.dim() > 1 else 0
 
 
+def pass_lengths(inputs: Mapping[str, Any]) -> list[int]:
+    """The per-row lengths :func:`~..policies.pass_cost.pass_cost` prices a pass by: a packed batch's rows' real
+    lengths; a padded batch's padded length for each row (its pieces keep the batch's padding)."""
+    if isinstance(inputs, PackedBatch):
+        return list(inputs.row_lengths)
+    rows, length = batch_shape(inputs)
+    return [length] * rows
+
+
 def row_tokens(batch: Any, row: int) -> int | None:
     if isinstance(batch, PackedBatch):
         return batch.row_lengths[row] if row < len(batch.row_lengths) else None

@@ -12,9 +12,15 @@ The runner owns the pass limit (the cap on samples / tokens per pass: requested 
 (:meth:`StepRunner.check_splittable`: not for packed rows, ``swift rlhf`` pairs, or engines whose passes hold
 collectives).
 
+Whether a pass fits is :func:`~..policies.pass_cost.pieces_within` (the planner's cost model: ``rows x longest``
+padded, the sum packed). Under ``pass_tokens`` (``cuts_passes``) an OOM caps the *tokens* of a pass, not its rows:
+the failing pass is re-cut within half its cost for the rest of the step, and the integration agrees the token
+budget later steps are planned at (``pass_budget``, :class:`~..policies.pass_cost.TokenBudget`).
+
 State kept for one step only (set by :meth:`StepRunner.start_step` at every step boundary): the micro-batches and
-their dataset indices, the pieces asked for, the pass being run, the OOM retries. Kept for the run and saved with the
-integration's state: ``pass_limit`` and ``oom_count`` (every OOM of the run).
+their dataset indices, the pieces asked for, the pass being run, the OOM retries and the OOM's token cap. Kept for
+the run and saved with the integration's state: ``pass_limit`` and ``oom_count`` (every OOM of the run); the
+agreed token budget ``pass_budget`` is the integration's (set here at every boundary).
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ from ..config.rules import PAIRS_WHY
 from ..data.slots import EmptyMicroBatch, PassGroup
 from ..device_memory import device_figures, free_memory, is_oom
 from ..policies.data_plan import piece_bounds
-from ..policies.memory import oom_backoff, pass_cap, pieces_needed
+from ..policies.memory import oom_backoff, pass_cap
+from ..policies.pass_cost import pass_cost, pieces_within
 from ..records import DecisionRecord
 from .engines import Engine, select_engine
-from .padding_free import use_packed_attention
-from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, restore_grads, row_tokens, \
-    split_micro_batch
+from .padding_free import PackedBatch, use_packed_attention
+from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, pass_lengths, restore_grads, \
+    row_tokens, split_micro_batch
 
 Run = Callable[[Mapping[str, Any]], torch.Tensor]
 logger = logging.getLogger('swift_dynamic_callbacks')
@@ -80,6 +87,11 @@ class StepRunner:
         self.num_pieces = 1  # the passes a micro-batch of this step is cut into at least (requested)
         self.budget_tokens: int | None = None  # this step's token budget while lengths are estimates
         self.max_pass = 0  # the largest pass (samples) of the step so far
+        self.max_cost = 0  # the largest pass's cost (tokens) of the step so far
+        self.cuts_passes = False  # passes are cut by a token budget (pass_tokens): OOMs cap tokens, not rows
+        self.pass_budget: int | None = None  # the agreed token budget of a pass (lowered after OOMs), or None
+        self._oom_tokens: int | None = None  # this step's token cap after an OOM in it (until the next boundary)
+        self._current_cost = 0  # the running pass's cost (tokens)
         self.oom: dict[str, Any] | None = None  # this step's OOM: pass_size, new_cap, record
         self.probe: GradNoiseProbe | None = None
         self._micro = 0
@@ -166,11 +178,15 @@ class StepRunner:
     def effective_pass_limit(self) -> dict[str, Any] | None:
         """The pass limit, with this step's token budget added while lengths are estimates: a micro-batch whose real
         padded tokens exceed it then runs as several passes within it (when passes can split, same gradient)."""
-        if self.budget_tokens is None or not self.splittable():
+        caps = [self.pass_budget, self._oom_tokens]
+        if self.budget_tokens is not None and self.splittable():
+            caps.append(self.budget_tokens)
+        caps = [c for c in caps if c is not None]
+        if not caps:
             return self.pass_limit
-        limit = dict(self.pass_limit or {})
+        limit = dict(self.pass_limit or {'samples': None, 'tokens': None, 'rules': []})
         tokens = limit.get('tokens')
-        limit['tokens'] = self.budget_tokens if tokens is None else min(tokens, self.budget_tokens)
+        limit['tokens'] = min(caps + ([tokens] if tokens is not None else []))
         return limit
 
     def with_oom_cap(self, request: protocol.BatchRequest) -> protocol.BatchRequest:
@@ -209,8 +225,9 @@ class StepRunner:
         self.batches = [batch for _, batch in pairs]
         self.indices = [indices for indices, _ in pairs]
         self.num_pieces, self.budget_tokens = num_pieces, budget_tokens
-        self._micro = self.max_pass = self._halvings = self._single_retries = 0
+        self._micro = self.max_pass = self.max_cost = self._halvings = self._single_retries = 0
         self.oom = None
+        self._oom_tokens = None
         self.probe = probe
         self._pass_stats[1] += 1
 
@@ -303,7 +320,11 @@ class StepRunner:
         """One collated batch as ``pieces`` passes; ``offset``: its first row's place in the slot. ``final``: its
         last pass is the step's last (it syncs)."""
         rows, length = batch_shape(inputs)
-        pieces = pieces_needed(rows, self.num_pieces, pass_cap(length, self.effective_pass_limit()))
+        lengths, packed = pass_lengths(inputs), isinstance(inputs, PackedBatch)
+        limit = self.effective_pass_limit()
+        samples = pass_cap(length, {**limit, 'tokens': None}) if limit else None
+        pieces = pieces_within(lengths, packed=packed, tokens=(limit or {}).get('tokens'), samples=samples,
+                               requested=self.num_pieces)
         probe = self.probe
         if pieces > 1 and num_items_in_batch is None:
             raise RuntimeError('splitting a micro-batch into passes (num_pieces > 1, a pass limit or OOM recovery) '
@@ -320,7 +341,9 @@ class StepRunner:
         for i, (part, (start, stop)) in enumerate(zip(parts, bounds)):
             last = i == len(parts) - 1
             self._current = (index, offset + start, offset + stop)
+            self._current_cost = pass_cost(lengths[start:stop], packed=packed)
             self.max_pass = max(self.max_pass, stop - start)
+            self.max_cost = max(self.max_cost, self._current_cost)
             self._pass_stats[0] += 1
             with self.engine.pass_context(model, sync=final and last):
                 loss = run(dict(part))
@@ -329,6 +352,7 @@ class StepRunner:
                 probe.after_pass(model, part, num_items_in_batch)
         self._current = None
         setattr(self.trainer.control, protocol.PASS_SIZE, self.max_pass)
+        setattr(self.trainer.control, protocol.PASS_COST, self.max_cost if self.cuts_passes else 0)
         return total
 
     def _finish_step(self, model: Any) -> None:
@@ -355,7 +379,7 @@ class StepRunner:
         gradients, free memory, let the engine repair its state, then halve the pass (or, for a one-sample pass,
         try it again as it is, a bounded number of times)."""
         micro, start, stop = failed
-        size = stop - start
+        size, cost = stop - start, self._current_cost
         for p in model.parameters():
             p.grad = None
         self.probe = None  # the first-pass gradient of this step is gone
@@ -366,13 +390,19 @@ class StepRunner:
             if self._single_retries < self.single_sample_retries:
                 self._single_retries += 1
                 cap = (self.pass_limit or {}).get('samples')
-                self.oom = {'pass_size': 1, 'new_cap': cap, 'record': None}
+                self.oom = {'pass_size': 1, 'pass_tokens': cost, 'new_cap': None if self.cuts_passes else cap,
+                            'new_tokens': self._oom_tokens, 'record': None}
                 return
             raise self._too_large(micro, start)
+        self._halvings += 1
+        if self.cuts_passes:  # memory follows tokens: re-cut within half the failing pass's cost, rows uncapped
+            self._oom_tokens = max(1, cost // 2)
+            self.oom = {'pass_size': size, 'pass_tokens': cost, 'new_cap': None, 'new_tokens': self._oom_tokens,
+                        'record': None}
+            return
         cap = oom_backoff(size)
         self.pass_limit = {**(self.pass_limit or {'tokens': None, 'rules': []}), 'samples': cap}
-        self._halvings += 1
-        self.oom = {'pass_size': size, 'new_cap': cap, 'record': None}
+        self.oom = {'pass_size': size, 'pass_tokens': cost, 'new_cap': cap, 'new_tokens': None, 'record': None}
 
     def _too_large(self, micro: int, start: int) -> SampleTooLargeError:
         batch, row = self.batches[micro], start
@@ -396,20 +426,28 @@ class StepRunner:
     def _report_oom(self, retries: int) -> None:
         info = self.oom or {'pass_size': 0, 'new_cap': None}
         figures = device_figures()
-        event = protocol.OomEvent(info['pass_size'], info['new_cap'], retries, figures)
+        event = protocol.OomEvent(info['pass_size'], info['new_cap'], retries, figures,
+                                  pass_tokens=info.get('pass_tokens'), new_tokens=info.get('new_tokens'))
         setattr(self.trainer.control, protocol.OOM_EVENT, event)
         cap = info['new_cap']
-        how = (f'at most {cap} a pass' if self._halvings else
-               'the same one-sample pass after freeing memory' + (f' (pass cap stays {cap})' if cap else ''))
+        if info.get('new_tokens') is not None and self._halvings:
+            how = f'passes of at most {info["new_tokens"]} tokens (rows not capped)'
+        elif self._halvings:
+            how = f'at most {cap} a pass'
+        else:
+            how = 'the same one-sample pass after freeing memory' + (f' (pass cap stays {cap})' if cap else '')
         # held until the next step boundary, where every rank's OOM records are exchanged (``apply_requests``)
         info['record'] = DecisionRecord(
             'integration', 'oom', 'recovered', {
                 'rank': distributed.rank(),
                 'pass_size': info['pass_size'],
+                'pass_tokens': info.get('pass_tokens'),
                 'new_pass_cap': cap,
+                'new_pass_tokens': info.get('new_tokens'),
                 'retries': retries,
                 'single_sample_retries': self._single_retries,
                 'oom_count': self.oom_count,
                 **{f'memory_{k}': v for k, v in figures.items()}
-            }, f'out of memory in a pass of {info["pass_size"]} samples: the step was run again with {how} '
+            }, f'out of memory in a pass of {info["pass_size"]} samples ({info.get("pass_tokens")} tokens): the step '
+            f'was run again with {how} '
             '(same samples, same gradient)', step=self.trainer.state.global_step)

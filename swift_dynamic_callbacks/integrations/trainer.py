@@ -6,6 +6,7 @@
 - :mod:`.budget` — max_steps, the epoch budget, progress bars;
 - :mod:`.lr` — the LR the optimizer uses (scale, stretch, schedule);
 - :mod:`.steps` — one step's passes on the engine (:mod:`.engines`), the pass limit, OOM recovery;
+- :mod:`.pass_budget` — the token budget of a pass under ``pass_tokens`` after OOMs (agreed, planned at);
 - :mod:`.checkpoint` — the pack state in checkpoints, resume checks;
 - :mod:`.metrics` — the numbers in the logs.
 
@@ -37,6 +38,7 @@ from .inputs import prepare_slot, to_device
 from .layout import Layout
 from .optimizer import OptimizerScale
 from .lr import LRControl
+from .pass_budget import PassBudget
 from .metrics import Metrics
 from .requests import agree_step, load_replay, request_to_json, set_request
 from .steps import StepRunner
@@ -51,12 +53,13 @@ class Integration:
     :meth:`next_step` (the step boundary), :meth:`run_micro_batch`, :meth:`update_logs`, :meth:`after_step`,
     :meth:`save`, :meth:`end_train`.
 
-    State (key ``integration``): the requests still pending on ``control`` when the checkpoint was written (e.g. made
-    in ``on_step_end`` of the saved step) with the decision records that go with them (set again on resume, applied
-    and written at the first step), the pass limit, the OOM count, the tokens seen, the run's reference layout,
-    the optimizer's configured weight decay / beta2 and their scale, and the LR schedule's length. The loader's
-    state is saved under ``integration.data``. The epoch budget and the schedule length are derived from the
-    arguments again (the saved length is used when the layout changed); the LR scale is in ``scheduler.pt``.
+    State (key ``integration``): the requests still pending on ``control`` when the checkpoint was written (e.g.
+    made in ``on_step_end`` of the saved step) with the decision records that go with them (set again on resume,
+    applied and written at the first step), the pass limit, the token budget of a pass after OOMs, the OOM count,
+    the tokens seen, the run's reference layout, the optimizer's configured weight decay / beta2 and their scale,
+    and the LR schedule's length. The loader's state is saved under ``integration.data``. The epoch budget and the
+    schedule length are derived from the arguments again (the saved length is used when the layout changed); the LR
+    scale is in ``scheduler.pt``.
     """
 
     state_key = 'integration'
@@ -71,6 +74,7 @@ class Integration:
         self.budget = StepBudget(trainer, self.config, self.decisions)
         self.lr = LRControl()
         self.runner = StepRunner(trainer, Engine(trainer), oom_recovery=False, single_sample_retries=0)
+        self.pass_budget = PassBudget(self.config.oom_grow_back_steps, self.config.oom_forget_steps)
         self.metrics = Metrics(self.config)
         self.checkpoints = Checkpoints(trainer, self.config, self.pack_config, self.decisions)
         self.layout = Layout()
@@ -215,8 +219,23 @@ class Integration:
                 self.decisions.hold(DecisionRecord('integration', 'applied_request',
                                                    'replay' if self.replay is not None else 'agreed',
                                                    request_to_json(request)))
+            self.update_pass_budget(ooms)
         finally:
             self.decisions.flush()
+
+    def update_pass_budget(self, ooms: list[DecisionRecord]) -> None:
+        """Under ``pass_tokens``: fold the last step's OOMs (every rank's) into the token budget of a pass, and plan
+        the steps from this one on within it and within a ``tokens`` pass limit (``memory_backoff``): every rank the
+        same budget, so the re-plan is collective at this boundary."""
+        loader = self.loader
+        ceiling = loader.plan.pass_tokens if loader.cuts_passes else None
+        record = self.pass_budget.at_boundary(ooms, ceiling, self.trainer.state.global_step)
+        if record is not None:
+            self.decisions.hold(record)
+        self.runner.cuts_passes = ceiling is not None
+        self.runner.pass_budget = self.pass_budget.budget
+        caps = [t for t in (self.pass_budget.budget, (self.runner.pass_limit or {}).get('tokens')) if t is not None]
+        loader.set_pass_budget(min(caps) if caps else None)
 
     def refresh_budget(self, reason: str) -> None:
         """After a change of the batch size or plan: the step budget, and the LR schedule stretched to it."""
@@ -241,6 +260,8 @@ class Integration:
         """HF's ``log``: the pack's numbers merged into the line."""
         parts = {'dynamic/lr_scale': self.lr.scale, 'dynamic/pass_size': self.runner.max_pass,
                  'dynamic/oom_count': self.runner.oom_count}
+        if self.loader is not None and self.loader.cuts_passes:
+            parts['dynamic/pass_budget'] = self.loader.pass_tokens
         self.metrics.update_logs(logs, control, self.loader, parts, step_lr=self.step_lr,
                                  estimate_overruns=self.feed.estimate_overruns, pass_stats=self.runner.take_pass_stats)
 
@@ -259,6 +280,7 @@ class Integration:
             'pending_request': None if request.empty else asdict(request),
             'held_decisions': [r.to_json() for r in self.decisions.held],
             'pass_limit': self.runner.pass_limit,
+            'pass_budget': self.pass_budget.state_dict(),
             'oom_count': self.runner.oom_count,
             'layout': self.layout.state_dict(),
             'optimizer': self.optimizer.state_dict(),
@@ -268,6 +290,7 @@ class Integration:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.decisions.held = [DecisionRecord(**r) for r in state.get('held_decisions', [])]
         self.runner.pass_limit = state.get('pass_limit')
+        self.pass_budget.load_state_dict(state.get('pass_budget'))
         self.runner.oom_count = int(state.get('oom_count', 0))
         self.layout.load_state_dict(state.get('layout'))
         self.optimizer.load_state_dict(state.get('optimizer'))

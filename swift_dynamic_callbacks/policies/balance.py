@@ -25,6 +25,8 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
+from .pass_cost import fits
+
 #: ``a`` when the model's shape is unknown: a 7B dense decoder's (verl's ``24576 x L + L^2``)
 DEFAULT_WORK_COEF = 24576.0
 
@@ -156,19 +158,12 @@ def rank_sizes(remaining: int, batch: int, entries: int) -> list[int]:
     return sizes
 
 
-def pass_cost(lengths: Sequence[int], *, padding_free: bool) -> int:
-    """Tokens one pass over rows of ``lengths`` costs: ``rows x longest`` padded, their sum padding-free."""
-    if not lengths:
-        return 0
-    return sum(lengths) if padding_free else len(lengths) * max(lengths)
-
-
 def step_passes(lengths: Sequence[int], per_step: int, budget: int, *, padding_free: bool = False,
                 max_rows: int | None = None) -> list[list[int]]:
     """A rank's share from a step boundary (``lengths`` in training order) as steps of ``per_step`` samples (the
     last one may be short), each cut into as few forward/backward passes as fit ``budget`` tokens (``pass_tokens``).
 
-    A pass takes consecutive rows while its :func:`pass_cost` stays within ``budget`` and it holds at most
+    A pass takes consecutive rows while it :func:`~.pass_cost.fits` ``budget`` (the one cost model) and it holds at most
     ``max_rows`` rows (``None``: no row cap); a row longer than ``budget`` runs alone. Returns, per step, the rows
     of each pass. In a balanced layout a step's share is longest first, so a pass's first row is its longest.
     """
@@ -180,7 +175,7 @@ def step_passes(lengths: Sequence[int], per_step: int, budget: int, *, padding_f
         rows: list[int] = []
         for length in lengths[start:start + per_step]:
             full = max_rows is not None and len(rows) >= max_rows
-            if rows and (full or pass_cost(rows + [length], padding_free=padding_free) > budget):
+            if rows and (full or not fits(rows + [length], budget, packed=padding_free)):
                 passes.append(len(rows))
                 rows = []
             rows.append(length)

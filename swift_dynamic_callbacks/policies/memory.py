@@ -1,5 +1,7 @@
 """Memory policies: samples per forward/backward pass, OOM backoff, proactive backoff with hysteresis (pure).
 
+How many pieces a pass runs as under a limit is :func:`~.pass_cost.pieces_within` (the one cost model of a pass).
+
 A *pass limit* caps the samples of one forward/backward pass; a micro-batch larger than the cap runs as
 several passes with the same loss normalisation (the same gradient). It is a JSON-able mapping::
 
@@ -32,12 +34,6 @@ def pass_cap(length: int, limit: Mapping[str, Any] | None) -> int | None:
             caps.append(int(samples))
             break
     return max(1, min(caps)) if caps else None
-
-
-def pieces_needed(rows: int, requested_pieces: int, cap: int | None) -> int:
-    """Passes for a micro-batch of ``rows`` samples: the requested pieces, or more so no pass exceeds ``cap``."""
-    need = 1 if cap is None else -(-rows // cap)
-    return max(1, min(rows, max(requested_pieces, need)))
 
 
 def oom_backoff(pass_size: int) -> int:

@@ -1,0 +1,154 @@
+"""The one pass-cost model: what a pass costs, how many pieces a pass must run as, the token budget after OOMs; and a
+real run whose memory ends below ``pass_tokens``."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swift_dynamic_callbacks.integrations.pass_budget import PassBudget
+from swift_dynamic_callbacks.policies.balance import step_passes
+from swift_dynamic_callbacks.policies.data_plan import piece_bounds
+from swift_dynamic_callbacks.policies.pass_cost import (TokenBudget, budget_after_oom, budget_after_step, fits,
+                                                        pass_cost, pieces_within)
+from swift_dynamic_callbacks.records import DecisionRecord
+
+
+def test_cost_and_fit_by_hand():
+    assert pass_cost([], packed=False) == 0
+    assert pass_cost([2000, 100], packed=False) == 4000 and pass_cost([2000, 100], packed=True) == 2100
+    assert fits([5000], 100, packed=False)  # one row always fits: it cannot be cut further
+    assert fits([60, 40], 100, packed=True) and not fits([60, 40], 100, packed=False)
+    assert fits([60, 40], None, packed=False)
+
+
+def test_a_packed_pass_the_planner_cut_is_not_cut_again():
+    """The runner's pieces and the planner's passes use one cost: a padding-free pass of one 2,000-token row and
+    28 of 500 (16,000 real tokens) fits 16,384 and runs as one pass (a ``tokens // longest`` cap made it four)."""
+    lengths = [2000] + [500] * 28
+    assert step_passes(lengths, len(lengths), 16384, padding_free=True) == [[29]]
+    assert pieces_within(lengths, packed=True, tokens=16384) == 1
+    assert pieces_within(lengths, packed=False, tokens=16384) > 1  # padded, the same rows cost 58,000
+
+
+@given(st.lists(st.integers(1, 3000), min_size=1, max_size=40), st.booleans(), st.integers(1, 20000),
+       st.one_of(st.none(), st.integers(1, 16)), st.integers(1, 8))
+def test_pieces_fit_respect_the_caps_and_are_fewest(lengths, packed, tokens, samples, requested):
+    k = pieces_within(lengths, packed=packed, tokens=tokens, samples=samples, requested=requested)
+    rows = len(lengths)
+    assert 1 <= k <= rows
+    bounds = piece_bounds(rows, k)
+    for a, b in bounds:
+        assert fits(lengths[a:b], tokens, packed=packed)
+        assert samples is None or b - a <= samples or b - a == 1
+    floor = max(1, requested, -(-rows // samples) if samples else 1)
+    if floor < k:  # one piece fewer would not fit
+        assert not all(fits(lengths[a:b], tokens, packed=packed) for a, b in piece_bounds(rows, k - 1))
+
+
+def test_budget_after_an_oom_and_clean_steps_by_hand():
+    state = budget_after_oom(TokenBudget(), 1190, 1200)
+    assert state == TokenBudget(budget=595, good=None, bad=1190)
+    state = budget_after_step(state, 1200, grow_after=2, forget_after=0)
+    assert state.budget == 595 and state.clean == 1
+    state = budget_after_step(state, 1200, grow_after=2, forget_after=0)
+    assert (state.budget, state.good, state.bad) == (892, 595, 1190)  # halfway to the failure
+    state = budget_after_oom(state, 1000, 1200)  # the larger budget failed: back to the last good one
+    assert (state.budget, state.good, state.bad) == (595, 595, 1000)
+    assert budget_after_step(TokenBudget(), 1200, grow_after=2, forget_after=0) == TokenBudget()  # nothing lowered
+    assert budget_after_step(state, 1200, grow_after=0, forget_after=0) == state  # 0: never grows back
+
+
+def test_a_one_off_oom_comes_back_to_the_plans_budget():
+    state = budget_after_oom(TokenBudget(), 16384, 16384)
+    budgets = []
+    for _ in range(200):
+        state = budget_after_step(state, 16384, grow_after=2, forget_after=8)
+        budgets.append(state.budget)
+    assert budgets[-1] is None  # the plan's pass_tokens again
+    assert budgets.index(None) <= 2 * (5 + 8)  # bisection to within 1/16, then forgotten
+
+
+@given(st.integers(200, 20000), st.floats(0.2, 0.95), st.integers(1, 4), st.integers(0, 40))
+def test_a_real_memory_end_settles_below_it_with_few_ooms(ceiling, end_fraction, grow_after, forget_after):
+    """Every step runs a pass of the full budget; passes over ``end`` run out of memory. The budget ends at or
+    below the end and, while not forgetting, above half of it; OOMs stay few (bisection, then one a forget)."""
+    end = int(ceiling * end_fraction)
+    state, ooms, steps = TokenBudget(), 0, 400
+    for _ in range(steps):
+        budget = state.budget if state.budget is not None else ceiling
+        if budget > end:
+            ooms += 1
+            state = budget_after_oom(state, budget, ceiling)
+        else:
+            state = budget_after_step(state, ceiling, grow_after=grow_after, forget_after=forget_after)
+    budget = state.budget if state.budget is not None else ceiling
+    assert budget <= end or ooms > 0
+    assert budget > end // 2 - 1 or state.clean < grow_after
+    forgets = steps // (grow_after * max(forget_after, 1)) + 1 if forget_after else 1
+    assert ooms <= 12 * forgets
+
+
+def _oom(tokens: int) -> DecisionRecord:
+    return DecisionRecord('integration', 'oom', 'recovered', {'pass_size': 2, 'pass_tokens': tokens})
+
+
+def test_pass_budget_records_each_change_and_round_trips():
+    part = PassBudget(grow_after=1, forget_after=0)
+    assert part.at_boundary([], 1200, 1) is None and part.budget is None
+    record = part.at_boundary([_oom(1100), _oom(900)], 1200, 2)  # two ranks: the smaller failure decides
+    assert record.kind == 'pass_budget' and record.reason == 'oom'
+    assert record.values == {'old': 1200, 'new': 450, 'pass_tokens': 1200, 'failed_pass_tokens': 900, 'good': None,
+                             'bad': 900}
+    grown = part.at_boundary([], 1200, 3)
+    assert grown.reason == 'grow_back' and grown.values['old'] == 450 and grown.values['new'] == 675
+    other = PassBudget()
+    other.load_state_dict(part.state_dict())
+    assert other.state == part.state
+    assert part.at_boundary([], None, 4) is None and part.budget is None  # passes no longer cut by tokens
+
+
+# ---- end to end ----------------------------------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_swift_sft_memory_end_below_pass_tokens_settles_in_tokens(tmp_path, tiny_qwen):
+    """A device whose memory ends at 900 tokens a pass under ``pass_tokens: 1200``: the OOMs lower a token budget
+    (rows never capped), the epoch runs within 1.5x the passes of a run planned at 900 from the start, with the
+    losses of the run without OOMs."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.testing.faults import OomInjector
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
+    from swift_runs import decisions, run_sft, train_logs
+    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=48))
+
+    def train(name, pass_tokens, memory_end):
+        try:
+            sdc.register(length_batching={'mode': 'balanced', 'pass_tokens': pass_tokens},
+                         integration={'oom_grow_back_steps': 1})
+            with OomInjector(token_budget=memory_end) as injector:
+                out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / name), callbacks=['length_batching'],
+                              max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2,
+                              gradient_accumulation_steps=2, lora_dropout=0.0, learning_rate=1e-3,
+                              lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=1000, max_length=900,
+                              truncation_strategy='right')
+        finally:
+            plugin._configured = None
+        return out, injector
+
+    free, _ = train('free', 1200, None)
+    oom, injector = train('oom', 1200, 900)
+    planned, planned_injector = train('planned', 900, 900)
+    assert injector.counts['forward'] >= 1 and planned_injector.counts == {'forward': 0, 'backward': 0}
+    assert len(injector.passes) <= 1.5 * len(planned_injector.passes), (len(injector.passes),
+                                                                         len(planned_injector.passes))
+    assert [r['loss'] for r in train_logs(oom)] == pytest.approx([r['loss'] for r in train_logs(free)], abs=1e-5)
+    records = decisions(oom)
+    ooms = [d for d in records if d['kind'] == 'oom']
+    assert ooms and all(d['values']['new_pass_cap'] is None and d['values']['new_pass_tokens'] for d in ooms)
+    budgets = [d for d in records if d['kind'] == 'pass_budget']
+    assert budgets[0]['reason'] == 'oom' and budgets[0]['values']['new'] < 900
+    assert any(d['reason'] == 'grow_back' for d in budgets)
+    logged = [r['dynamic/pass_budget'] for r in train_logs(oom)]
+    assert min(logged) < 900 and logged[0] == 1200
