@@ -1,0 +1,455 @@
+"""The growth study (issue 39): a tuned fixed batch, its step-count control and a rows-indexed batch warmup, with Adam's
+beta2 set per run, evaluated on 500 held-out GSM8K test rows (token-weighted), one JSON line per run.
+
+Arms (every arm sees the same ``--samples`` GSM8K train rows once, in the same order for a seed; ``--ga`` 2):
+
+- ``baseline``: fixed micro-batch 1 x GA 2 (2 rows a step: 64 steps on 128 rows), plain ms-swift.
+- ``control_a``: fixed micro-batch 2 x GA 2 (4 rows a step: 32 steps), plain ms-swift: the control that says whether
+  growth is what saves the steps.
+- ``growth_b``: OLMo-style batch warmup in rows: 2 rows a step for the first quarter of the rows, 4 for the second,
+  8 for the second half (micro 1, 2, 4 x GA 2: 16 + 8 + 8 = 32 steps on 128 rows), the LR x sqrt(2) at each
+  doubling. Pack settings only: ``batch_growth`` ``policy: table`` at the steps where those rows are reached
+  (:func:`rows_table`), ``lr_scaling: sqrt``. The LR schedule is HF's cosine (``warmup_ratio`` 0.1) as in the fixed
+  arms: its horizon is the run's step count at micro-batch 1 (64), and the pack stretches the rest of it at every
+  growth so it ends at the run's new last step; with the batch constant within a stage this makes the schedule a
+  function of the rows consumed, the same as the baseline's (``integrations/scheduler.py``, ``ScaledLambda.stretch``).
+
+Every run sets ``adam_beta2`` (``--beta2``; HF's flag) and logs per optimizer step (the ``steps`` field of its line):
+the LR the optimizer used, the global batch in rows, rows consumed, training loss, gradient norm, Adam's update RMS
+per unit LR (``|delta theta| / (lr sqrt(n))`` over the LoRA parameters) and the gradient-noise terms the pack measures
+from the GA micro-batches (``measure_grad_noise``: ``|g|^2`` of the first pass and of the whole step with their loss
+tokens; ``noise_scale`` in the table: B_simple = tr(Sigma) / |G|^2 from their EMAs, in rows).
+
+The eval loss is token-weighted: the sum of every held-out answer token's negative log-likelihood over their count,
+computed once at the end of training on the model in memory (HF's ``eval_loss`` averages per-batch means).
+
+Usage (needs the demo extra, see ``scripts/main_job.sh``; ``scripts/growth_study.sh`` runs the study):
+    python scripts/bench_growth_study.py --arms baseline --lrs 2e-3 --seeds 0 --beta2 0.95 --jsonl g.jsonl --skip-done
+    python scripts/bench_growth_study.py --model tiny --samples 16 --eval-rows 8 --arms growth_b --lrs 1e-3  # smoke
+    python scripts/bench_growth_study.py --from-jsonl docs/figures/growth_39.jsonl --tune-seeds 0 1   # the tables
+    python scripts/bench_growth_study.py --from-jsonl growth.jsonl --tune-seeds 0 1 --pick beta2 --lrs 2e-3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'scripts'))
+import bench_quality  # noqa: E402 - a sibling script: the model folder, the train rows and the paired interval
+
+ARMS = ('baseline', 'control_a', 'growth_b')
+TEST_FILE = os.path.join(ROOT, 'scripts', 'assets', 'gsm8k-test-500.jsonl.gz')
+TEST_ROWS = 500
+#: the study's LR ladder: 2e-3 (the last study's tuned baseline) times powers of sqrt(2), as the run names write them
+LADDER = tuple(f'{2e-3 * math.sqrt(2) ** k:.3g}' for k in range(-4, 5))
+
+
+def rows_table(stages: dict[int, int], ga: int) -> dict[int, int]:
+    """``{first row: micro-batch}`` stages -> ``batch_growth``'s ``{0-based optimizer step: micro-batch}`` table.
+
+    A stage of ``micro`` rows a pass takes ``micro x ga`` rows a step; each stage's rows must be a whole number of
+    steps (else the step table would not switch at the row named)."""
+    rows = sorted(stages)
+    if not rows or rows[0] != 0:
+        raise ValueError(f'rows_table: the first stage starts at row 0, got {rows}')
+    table, step = {}, 0
+    for row, nxt in zip(rows, rows[1:] + [None]):
+        table[step] = stages[row]
+        if nxt is not None:
+            span, per_step = nxt - row, stages[row] * ga
+            if span % per_step:
+                raise ValueError(f'rows_table: rows {row}-{nxt - 1} at {per_step} rows a step are not whole steps')
+            step += span // per_step
+    return table
+
+
+def growth_stages(samples: int) -> dict[int, int]:
+    """Arm B's stages: micro-batch 1 for the first quarter of the rows, 2 for the second, 4 for the second half."""
+    return {0: 1, samples // 4: 2, samples // 2: 4}
+
+
+def arm_settings(arm: str, samples: int, ga: int) -> tuple[dict, dict, list[str]]:
+    """(ms-swift overrides, pack settings, pack callbacks) of one arm."""
+    if arm == 'baseline':
+        return {'per_device_train_batch_size': 1}, {}, []
+    if arm == 'control_a':
+        return {'per_device_train_batch_size': 2}, {}, []
+    if arm == 'growth_b':
+        table = rows_table(growth_stages(samples), ga)
+        growth = {'policy': 'table', 'initial': 1, 'maximum': max(table.values()), 'table': table,
+                  'lr_scaling': 'sqrt'}
+        return {'per_device_train_batch_size': 1}, {'batch_growth': growth}, ['batch_growth']
+    raise ValueError(f'--arms: one of {", ".join(ARMS)}, got {arm!r}')
+
+
+def write_test_rows(dest: str, rows: int) -> str:
+    """The first ``rows`` vendored held-out GSM8K test rows (``scripts/assets``) as a ``messages`` JSONL file."""
+    with gzip.open(TEST_FILE, 'rt', encoding='utf-8') as f:
+        items = [json.loads(line) for line in f if line.strip()][:rows]
+    with open(dest, 'w', encoding='utf-8') as f:
+        for r in items:
+            f.write(json.dumps({'messages': [{'role': 'user', 'content': r['question']},
+                                             {'role': 'assistant', 'content': r['answer']}]}) + '\n')
+    return dest
+
+
+def prepare(model: str, samples: int, eval_rows: int, root: str) -> tuple[str, dict, str, str]:
+    """The model folder, its flags, the train rows (bench_quality's) and this study's held-out rows."""
+    model_dir, flags, train, _ = bench_quality.prepare(model, samples, 1, root)
+    return model_dir, flags, train, write_test_rows(os.path.join(root, f'gsm8k-test-{eval_rows}.jsonl'), eval_rows)
+
+
+def make_probe():
+    """A plain HF callback (ms-swift's ``(args, trainer)`` factory) that records each optimizer step's LR, Adam
+    update RMS and the pack's gradient-noise sample, and at the end of training the token-weighted held-out loss."""
+    import torch
+    from swift.callbacks import TrainerCallback
+    from swift_dynamic_callbacks import protocol
+
+    class GrowthProbe(TrainerCallback):
+        last = None  # the last instance: the bench reads its records after sft_main
+
+        def __init__(self, args, trainer):
+            super().__init__(args, trainer)
+            GrowthProbe.last = self
+            self.steps: dict[int, dict] = {}
+            self.before = None
+            self.eval = None
+
+        def _params(self, model):
+            return [p for p in model.parameters() if p.requires_grad]
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            protocol.request_grad_noise(control)
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.before = [p.detach().clone() for p in self._params(model)]
+
+        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            params = self._params(model)
+            sq = sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, self.before))
+            n = sum(p.numel() for p in params)
+            lr = float(optimizer.param_groups[0]['lr'])
+            self.steps[state.global_step + 1] = {'lr': lr, 'update_rms': math.sqrt(sq / n) / lr if lr > 0 else None}
+            self.before = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sample = protocol.grad_noise_sample(control)
+            if sample is not None:
+                self.steps.setdefault(state.global_step, {})['noise'] = [
+                    sample.small_sqnorm, sample.small_tokens, sample.big_sqnorm, sample.big_tokens, sample.samples]
+
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            start = time.perf_counter()
+            was_training = model.training
+            model.eval()
+            nll, tokens, rows = 0.0, 0, 0
+            with torch.no_grad():
+                for batch in self.trainer.get_eval_dataloader():
+                    batch = self.trainer._prepare_inputs(batch)
+                    labels = batch['labels']
+                    inputs = {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
+                    # ms-swift keeps only the labelled tail of each row (logits_to_keep): labels hold that tail
+                    if 'logits_to_keep' in batch:
+                        inputs['logits_to_keep'] = batch['logits_to_keep']
+                    logits = model(**inputs).logits[:, -labels.shape[1]:][:, :-1].float()
+                    target = labels[:, 1:]
+                    nll += float(torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
+                        reduction='sum'))
+                    tokens += int((target != -100).sum())
+                    rows += int(labels.shape[0])
+            if was_training:
+                model.train()
+            self.eval = {'eval_loss': nll / tokens, 'eval_tokens': tokens, 'eval_rows_seen': rows,
+                         'eval_s': time.perf_counter() - start}
+
+    return GrowthProbe
+
+
+def run_arm(arm: str, lr: float, seed: int, beta2: float, args: argparse.Namespace, model: str, flags: dict,
+            train: str, test: str) -> dict:
+    import swift_dynamic_callbacks as sdc
+    from swift import SftArguments, sft_main
+    from swift.callbacks import callbacks_map
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
+    overrides, pack, callbacks = arm_settings(arm, args.samples, args.ga)
+    name = run_name(arm, lr)
+    out = os.path.join(args.out, f'{name}-b{beta2:g}-seed{seed}')
+    shutil.rmtree(out, ignore_errors=True)
+    probe = make_probe()
+    callbacks_map['growth_probe'] = probe
+    kwargs = offline_sft_kwargs(
+        model, train, out, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=args.ga, learning_rate=lr,
+        lr_scheduler_type='cosine', warmup_ratio=0.1, seed=seed, data_seed=seed, max_length=args.max_length,
+        adam_beta2=beta2, val_dataset=[test], eval_strategy='no', per_device_eval_batch_size=4,
+        gradient_checkpointing=False, save_strategy='no', callbacks=[*callbacks, 'training_log', 'growth_probe'],
+        **{**flags, **overrides})
+    settings = {**pack, 'training_log': {'memory': False}}
+    try:
+        sdc.register(**settings)
+        start = time.perf_counter()
+        sft_main(SftArguments(**kwargs))
+        wall = time.perf_counter() - start
+    finally:
+        plugin._configured = None
+        callbacks_map.pop('growth_probe', None)
+    with open(os.path.join(out, 'logging.jsonl'), encoding='utf-8') as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train_rows = [r for r in rows if 'loss' in r and 'eval_loss' not in r]
+    last = train_rows[-1]
+    tokens, padded = float(last['dynamic/tokens_seen']), float(last['dynamic/padded_tokens_seen'])
+    recorder = probe.last
+    return {
+        'arm': name,
+        'seed': seed,
+        'adam_beta2': beta2,
+        'lr': lr,
+        'optimizer_steps': int(str(last['global_step/max_steps']).split('/')[0]),
+        'passes': sum(int(r['dynamic/global_batch_size']) // int(r['dynamic/batch_size']) for r in train_rows),
+        'train_loss': round(statistics.fmean(float(r['loss']) for r in train_rows[-3:]), 4),
+        'eval_loss': round(recorder.eval['eval_loss'], 5),
+        'eval_tokens': recorder.eval['eval_tokens'],
+        'eval_rows': args.eval_rows,
+        'wall_s': round(wall, 1),
+        'eval_s': round(recorder.eval['eval_s'], 1),
+        'padding': round(1 - tokens / padded, 4) if padded else None,
+        'padded_tokens': int(padded),
+        'steps': step_log(train_rows, recorder.steps),
+    }
+
+
+def step_log(train_rows: list[dict], probe: dict[int, dict]) -> dict[str, list]:
+    """Per optimizer step (logging_steps 1), column-wise: LR used, global batch (rows), rows consumed, loss, gradient
+    norm, Adam update RMS per unit LR, and the noise terms ``[|g_1|^2, tokens_1, |g|^2, tokens, rows]``."""
+    cols: dict[str, list] = {k: [] for k in ('lr', 'batch', 'rows', 'loss', 'grad_norm', 'update_rms', 'noise')}
+    for r in train_rows:
+        step = int(str(r['global_step/max_steps']).split('/')[0])
+        mine = probe.get(step, {})
+        cols['lr'].append(float(f'{mine.get("lr", r.get("learning_rate", 0.0)):.4g}'))
+        cols['batch'].append(int(r['dynamic/global_batch_size']))
+        cols['rows'].append(int(r['dynamic/samples_seen']))
+        cols['loss'].append(round(float(r['loss']), 4))
+        cols['grad_norm'].append(round(float(r['grad_norm']), 4) if r.get('grad_norm') is not None else None)
+        rms = mine.get('update_rms')
+        cols['update_rms'].append(round(rms, 4) if rms is not None else None)
+        noise = mine.get('noise')
+        cols['noise'].append([float(f'{noise[0]:.5g}'), noise[1], float(f'{noise[2]:.5g}'), noise[3], noise[4]]
+                             if noise else None)
+    return cols
+
+
+def noise_scale(steps: dict[str, list], decay: float = 0.9) -> float | None:
+    """B_simple in rows at the end of a run: tr(Sigma) / |G|^2 from EMAs of McCandlish et al.'s two unbiased terms
+    (``policies.growth.noise_scale_terms``, in loss tokens), divided by the run's mean loss tokens per row."""
+    from swift_dynamic_callbacks.policies.growth import critical_batch, ema, noise_scale_terms
+    g2 = trace = None
+    tokens = rows = 0
+    for noise in steps.get('noise', []):
+        if not noise or noise[1] >= noise[3]:
+            continue
+        g, t = noise_scale_terms(noise[0], noise[1], noise[2], noise[3])
+        g2, trace = ema(g2, g, decay), ema(trace, t, decay)
+        tokens, rows = tokens + noise[3], rows + noise[4]
+    scale = critical_batch(g2, trace) if g2 is not None else None
+    return scale / (tokens / rows) if scale is not None and rows else None
+
+
+def run_name(arm: str, lr: float) -> str:
+    return f'{arm}@{lr:.3g}'
+
+
+def read_jsonl(paths: list[str]) -> list[dict]:
+    results = []
+    for path in paths:
+        if os.path.exists(path):
+            with open(path, encoding='utf-8') as f:
+                results += [json.loads(line) for line in f if line.strip()]
+    return results
+
+
+def pick_beta2(results: list[dict], seeds: list[int], lr: float, *, tolerance: float = 0.003) -> str:
+    """The study's beta2 rule (issue 39): ``0.95`` for every arm if the baseline at ``lr`` with beta2 0.95 is within
+    ``tolerance`` (0.3 %) of 0.999 on the mean over the tuning ``seeds``; else ``0.999`` (then Adam's memory needs the
+    moment rescaling the issue names). ``''`` while a run is missing."""
+    name = run_name('baseline', lr)
+    means = {}
+    for beta2 in (0.999, 0.95):
+        losses = {r['seed']: r['eval_loss'] for r in results
+                  if r['arm'] == name and r['adam_beta2'] == beta2 and r['seed'] in seeds}
+        if len(losses) < len(seeds):
+            return ''
+        means[beta2] = statistics.fmean(losses.values())
+    return '0.95' if means[0.95] <= means[0.999] * (1 + tolerance) else '0.999'
+
+
+def tuning_grid(results: list[dict], seeds: list[int], beta2: float) -> dict[str, dict[str, float]]:
+    """``{arm: {lr: mean eval loss}}`` over the LRs run on every tuning seed at ``beta2``."""
+    grid: dict[str, dict[str, dict[int, float]]] = {}
+    for r in results:
+        if r['adam_beta2'] == beta2 and r['seed'] in seeds:
+            arm, _, lr = r['arm'].partition('@')
+            grid.setdefault(arm, {}).setdefault(lr, {})[r['seed']] = r['eval_loss']
+    return {arm: {lr: statistics.fmean(by.values()) for lr, by in lrs.items() if len(by) == len(seeds)}
+            for arm, lrs in grid.items()}
+
+
+def pick_lrs(results: list[dict], seeds: list[int], beta2: float, what: str) -> list[str]:
+    """``best``: ``"arm lr"`` lines, each arm's LR with the lowest mean eval loss on the tuning seeds; ``extend``:
+    ``"arm lr"`` lines, the next rung of :data:`LADDER` past an arm's best LR when that best is the lowest or highest
+    LR it ran (the optimum is not bracketed yet)."""
+    out = []
+    for arm, by_lr in sorted(tuning_grid(results, seeds, beta2).items()):
+        if not by_lr:
+            continue
+        best = min(by_lr, key=by_lr.get)
+        if what == 'best':
+            out.append(f'{arm} {best}')
+            continue
+        ran = sorted(by_lr, key=float)
+        if best not in LADDER:
+            continue
+        i = LADDER.index(best)
+        if best == ran[0] and i > 0:
+            out.append(f'{arm} {LADDER[i - 1]}')
+        if best == ran[-1] and i + 1 < len(LADDER):
+            out.append(f'{arm} {LADDER[i + 1]}')
+    return out
+
+
+def futility(results: list[dict], seeds: list[int], beta2: float, chosen: dict[str, str], *,
+             limit: float = 0.015) -> list[str]:
+    """The futility look (stated in advance): the arms whose mean paired eval loss difference against the baseline
+    over ``seeds`` is above ``limit`` (+1.5 %): the study stops running them."""
+    by = {(r['arm'], r['seed']): r['eval_loss'] for r in results if r['adam_beta2'] == beta2}
+    ref = run_name('baseline', float(chosen['baseline']))
+    out = []
+    for arm, lr in chosen.items():
+        name = run_name(arm, float(lr))
+        deltas = [by[(name, s)] / by[(ref, s)] - 1 for s in seeds if (name, s) in by and (ref, s) in by]
+        if arm != 'baseline' and len(deltas) == len(seeds) and statistics.fmean(deltas) > limit:
+            out.append(arm)
+    return out
+
+
+def tables(results: list[dict], tune: list[int], report: list[int] | None) -> None:
+    """The tuning grid per beta2, then (with reporting seeds) the paired comparisons: each arm against the baseline
+    and ``growth_b`` against ``control_a``."""
+    for beta2 in sorted({r['adam_beta2'] for r in results}, reverse=True):
+        grid = tuning_grid(results, tune, beta2)
+        if not grid:
+            continue
+        lrs = sorted({lr for by in grid.values() for lr in by}, key=float)
+        print(f'\ntuning, beta2 {beta2:g}, mean eval loss over seeds {tune} (token-weighted held-out loss); '
+              'bold: the arm\'s best')
+        print('| arm | ' + ' | '.join(lrs) + ' |')
+        print('|---|' + '---:|' * len(lrs))
+        for arm in sorted(grid):
+            best = min(grid[arm].values())
+            cells = [('–' if lr not in grid[arm] else
+                      f'**{grid[arm][lr]:.4f}**' if grid[arm][lr] == best else f'{grid[arm][lr]:.4f}') for lr in lrs]
+            print(f'| {arm} | ' + ' | '.join(cells) + ' |')
+    print('\nruns: | arm | beta2 | seed | steps | passes | eval loss | train loss | wall s | eval s | '
+          'B_simple (rows) |')
+    for r in results:
+        scale = noise_scale(r.get('steps', {}))
+        print(f'| {r["arm"]} | {r["adam_beta2"]:g} | {r["seed"]} | {r["optimizer_steps"]} | {r.get("passes", "-")} | '
+              f'{r["eval_loss"]:.4f} | {r["train_loss"]:.4f} | {r["wall_s"]:.0f} | {r.get("eval_s", "-")} | '
+              f'{f"{scale:.1f}" if scale is not None else "-"} |')
+    if not report:
+        return
+    mine = [r for r in results if r['seed'] in report]
+    for ref_arm, what in (('baseline', 'against the baseline'), ('control_a', 'growth_b against control A')):
+        by = {(r['arm'].partition('@')[0], r['adam_beta2'], r['seed']): r for r in mine}
+        print(f'\n{what}, paired by seed over the reporting seeds (relative eval loss difference, 95 % paired-t):')
+        print('| arm | beta2 | seeds | steps saved | mean | 95 % interval |')
+        print('|---|---:|---:|---:|---:|---:|')
+        for (arm, beta2, _), _r in sorted({(k[0], k[1], 0): None for k in by}.items()):
+            if arm == ref_arm or (ref_arm == 'control_a' and arm != 'growth_b'):
+                continue
+            pairs = [(by[(arm, beta2, s)], by[(ref_arm, beta2, s)]) for s in report
+                     if (arm, beta2, s) in by and (ref_arm, beta2, s) in by]
+            if not pairs:
+                continue
+            deltas = [m['eval_loss'] / t['eval_loss'] - 1 for m, t in pairs]
+            saved = 1 - statistics.fmean(m['optimizer_steps'] for m, _ in pairs) / statistics.fmean(
+                t['optimizer_steps'] for _, t in pairs)
+            mean, low, high = bench_quality.paired_interval(deltas)
+            print(f'| {arm} | {beta2:g} | {len(pairs)} | {saved:.0%} | {mean:+.2%} | [{low:+.2%}, {high:+.2%}] |')
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--samples', type=int, default=128, help='GSM8K train rows (one epoch), at most 500')
+    parser.add_argument('--eval-rows', type=int, default=TEST_ROWS, help=f'held-out rows, at most {TEST_ROWS}')
+    parser.add_argument('--seeds', type=int, nargs='+', default=[0])
+    parser.add_argument('--arms', nargs='+', default=list(ARMS), choices=ARMS)
+    parser.add_argument('--lrs', type=float, nargs='+', default=[2e-3], help='every arm of --arms at each LR')
+    parser.add_argument('--beta2', type=float, default=0.999, help='Adam beta2 (adam_beta2) of every run')
+    parser.add_argument('--model', choices=('smollm2', 'tiny'), default='smollm2')
+    parser.add_argument('--ga', type=int, default=2, help='gradient_accumulation_steps of every arm')
+    parser.add_argument('--max-length', type=int, default=512)
+    parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'bench_growth_study'))
+    parser.add_argument('--jsonl', default=None, help='append every result line to this file as it comes')
+    parser.add_argument('--skip-done', action='store_true', help='skip the runs (arm, LR, seed, beta2) in --jsonl')
+    parser.add_argument('--prepare', action='store_true', help='train nothing: the model folder and the data files')
+    parser.add_argument('--from-jsonl', nargs='+', default=None, metavar='FILE',
+                        help='train nothing: the tables of these result lines (or with --pick, the study\'s choice)')
+    parser.add_argument('--tune-seeds', type=int, nargs='+', default=[0, 1])
+    parser.add_argument('--report-seeds', type=int, nargs='+', default=None)
+    parser.add_argument('--pick', choices=('beta2', 'best', 'extend', 'futility'), default=None,
+                        help='with --from-jsonl: beta2 (the rule on the baseline at --lrs[0]), best / extend ("arm '
+                        'lr" lines at --beta2), futility (the arms to stop, on --report-seeds, at the LRs of best)')
+    args = parser.parse_args(argv)
+    if not 1 <= args.samples <= 500:
+        parser.error(f'--samples: between 1 and 500, got {args.samples}')
+    if not 1 <= args.eval_rows <= TEST_ROWS:
+        parser.error(f'--eval-rows: between 1 and {TEST_ROWS}, got {args.eval_rows}')
+    if args.skip_done and not args.jsonl:
+        parser.error('--skip-done: needs --jsonl')
+    if args.report_seeds and set(args.report_seeds) & set(args.tune_seeds):
+        parser.error('--report-seeds and --tune-seeds must not share a seed')
+    if args.from_jsonl is not None:
+        results = read_jsonl(args.from_jsonl)
+        if args.pick == 'beta2':
+            print(pick_beta2(results, args.tune_seeds, args.lrs[0]))
+        elif args.pick in ('best', 'extend'):
+            print('\n'.join(pick_lrs(results, args.tune_seeds, args.beta2, args.pick)))
+        elif args.pick == 'futility':
+            chosen = dict(line.split() for line in pick_lrs(results, args.tune_seeds, args.beta2, 'best'))
+            print('\n'.join(futility(results, args.report_seeds or [], args.beta2, chosen)))
+        else:
+            tables(results, args.tune_seeds, args.report_seeds)
+        return 0
+    model, flags, train, test = prepare(args.model, args.samples, args.eval_rows, os.path.join(ROOT, '.cache', 'bench'))
+    if args.prepare:
+        return 0
+    done = set()
+    if args.skip_done:
+        done = {(r['arm'], r['seed'], r['adam_beta2']) for r in read_jsonl([args.jsonl])}
+    for seed in args.seeds:
+        for lr in args.lrs:
+            for arm in args.arms:
+                if (run_name(arm, lr), seed, args.beta2) in done:
+                    continue
+                result = run_arm(arm, lr, seed, args.beta2, args, model, flags, train, test)
+                line = json.dumps(result)
+                print(line, flush=True)
+                if args.jsonl:
+                    with open(args.jsonl, 'a', encoding='utf-8') as f:
+                        f.write(line + '\n')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The growth study (issue 39): SmolLM2-135M-Instruct LoRA, 128 GSM8K train rows once, token-weighted eval loss on 500
+# held-out GSM8K test rows (scripts/bench_growth_study.py: the arms, the probe, the tables). One run at a time, pinned
+# to one core with one thread ($CORE, default 1: the study runs beside other work). Stages, in order:
+# 1. beta2: the baseline (1 x GA 2, 64 steps) at $BASE_LR (the last study's tuned LR) with Adam beta2 0.999 and 0.95
+#    on the tuning seeds; beta2 is 0.95 for every arm if 0.95 is within 0.3 % of 0.999 on their mean, else 0.999
+#    (bench_growth_study.py pick_beta2);
+# 2. tune, at that beta2, both tuning seeds per LR, the most decisive runs first: control A (2 x GA 2, 32 steps) at
+#    its likely optimum (the baseline's LR x sqrt(2), the sqrt rule for twice the batch) and B (rows-indexed batch
+#    warmup 2 -> 4 -> 8 rows a step, LR x sqrt(2) a doubling, 32 steps) at the baseline's LR, then their neighbours
+#    on the x sqrt(2) ladder, then the baseline's neighbours; then up to $EXTEND rounds of one more rung past any
+#    arm whose best LR is the edge of what it ran (pick extend);
+# 3. report: each arm at its best LR (mean over the tuning seeds) on the reporting seeds, seed by seed so the pairs
+#    complete together; after $FUTILITY_AT reporting seeds the futility look (stated in advance: an arm whose mean
+#    paired difference against the baseline is above +1.5 % is stopped);
+# 4. the tables (bench_growth_study.py --from-jsonl), the reporting seeds apart from the tuning seeds.
+# Every run appends one JSON line to $JSONL (committed); a stopped study continues where it stopped (--skip-done):
+# run the same command again. About 11-12 minutes a run on one thread (figures in docs/benchmarks.md once measured).
+# Never part of the test run (tests/test_bench_growth_study.py runs this script on the tiny model).
+# Usage: bash scripts/growth_study.sh [JSONL]     STAGE=beta2|tune|report|table (that stage only; all: every stage)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+JSONL=${1:-docs/figures/growth_39.jsonl}
+STAGE=${STAGE:-all}
+MODEL=${MODEL:-smollm2}
+SAMPLES=${SAMPLES:-128}
+EVAL_ROWS=${EVAL_ROWS:-500}
+MAX_LENGTH=${MAX_LENGTH:-512}
+OUT=${OUT:-output/growth_study}
+CORE=${CORE-1}  # '': not pinned
+BASE_LR=${BASE_LR:-0.002}
+read -r -a TUNE <<< "${TUNE_SEEDS:-0 1}"
+read -r -a REPORT <<< "${REPORT_SEEDS:-2 3 4 5 6 7 8 9 10 11 12 13}"
+FUTILITY_AT=${FUTILITY_AT:-6}
+read -r -a A_LRS <<< "${A_LRS:-0.00283 0.004 0.002}"
+read -r -a B_LRS <<< "${B_LRS:-0.002 0.00283 0.00141}"
+read -r -a BASE_LRS <<< "${BASE_LRS:-0.00283 0.00141}"  # the baseline's neighbours at the chosen beta2
+EXTEND=${EXTEND:-2}
+case $STAGE in
+  all | beta2 | tune | report | table) ;;
+  *) echo "STAGE: all, beta2, tune, report or table, got '$STAGE'" >&2; exit 2 ;;
+esac
+mkdir -p "$(dirname "$JSONL")" "$OUT"
+S=("$PY" scripts/bench_growth_study.py --model "$MODEL" --samples "$SAMPLES" --eval-rows "$EVAL_ROWS"
+   --max-length "$MAX_LENGTH" --out "$OUT" --tune-seeds "${TUNE[@]}")
+PIN=()
+if [ -n "$CORE" ]; then PIN=(env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE"); fi
+
+one() {  # one ARM LR SEED BETA2: a run, unless its line is in $JSONL
+  local log=$OUT/$1@$2-b$4-seed$3.log
+  "${PIN[@]}" "${S[@]}" --arms "$1" --lrs "$2" --seeds "$3" --beta2 "$4" --jsonl "$JSONL" --skip-done \
+    < /dev/null > "$log" 2>&1 || { echo "failed: $1 at $2, beta2 $4, seed $3 (log: $log)" >&2; return 1; }
+  echo "$(date -u +%H:%M:%S) done: $1 at $2, beta2 $4, seed $3"
+}
+
+pick() {  # pick beta2|best|extend|futility [BETA2]
+  "${S[@]}" --from-jsonl "$JSONL" --pick "$1" --lrs "$BASE_LR" ${2:+--beta2 "$2"} \
+    ${REPORT_DONE:+--report-seeds $REPORT_DONE}
+}
+
+if [ "$STAGE" != table ]; then "${S[@]}" --prepare; fi
+if [ "$STAGE" = all ] || [ "$STAGE" = beta2 ]; then
+  for seed in "${TUNE[@]}"; do
+    one baseline "$BASE_LR" "$seed" 0.999
+    one baseline "$BASE_LR" "$seed" 0.95
+  done
+fi
+BETA2=${BETA2:-$(pick beta2)}
+if [ "$STAGE" != table ] && [ "$STAGE" != beta2 ]; then
+  [ -n "$BETA2" ] || { echo "no beta2 yet: run STAGE=beta2 first (or set BETA2)" >&2; exit 1; }
+  echo "beta2 $BETA2 (baseline at $BASE_LR, 0.95 against 0.999 on seeds ${TUNE[*]})"
+fi
+if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then
+  n=$(( ${#A_LRS[@]} > ${#B_LRS[@]} ? ${#A_LRS[@]} : ${#B_LRS[@]} ))
+  for ((i = 0; i < n; i++)); do
+    for seed in "${TUNE[@]}"; do
+      if [ -n "${A_LRS[i]:-}" ]; then one control_a "${A_LRS[i]}" "$seed" "$BETA2"; fi
+      if [ -n "${B_LRS[i]:-}" ]; then one growth_b "${B_LRS[i]}" "$seed" "$BETA2"; fi
+    done
+  done
+  for lr in "${BASE_LRS[@]}"; do
+    for seed in "${TUNE[@]}"; do one baseline "$lr" "$seed" "$BETA2"; done
+  done
+  for ((round = 0; round < EXTEND; round++)); do
+    more=$(pick extend "$BETA2")
+    [ -n "$more" ] || break
+    while read -r arm lr; do
+      for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed" "$BETA2"; done
+    done <<< "$more"
+  done
+fi
+if [ "$STAGE" = all ] || [ "$STAGE" = report ]; then
+  chosen=$(pick best "$BETA2")
+  echo "reported arms at their LRs (beta2 $BETA2, chosen on seeds ${TUNE[*]}):"; echo "$chosen"
+  stopped=""
+  for ((k = 0; k < ${#REPORT[@]}; k++)); do
+    if [ "$k" -eq "$FUTILITY_AT" ]; then
+      stopped=$(REPORT_DONE="${REPORT[*]:0:FUTILITY_AT}" pick futility "$BETA2" | tr '\n' ' ')
+      echo "futility look after seeds ${REPORT[*]:0:FUTILITY_AT}: stopped: ${stopped:-none}"
+    fi
+    while read -r arm lr; do
+      if [[ " $stopped " != *" $arm "* ]]; then one "$arm" "$lr" "${REPORT[k]}" "$BETA2"; fi
+    done <<< "$chosen"
+  done
+fi
+"${S[@]}" --from-jsonl "$JSONL" --report-seeds "${REPORT[@]}"
