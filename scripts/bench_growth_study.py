@@ -374,7 +374,7 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None) -> No
         print(f'\n{what}, paired by seed over the reporting seeds (relative eval loss difference, 95 % paired-t):')
         print('| arm | beta2 | seeds | steps saved | mean | 95 % interval |')
         print('|---|---:|---:|---:|---:|---:|')
-        for (arm, beta2, _), _r in sorted({(k[0], k[1], 0): None for k in by}.items()):
+        for arm, beta2 in sorted({(k[0], k[1]) for k in by}):
             if arm == ref_arm or (ref_arm == 'control_a' and arm != 'growth_b'):
                 continue
             pairs = [(by[(arm, beta2, s)], by[(ref_arm, beta2, s)]) for s in report

@@ -59,7 +59,7 @@ pick() {  # pick beta2|best|extend|futility [BETA2]
     ${REPORT_DONE:+--report-seeds $REPORT_DONE}
 }
 
-if [ "$STAGE" != table ]; then "${S[@]}" --prepare; fi
+if [ "$STAGE" != table ]; then "${PIN[@]}" "${S[@]}" --prepare; fi
 if [ "$STAGE" = all ] || [ "$STAGE" = beta2 ]; then
   for seed in "${TUNE[@]}"; do
     one baseline "$BASE_LR" "$seed" 0.999

@@ -1,0 +1,171 @@
+"""The growth study's scripts (issue 39). ``scripts/bench_growth_study.py``: arm B's rows-indexed stages as a valid
+``batch_growth`` table, the study's rules (beta2, each arm's LR, one more rung past an edge, the futility look), the
+noise scale from the logged terms; on the tiny model, B's LR per step is the baseline's at the same rows x sqrt(the
+batch ratio) and the eval loss is token-weighted. ``scripts/growth_study.sh``: the whole study on the tiny model
+(slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from swift_dynamic_callbacks.config.pack import parse_section
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STUDY = os.path.join(ROOT, 'scripts', 'growth_study.sh')
+
+
+@pytest.fixture(scope='module')
+def bench():
+    path = os.path.join(ROOT, 'scripts', 'bench_growth_study.py')
+    spec = importlib.util.spec_from_file_location('bench_growth_study', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arm_b_is_a_batch_growth_table_at_the_rows_of_its_stages(bench):
+    assert bench.growth_stages(128) == {0: 1, 32: 2, 64: 4}
+    # rows 0-31 at 2 rows a step (16 steps), 32-63 at 4 (8 steps), 64-127 at 8 (8 steps): 32 steps
+    assert bench.rows_table(bench.growth_stages(128), ga=2) == {0: 1, 16: 2, 24: 4}
+    overrides, pack, callbacks = bench.arm_settings('growth_b', 128, 2)
+    assert overrides == {'per_device_train_batch_size': 1} and callbacks == ['batch_growth']
+    config = parse_section(pack, callbacks).callback_config('batch_growth')  # ConfigError on a bad setting
+    assert config.policy == 'table' and dict(config.table) == {0: 1, 16: 2, 24: 4} and config.lr_scaling == 'sqrt'
+    for arm, micro in (('baseline', 1), ('control_a', 2)):
+        assert bench.arm_settings(arm, 128, 2) == ({'per_device_train_batch_size': micro}, {}, [])
+    with pytest.raises(ValueError, match='not whole steps'):
+        bench.rows_table({0: 1, 3: 2}, ga=2)
+    with pytest.raises(ValueError, match='starts at row 0'):
+        bench.rows_table({4: 1}, ga=2)
+
+
+def line(arm: str, seed: int, loss: float, beta2: float = 0.95, steps: int = 64) -> dict:
+    return {'arm': arm, 'seed': seed, 'adam_beta2': beta2, 'eval_loss': loss, 'optimizer_steps': steps}
+
+
+def test_beta2_is_095_only_within_03_percent_of_0999_on_the_tuning_seeds(bench):
+    runs = [line('baseline@0.002', 0, 0.800, 0.999), line('baseline@0.002', 1, 0.810, 0.999),
+            line('baseline@0.002', 0, 0.803, 0.95)]
+    assert bench.pick_beta2(runs, [0, 1], 0.002) == ''  # seed 1 at 0.95 missing
+    close = runs + [line('baseline@0.002', 1, 0.8094, 0.95)]  # mean 0.8062 vs 0.8050: +0.15 %
+    assert bench.pick_beta2(close, [0, 1], 0.002) == '0.95'
+    far = runs + [line('baseline@0.002', 1, 0.815, 0.95)]  # mean 0.809: +0.5 %
+    assert bench.pick_beta2(far, [0, 1], 0.002) == '0.999'
+    assert bench.pick_beta2(far + [line('baseline@0.002', 2, 0.5, 0.95)], [0, 1], 0.002) == '0.999'  # seed 2: no
+
+
+def test_each_arms_lr_the_next_rung_past_an_edge_and_the_futility_look(bench):
+    assert bench.LADDER[2:7] == ('0.001', '0.00141', '0.002', '0.00283', '0.004')
+    runs = [line('control_a@0.00283', 0, 0.82), line('control_a@0.00283', 1, 0.84),
+            line('control_a@0.004', 0, 0.81), line('control_a@0.004', 1, 0.82),  # best at its highest LR
+            line('growth_b@0.002', 0, 0.80), line('growth_b@0.002', 1, 0.80),
+            line('growth_b@0.00141', 0, 0.81), line('growth_b@0.00141', 1, 0.81),
+            line('growth_b@0.00283', 0, 0.79), line('growth_b@0.00283', 1, 0.83),  # worse on the mean
+            line('baseline@0.002', 0, 0.79), line('baseline@0.002', 1, 0.79),
+            line('baseline@0.004', 0, 0.70),  # one tuning seed only: not a candidate
+            line('control_a@0.00566', 0, 0.5, beta2=0.999), line('control_a@0.00566', 1, 0.5, beta2=0.999)]
+    assert bench.pick_lrs(runs, [0, 1], 0.95, 'best') == [
+        'baseline 0.002', 'control_a 0.004', 'growth_b 0.002']
+    assert bench.pick_lrs(runs, [0, 1], 0.95, 'extend') == [
+        'baseline 0.00141', 'baseline 0.00283', 'control_a 0.00566']  # growth_b is bracketed
+    chosen = {'baseline': '0.002', 'control_a': '0.004', 'growth_b': '0.002'}
+    report = [line('baseline@0.002', s, 0.80) for s in (2, 3)] + [
+        line('control_a@0.004', 2, 0.82), line('control_a@0.004', 3, 0.8130),  # +2.0 %, +1.6 %: stopped
+        line('growth_b@0.002', 2, 0.81), line('growth_b@0.002', 3, 0.8130)]  # +1.25 %, +1.6 %: mean 1.4 %
+    assert bench.futility(report, [2, 3], 0.95, chosen) == ['control_a']
+    assert bench.futility(report, [2, 3, 4], 0.95, chosen) == []  # seed 4 missing: no look yet
+
+
+def test_the_noise_scale_in_rows_from_the_logged_terms(bench):
+    # |G|^2 = 1, tr(Sigma) = 100 (tokens): E|g_b|^2 = 1 + 100 / b at b = 50 and 100 tokens, 2 rows a step
+    steps = {'noise': [[3.0, 50, 2.0, 100, 2]] * 5 + [None]}
+    assert bench.noise_scale(steps) == pytest.approx(100 / 50)  # 100 tokens of B_simple at 50 tokens a row
+    assert bench.noise_scale({'noise': [None]}) is None
+
+
+def test_the_tables_and_the_paired_comparisons(bench, tmp_path, capsys):
+    jsonl = tmp_path / 'g.jsonl'
+    rows = [dict(line('baseline@0.002', s, 0.80 + s / 1000), train_loss=1.0, wall_s=600.0) for s in (0, 1, 2, 3)]
+    rows += [dict(line('growth_b@0.002', s, 0.80 + s / 500, steps=32), train_loss=1.0, wall_s=500.0)
+             for s in (0, 1, 2, 3)]
+    jsonl.write_text(''.join(json.dumps(r) + '\n' for r in rows), encoding='utf-8')
+    assert bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--report-seeds', '2', '3']) == 0
+    out = capsys.readouterr().out
+    assert '| baseline | **0.8005** |' in out
+    # seeds 2, 3: 0.804 / 0.802 = +0.25 %, 0.806 / 0.803 = +0.37 %
+    assert '| growth_b | 0.95 | 2 | 50% | +0.31% |' in out
+    with pytest.raises(SystemExit):
+        bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--report-seeds', '1'])
+
+
+@pytest.mark.e2e
+def test_b_runs_the_baselines_lr_schedule_in_rows_and_the_eval_loss_is_token_weighted(bench, tmp_path):
+    """Tiny model, 16 rows: B takes 2 + 1 + 1 steps of 2, 4, 8 rows; the LR of each of its steps is the baseline's
+    at the step that starts at the same row, times sqrt(batch / 2); the eval loss is the same whatever the eval
+    batching (token-weighted), and the per-step columns are there."""
+    jsonl = tmp_path / 'g.jsonl'
+    argv = ['--model', 'tiny', '--samples', '16', '--eval-rows', '8', '--lrs', '0.002', '--beta2', '0.95',
+            '--out', str(tmp_path / 'out'), '--jsonl', str(jsonl)]
+    assert bench.main([*argv, '--arms', 'baseline', 'growth_b']) == 0
+    runs = {r['arm']: r for r in map(json.loads, jsonl.read_text(encoding='utf-8').splitlines())}
+    base, grown = runs['baseline@0.002'], runs['growth_b@0.002']
+    assert (base['optimizer_steps'], grown['optimizer_steps']) == (8, 4) and grown['passes'] == 8
+    assert grown['steps']['batch'] == [2, 2, 4, 8] and grown['steps']['rows'] == [2, 4, 8, 16]
+    assert base['steps']['rows'] == list(range(2, 18, 2)) and base['adam_beta2'] == 0.95
+    for lr, batch, rows in zip(grown['steps']['lr'], grown['steps']['batch'], grown['steps']['rows']):
+        start = (rows - batch) // 2  # the baseline's step (0-based) that starts at the same row
+        assert lr == pytest.approx(base['steps']['lr'][start] * math.sqrt(batch / 2), rel=1e-3)
+    for run in (base, grown):
+        assert run['eval_tokens'] > 0 and run['eval_rows'] == 8 and run['eval_loss'] > 0
+        assert all(r is None or 0 < r < 2 for r in run['steps']['update_rms'])
+        assert run['steps']['update_rms'][-1] is not None and run['steps']['noise'][-1] is not None
+    # the same seed again, one eval batch of 8 rows instead of two of 4: the same token-weighted loss
+    original = bench.run_arm
+
+    def one_batch(*args, **kwargs):
+        from swift_dynamic_callbacks.testing import tiny
+        real = tiny.offline_sft_kwargs
+        tiny.offline_sft_kwargs = lambda *a, **k: real(*a, **{**k, 'per_device_eval_batch_size': 8})
+        try:
+            return original(*args, **kwargs)
+        finally:
+            tiny.offline_sft_kwargs = real
+
+    bench.run_arm = one_batch
+    try:
+        again = tmp_path / 'again.jsonl'
+        assert bench.main([*argv[:-1], str(again), '--arms', 'baseline']) == 0
+    finally:
+        bench.run_arm = original
+    [rerun] = map(json.loads, again.read_text(encoding='utf-8').splitlines())
+    assert rerun['eval_tokens'] == base['eval_tokens']
+    assert rerun['eval_loss'] == pytest.approx(base['eval_loss'], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_study_on_the_tiny_model(tmp_path):
+    """The whole study script on one core: beta2 on one tuning seed, A and B at one LR each, the three arms on one
+    reporting seed (no futility look before it), the tables; a second call runs nothing new."""
+    jsonl = tmp_path / 'study.jsonl'
+    env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'), 'MODEL': 'tiny', 'SAMPLES': '16',
+           'EVAL_ROWS': '8', 'TUNE_SEEDS': '0', 'REPORT_SEEDS': '1', 'A_LRS': '0.00283', 'B_LRS': '0.002',
+           'BASE_LRS': '', 'EXTEND': '0', 'CORE': ''}
+    done = subprocess.run(['bash', STUDY, str(jsonl)], env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(x) for x in jsonl.read_text(encoding='utf-8').splitlines()]
+    assert [(r['arm'], r['seed'], r['adam_beta2']) for r in rows[:4]] == [
+        ('baseline@0.002', 0, 0.999), ('baseline@0.002', 0, 0.95), ('control_a@0.00283', 0, rows[2]['adam_beta2']),
+        ('growth_b@0.002', 0, rows[2]['adam_beta2'])]
+    beta2 = rows[2]['adam_beta2']
+    assert sorted(r['arm'] for r in rows[4:]) == ['baseline@0.002', 'control_a@0.00283', 'growth_b@0.002']
+    assert all(r['seed'] == 1 and r['adam_beta2'] == beta2 for r in rows[4:])
+    assert f'beta2 {beta2:g}' in done.stdout and '| growth_b | ' in done.stdout
+    again = subprocess.run(['bash', STUDY, str(jsonl)], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and len(jsonl.read_text(encoding='utf-8').splitlines()) == len(rows)
