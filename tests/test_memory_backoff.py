@@ -128,6 +128,54 @@ def test_callback_follows_an_oom_backoff():
     assert control.new_pass_limit['samples'] == 4 or control.new_pass_limit['samples'] is None
 
 
+class TokenProbe(FakeProbe):
+    """Memory that follows a pass's tokens: the fraction is the step's largest pass cost over ``capacity``."""
+
+    def __init__(self, capacity):
+        super().__init__([])
+        self.capacity, self.cost = capacity, 0
+
+    def read(self):
+        used = int(100 * self.cost / self.capacity)
+        return MemorySample('fake', used, used, used, 100)
+
+
+def test_under_pass_tokens_the_cap_is_in_tokens_and_a_pass_keeps_its_rows():
+    """Passes cut by pass_tokens 16,384: a step of two 8,192-token rows and a step of sixty-four 256-token rows cost
+    the same memory. The callback caps tokens (never rows): the peak moves, the cap settles (at 10,240 tokens with
+    grow 1.25), and a pass of short rows keeps 40 of them instead of ratcheting down to one row a pass."""
+    from transformers import TrainerControl, TrainerState
+    plan, probe = 16384, TokenProbe(capacity=14000)
+    cb = MemoryBackoffCallback(MemoryBackoffConfig(clean_steps=2, grow=1.25), probe=probe)
+    control, args = TrainerControl(), _args()
+    cb.on_train_begin(args, TrainerState(), control)
+    cap, requested, rows_run = None, [], []
+    for step in range(1, 25):
+        cb.on_step_begin(args, TrainerState(global_step=step - 1), control)
+        budget = min(plan, cap or plan)  # the integration plans the passes within the cap
+        length = 8192 if step % 2 else 256
+        rows = max(1, budget // length)  # rows of the largest pass
+        probe.cost = rows * length
+        control.pass_size, control.pass_cost = rows, rows * length
+        rows_run.append((length, rows))
+        cb.on_step_end(args, TrainerState(global_step=step), control)
+        limit = control.new_pass_limit
+        if limit:
+            assert limit['samples'] is None  # never a row cap under a token budget
+            cap = limit['tokens']
+            requested.append(cap)
+        protocol.clear_requests(control)
+    assert requested == [8192, 10240]
+    assert cb.state.unit == 'tokens' and cb.state.cap == 10240
+    assert control.dynamic_metrics['dynamic/pass_cap'] == 10240 and control.dynamic_metrics['dynamic/pass_cap_unit']
+    assert min(rows for length, rows in rows_run if length == 256) == 32  # short rows: never one a pass
+    backoffs = [r for r in control.dynamic_decisions if r.kind == 'pass_limit' and r.reason == 'backoff']
+    assert backoffs and backoffs[0].values['unit'] == 'tokens' and 'tokens a pass' in backoffs[0].message
+    restored = MemoryBackoffCallback(cb.config, probe=probe)
+    restored.load_state_dict(cb.state_dict())
+    assert restored.state == cb.state
+
+
 def test_cpu_probe_needs_a_budget():
     from transformers import TrainerControl, TrainerState
     with pytest.raises(ConfigError, match='cpu_budget_gib: probe: cpu'):  # known from the settings alone: config time

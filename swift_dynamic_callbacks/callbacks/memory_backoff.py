@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Mapping
 
 from .. import distributed, protocol
@@ -15,13 +15,22 @@ from .base import DynamicCallback
 
 
 class MemoryBackoffCallback(DynamicCallback):
-    """Caps the samples of one forward/backward pass under memory pressure and after an OOM; grows back.
+    """Caps one forward/backward pass under memory pressure and after an OOM; grows back.
+
+    What is capped follows what memory follows: the pass's *samples* (``pass_size``), or, where the integration
+    cuts passes by a token budget (``length_batching.pass_tokens``: ``pass_cost`` > 0), its *tokens* — there a pass
+    of two long rows and one of sixty-four short ones cost the same memory, and a row cap would ratchet down to one
+    row a pass without moving the peak. A token cap never cuts a pass below one row, so one row a pass happens only
+    where one row is all that fits.
 
     Hooks: ``on_train_begin`` (probe check, the length rules / token budget), ``on_step_begin`` (reset the peak
     counter), ``on_step_end`` (read the probe, agree across ranks, back off or grow back; follow the
-    integration's OOM backoff). Flags set: ``new_pass_limit``, ``dynamic_decisions``, ``dynamic_metrics``
-    (``dynamic/memory_fraction``, ``dynamic/memory_peak_gib``, ``dynamic/pass_cap``). Reads ``pass_size`` and
-    ``oom_event``. State: the cap, clean-step count and pre-backoff size (``PressureState``).
+    integration's OOM backoff of samples; under a token budget the integration lowers its own token budget after an
+    OOM and the count of clean steps restarts). Flags set: ``new_pass_limit`` (``samples``, or ``tokens``),
+    ``dynamic_decisions``, ``dynamic_metrics`` (``dynamic/memory_fraction``, ``dynamic/memory_peak_gib``,
+    ``dynamic/pass_cap``: samples or tokens, ``dynamic/pass_cap_unit``: 0 samples, 1 tokens). Reads ``pass_size``,
+    ``pass_cost`` and ``oom_event``. State: the cap, clean-step count, pre-backoff size and unit
+    (``PressureState``).
     """
 
     name = 'memory_backoff'
@@ -64,20 +73,32 @@ class MemoryBackoffCallback(DynamicCallback):
         sample = self.probe.read()
         fractions = distributed.gather_objects(sample.fraction)
         fraction = max(fractions)
-        pass_size = max(distributed.gather_objects(int(getattr(control, protocol.PASS_SIZE, 0) or 0)))
+        sizes = distributed.gather_objects((int(getattr(control, protocol.PASS_SIZE, 0) or 0),
+                                            int(getattr(control, protocol.PASS_COST, 0) or 0)))
+        unit = 'tokens' if any(cost for _, cost in sizes) else 'samples'
+        pass_size = max(cost if unit == 'tokens' else size for size, cost in sizes)
+        if unit != self.state.unit:  # passes are now cut by tokens (or no longer): the cap's unit changed
+            self.state = PressureState(unit=unit)
         event = getattr(control, protocol.OOM_EVENT, None)
+        events = [e for e in distributed.gather_objects((event.new_cap, event.pass_size) if event is not None else None)
+                  if e is not None]
         # an OOM retried at the same one-sample pass leaves the cap as it was (new_cap None): nothing to follow
-        ooms = [e for e in distributed.gather_objects((event.new_cap, event.pass_size) if event is not None else None)
-                if e is not None and e[0] is not None]
-        if ooms:  # the integration already backed off (and agreed); follow it and start counting again
+        ooms = [e for e in events if e[0] is not None]
+        if ooms and unit == 'samples':  # the integration already backed off (and agreed); follow it, count again
             unlimited = self.state.unlimited if self.state.unlimited is not None else max(p for _, p in ooms)
             self.state = PressureState(cap=min(cap for cap, _ in ooms), clean=0, unlimited=unlimited)
+        elif events and unit == 'tokens':  # the integration lowered its own token budget: not a clean step
+            self.state = replace(self.state, clean=0)
         elif pass_size > 0:
             self.state, action = pressure_step(self.state, fraction, pass_size, high=c.threshold, low=c.low,
                                                clean_steps=c.clean_steps, shrink=c.shrink, grow=c.grow,
-                                               minimum=c.min_pass)
+                                               minimum=c.min_pass if unit == 'samples' else 1)
             if action is not None:
-                limit = {**c.static_limit(), 'samples': self.state.cap}
+                limit = dict(c.static_limit())
+                if unit == 'samples':
+                    limit['samples'] = self.state.cap
+                elif self.state.cap is not None:
+                    limit['tokens'] = min(t for t in (limit['tokens'], self.state.cap) if t is not None)
                 protocol.request_pass_limit(control, limit)
                 figures = sample.figures()
                 figures['fraction'] = round(fraction, 4)
@@ -86,8 +107,9 @@ class MemoryBackoffCallback(DynamicCallback):
                     DecisionRecord(self.name, 'pass_limit', action, {
                         'pass_size': pass_size,
                         'new_cap': self.state.cap,
+                        'unit': unit,
                         **{f'memory_{k}': v for k, v in figures.items()}
-                    }, (f'peak memory {fraction:.1%} > {c.threshold:.0%}: at most {self.state.cap} samples a pass'
+                    }, (f'peak memory {fraction:.1%} > {c.threshold:.0%}: at most {self.state.cap} {unit} a pass'
                         if action == 'backoff' else f'{c.clean_steps} steps below {c.low:.0%}: pass cap '
                         f'{self.state.cap if self.state.cap is not None else "removed"}'), step=state.global_step))
         protocol.publish_metrics(
@@ -95,6 +117,7 @@ class MemoryBackoffCallback(DynamicCallback):
                 'dynamic/memory_fraction': round(fraction, 4),
                 'dynamic/memory_peak_gib': round(sample.peak / GIB, 4),
                 'dynamic/pass_cap': self.state.cap or 0,
+                'dynamic/pass_cap_unit': int(unit == 'tokens'),
             })
 
     # ---- state -----------------------------------------------------------------------------------------

@@ -43,11 +43,13 @@ def oom_backoff(pass_size: int) -> int:
 
 @dataclass(frozen=True)
 class PressureState:
-    """Proactive backoff state: the current cap (``None``: none), clean steps in a row, the size before backing off."""
+    """Proactive backoff state: the current cap (``None``: none), clean steps in a row, the size before backing off,
+    and what they count (``samples`` a pass, or ``tokens`` a pass where passes are cut by a token budget)."""
 
     cap: int | None = None
     clean: int = 0
     unlimited: int | None = None
+    unit: str = 'samples'
 
 
 def pressure_step(state: PressureState, fraction: float, pass_size: int, *, high: float, low: float,
@@ -65,7 +67,7 @@ def pressure_step(state: PressureState, fraction: float, pass_size: int, *, high
         if cap >= pass_size:  # already at the minimum
             return replace(state, clean=0), None
         unlimited = state.unlimited if state.unlimited is not None else pass_size
-        return PressureState(cap=cap, clean=0, unlimited=unlimited), 'backoff'
+        return PressureState(cap=cap, clean=0, unlimited=unlimited, unit=state.unit), 'backoff'
     if fraction >= low or state.cap is None:
         return replace(state, clean=0), None
     clean = state.clean + 1
@@ -73,5 +75,5 @@ def pressure_step(state: PressureState, fraction: float, pass_size: int, *, high
         return replace(state, clean=clean), None
     cap = max(state.cap + 1, math.ceil(state.cap * grow))
     if state.unlimited is not None and cap >= state.unlimited:
-        return PressureState(), 'grow_back'
-    return PressureState(cap=cap, clean=0, unlimited=state.unlimited), 'grow_back'
+        return PressureState(unit=state.unit), 'grow_back'
+    return PressureState(cap=cap, clean=0, unlimited=state.unlimited, unit=state.unit), 'grow_back'
