@@ -32,6 +32,7 @@ def case(callbacks, section, **settings):
 
 
 #: (id, YAML, flags after the file, words the error must contain)
+PASS_TOKENS = {'length_batching': {'mode': 'balanced', 'pass_tokens': 4096}}
 BAD = [
     ('nan_warmup', case(['lr_schedule'], {'lr_schedule': {'warmup': float('nan')}}), [],
      ['dynamic_callbacks.lr_schedule.warmup', 'nan', 'optimizer steps']),
@@ -122,6 +123,18 @@ BAD = [
     ('oom_retries_without_recovery', case(['batch_growth'], {**GROWTH, 'integration': {
         'oom_recovery': False, 'oom_single_sample_retries': 3}}), [],
      ['dynamic_callbacks.integration.oom_single_sample_retries: only read by oom_recovery: auto | true']),
+    ('pass_tokens_label_smoothing', case(['length_batching'], PASS_TOKENS, label_smoothing_factor=0.1), [],
+     ['label_smoothing_factor: 0.1 cannot be combined with dynamic_callbacks.length_batching.pass_tokens',
+      'allowed: 0']),
+    ('pass_tokens_seq_cls', case(['length_batching'], PASS_TOKENS, task_type='seq_cls'), [],
+     ['task_type: seq_cls cannot be combined with dynamic_callbacks.length_batching.pass_tokens',
+      'allowed: causal_lm']),
+    ('split_passes_loss_type', case(['length_batching'], {'length_batching': {'split': 'passes', 'bucketing': False}},
+                                    loss_type='infonce'), [],
+     ['loss_type: infonce cannot be combined with dynamic_callbacks.length_batching.split: passes']),
+    ('memory_backoff_moe_aux', case(['memory_backoff'], {'memory_backoff': {'cpu_budget_gib': 8}},
+                                    router_aux_loss_coef=0.001), [],
+     ['router_aux_loss_coef: 0.001 cannot be combined with callbacks: memory_backoff']),
 ]
 
 
@@ -165,6 +178,9 @@ GOOD = [
                                                          'integration': {'packed_attention': 'keep'}}), []),
     ('samples_unit_with_max_steps', case(['batch_growth'], {**GROWTH, 'integration': {'max_steps_unit': 'samples'}},
                                          max_steps=64), []),
+    ('pass_tokens_causal_lm', case(['length_batching'], PASS_TOKENS, task_type='causal_lm', label_smoothing_factor=0),
+     []),
+    ('seq_cls_without_splits', case(['batch_growth'], GROWTH, task_type='seq_cls', label_smoothing_factor=0.1), []),
 ]
 
 
@@ -185,6 +201,36 @@ def test_group_by_length_is_refused_under_several_processes(tmp_path, capsys, mo
         capsys.readouterr().err)
     monkeypatch.setenv('NPROC_PER_NODE', '1')
     assert cli.main(['check', path]) == 0  # one process: the host's own (length-grouped) sampler decides
+
+
+def test_average_tokens_off_is_refused_with_pass_tokens_under_several_processes(tmp_path, capsys, monkeypatch):
+    path = write(tmp_path, case(['length_batching'], {'length_batching': {'mode': 'balanced', 'pass_tokens': 4096}},
+                                average_tokens_across_devices=False))
+    monkeypatch.setenv('NPROC_PER_NODE', '2')
+    assert cli.main(['check', path]) == 2
+    assert ('average_tokens_across_devices: false cannot be combined with dynamic_callbacks.length_batching.'
+            'pass_tokens under 2 processes') in capsys.readouterr().err
+    monkeypatch.setenv('NPROC_PER_NODE', '1')
+    assert cli.main(['check', path]) == 0  # one process: the rank's count is the step's
+
+
+def test_a_mean_loss_is_refused_at_start_too(monkeypatch):
+    """The second line, in the training process: the same rule on the trainer's arguments and its callbacks."""
+    from types import SimpleNamespace
+
+    from swift_dynamic_callbacks.callbacks.length_batching import LengthBatchingCallback
+    from swift_dynamic_callbacks.config.length_batching import LengthBatchingConfig
+    from swift_dynamic_callbacks.integrations import data
+    args = SimpleNamespace(dataloader_drop_last=False, auto_find_batch_size=False, max_steps=-1, loss_type=None,
+                           label_smoothing_factor=0.1, router_aux_loss_coef=0.0, average_tokens_across_devices=True)
+    callback = LengthBatchingCallback(LengthBatchingConfig(mode='balanced', pass_tokens=1200))
+    trainer = SimpleNamespace(args=args, task_type='causal_lm', template=None,
+                              callback_handler=SimpleNamespace(callbacks=[callback]))
+    with pytest.raises(ConfigError, match='label_smoothing_factor: 0.1 cannot be combined with '
+                                          'dynamic_callbacks.length_batching.pass_tokens'):
+        data.check_supported(trainer)
+    args.label_smoothing_factor = 0.0
+    data.check_supported(trainer)
 
 
 def test_group_by_length_is_refused_at_start_under_several_processes(monkeypatch):

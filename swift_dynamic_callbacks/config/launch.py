@@ -21,7 +21,7 @@ from ..state import STATE_FILE
 from . import ConfigError
 from .engines import check_engine, engine_from_swift
 from .integration import IntegrationConfig
-from .rules import PAIRS_WHY, RunFacts, check_facts, noise_scale_passes
+from .rules import PAIRS_WHY, RunFacts, check_facts, noise_scale_passes, pass_splitters
 from .pack import (CALLBACK_CONFIGS, NON_LAMBDA_SCHEDULERS, PLUGIN_FILE, SECTION, SWIFT_CALLBACKS, PackConfig,
                    _names, check_controls)
 
@@ -166,7 +166,13 @@ class LaunchRun:
                         dataloader_drop_last=self.flag('dataloader_drop_last'),
                         auto_find_batch_size=self.flag('auto_find_batch_size'), streaming=self.flag('streaming'),
                         max_steps=-1 if steps is None else steps,
-                        max_steps_unit=self.pack.integration.max_steps_unit)
+                        max_steps_unit=self.pack.integration.max_steps_unit,
+                        splitters=tuple(pass_splitters(self.configs)), task_type=self.settings.get('task_type'),
+                        loss_type=self.settings.get('loss_type'),
+                        label_smoothing_factor=self.number('label_smoothing_factor', 0) or 0.0,
+                        router_aux_loss_coef=self.number('router_aux_loss_coef', 0) or 0.0, world_size=_world_size(),
+                        average_tokens_across_devices=(self.flag('average_tokens_across_devices')
+                                                       if 'average_tokens_across_devices' in self.settings else True))
 
 
 def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str] | None = None) -> list[str]:
@@ -244,7 +250,7 @@ def _samples_unit(run: LaunchRun) -> None:
 
 def _packing(run: LaunchRun) -> None:
     packed = [k for k in ('packing', 'padding_free') if run.flag(k)]
-    splitters = _splitters(run.configs)
+    splitters = pass_splitters(run.configs)
     if packed and splitters:
         raise ConfigError(f'{packed[0]}: true cannot be combined with {splitters[0]}: a packed micro-batch is one '
                           '[1, N] row and cannot be split into smaller forward/backward passes; remove '
@@ -394,32 +400,13 @@ def _check_rlhf(pack: PackConfig, settings: Mapping[str, Any], configs: Mapping[
     if rlhf not in RLHF_TYPES:
         raise ConfigError(f'rlhf_type: {rlhf} is not supported by swift-dynamic-callbacks (callbacks: {uses}): its '
                           'trainer generates rollouts with its own sampler; allowed: ' + ', '.join(RLHF_TYPES))
-    splitters = _splitters(configs)
+    splitters = pass_splitters(configs)
     if splitters:
         raise ConfigError(f'rlhf_type: {rlhf} cannot be combined with {splitters[0]}: {PAIRS_WHY}; remove it (batch '
                           'growth, schedules, length_batching and early stopping work)')
     if pack.integration.oom_recovery is True:
         raise ConfigError(f'{SECTION}.integration.oom_recovery: true is not supported with rlhf_type: {rlhf}: '
                           f'{PAIRS_WHY}; use auto (off under swift rlhf) or false')
-
-
-def _splitters(configs: Mapping[str, Any]) -> list[str]:
-    """Settings that run a micro-batch as several forward/backward passes."""
-    out = []
-    growth = configs.get('batch_growth')
-    if growth is not None and growth.micro_batch_cap is not None:
-        out.append(f'{SECTION}.batch_growth.micro_batch_cap')
-    schedule = configs.get('batch_schedule')
-    if schedule is not None and schedule.splits_micro_batches:
-        out.append(f'{SECTION}.batch_schedule.pieces')
-    length = configs.get('length_batching')
-    if length is not None and length.splits_passes:
-        out.append(f'{SECTION}.length_batching.split: passes')
-    if length is not None and length.pass_tokens is not None:
-        out.append(f'{SECTION}.length_batching.pass_tokens')
-    if 'memory_backoff' in configs:
-        out.append('callbacks: memory_backoff (it caps the samples of a pass)')
-    return out
 
 
 def _eval_monitors(configs: Mapping[str, Any]) -> list[tuple[str, str, str]]:

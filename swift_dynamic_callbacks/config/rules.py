@@ -8,7 +8,7 @@ each knows, so the message is the same whichever check stops the run. No torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from . import ConfigError
 
@@ -30,6 +30,14 @@ class RunFacts:
         streaming: the training data is a stream (no length).
         max_steps: HF's ``max_steps`` (``<= 0``: not set).
         max_steps_unit: the integration's ``max_steps_unit``.
+        splitters: the pack settings that run a step as other forward/backward passes than the fixed layout's
+            (:func:`pass_splitters`; empty: none).
+        task_type: ms-swift's ``task_type`` (``None``: its default, ``causal_lm``).
+        loss_type: ms-swift's ``loss_type`` (``None``: the model's own loss).
+        label_smoothing_factor: HF's ``label_smoothing_factor``.
+        router_aux_loss_coef: ms-swift's ``router_aux_loss_coef`` (MoE).
+        world_size: processes of the run.
+        average_tokens_across_devices: HF's ``average_tokens_across_devices``.
     """
 
     sequence_parallel_size: float = 1
@@ -38,6 +46,13 @@ class RunFacts:
     streaming: bool = False
     max_steps: float = -1
     max_steps_unit: str = 'steps'
+    splitters: tuple[str, ...] = ()
+    task_type: str | None = None
+    loss_type: str | None = None
+    label_smoothing_factor: float = 0.0
+    router_aux_loss_coef: float = 0.0
+    world_size: int = 1
+    average_tokens_across_devices: bool = True
 
 
 def sequence_parallel(facts: RunFacts) -> str | None:
@@ -77,9 +92,62 @@ def stream_unit(facts: RunFacts) -> str | None:
     return None
 
 
+#: what a step's loss must be for any pass layout to give the fixed layout's gradient
+TOKEN_SUM_WHY = ('other forward/backward passes than the fixed micro-batches give the same gradient only when a '
+                 'pass\'s loss is the sum of its token losses over the step\'s label tokens (num_items_in_batch, '
+                 'ms-swift\'s causal-LM loss); ')
+
+
+def token_sum_loss(facts: RunFacts) -> str | None:
+    """Passes cut by tokens (``pass_tokens``) or split (``split: passes``, pieces, ``memory_backoff``) keep the
+    gradient only under a token-sum loss normalised over the step: refuse the settings that make it a per-pass mean
+    (the step's gradient would then scale with the number of passes, i.e. with the rows' lengths)."""
+    if not facts.splitters:
+        return None
+    what = facts.splitters[0]
+    if facts.task_type not in (None, 'causal_lm'):
+        return (f'task_type: {facts.task_type} cannot be combined with {what}: {TOKEN_SUM_WHY}{facts.task_type} '
+                'averages each micro-batch; allowed: causal_lm (or remove the setting)')
+    if facts.loss_type not in (None, 'cross_entropy'):
+        return (f'loss_type: {facts.loss_type} cannot be combined with {what}: {TOKEN_SUM_WHY}allowed: the model\'s '
+                'own loss or cross_entropy (or remove the setting)')
+    if facts.label_smoothing_factor > 0:
+        return (f'label_smoothing_factor: {facts.label_smoothing_factor:g} cannot be combined with {what}: '
+                f'{TOKEN_SUM_WHY}HF\'s label smoother returns each pass\'s mean; allowed: 0 (or remove the setting)')
+    if facts.router_aux_loss_coef > 0:
+        return (f'router_aux_loss_coef: {facts.router_aux_loss_coef:g} cannot be combined with {what}: a MoE load-'
+                'balancing loss depends on which tokens share a pass, so another pass layout changes its gradient; '
+                'allowed: 0 (or remove the setting)')
+    if facts.world_size > 1 and not facts.average_tokens_across_devices:
+        return (f'average_tokens_across_devices: false cannot be combined with {what} under {facts.world_size} '
+                'processes: each rank would normalise by its own label tokens, so ranks whose passes hold fewer '
+                'tokens weigh more (and a rank without samples scales the step down); allowed: true (HF\'s default)')
+    return None
+
+
 #: the rules both checks run on :class:`RunFacts`, in order
 RUN_RULES: tuple[Callable[[RunFacts], str | None], ...] = (sequence_parallel, drop_last, auto_batch_size,
-                                                           stream_steps, stream_unit)
+                                                           stream_steps, stream_unit, token_sum_loss)
+
+
+def pass_splitters(configs: Mapping[str, Any]) -> list[str]:
+    """The settings (of the pack callbacks listed, ``name -> config``) that run a micro-batch as several
+    forward/backward passes or cut a step into other passes than the fixed micro-batches."""
+    out = []
+    growth = configs.get('batch_growth')
+    if growth is not None and growth.micro_batch_cap is not None:
+        out.append(f'{SECTION}.batch_growth.micro_batch_cap')
+    schedule = configs.get('batch_schedule')
+    if schedule is not None and schedule.splits_micro_batches:
+        out.append(f'{SECTION}.batch_schedule.pieces')
+    length = configs.get('length_batching')
+    if length is not None and length.splits_passes:
+        out.append(f'{SECTION}.length_batching.split: passes')
+    if length is not None and length.pass_tokens is not None:
+        out.append(f'{SECTION}.length_batching.pass_tokens')
+    if 'memory_backoff' in configs:
+        out.append('callbacks: memory_backoff (it caps the samples of a pass)')
+    return out
 
 
 def check_facts(facts: RunFacts, rules: tuple[Callable[[RunFacts], str | None], ...] = RUN_RULES) -> None:

@@ -21,7 +21,7 @@ from .. import distributed
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
 from ..config.launch import group_by_length_error
-from ..config.rules import RunFacts, check_facts
+from ..config.rules import RunFacts, check_facts, pass_splitters
 from ..data.length_estimates import cache_dir, estimate_lengths, is_lazy, mean_ratio
 from ..data.elastic import ElasticDataLoader
 from ..policies.balance import work_coefficient
@@ -43,10 +43,20 @@ def check_supported(trainer: Any, config: IntegrationConfig | None = None, *, st
     run rules of :mod:`..config.rules`, the same ones the launch check applies, on the trainer's arguments."""
     args = trainer.args
     template = getattr(trainer, 'template', None)
+    callbacks = getattr(getattr(trainer, 'callback_handler', None), 'callbacks', ())
+    listed = {cb.name: cb.config for cb in callbacks
+              if getattr(cb, 'config_class', None) is not None and getattr(cb, 'config', None) is not None}
     check_facts(RunFacts(sequence_parallel_size=getattr(template, 'sequence_parallel_size', 1) or 1,
                          dataloader_drop_last=bool(args.dataloader_drop_last),
                          auto_find_batch_size=bool(args.auto_find_batch_size), streaming=streaming,
-                         max_steps=args.max_steps, max_steps_unit=(config or IntegrationConfig()).max_steps_unit))
+                         max_steps=args.max_steps, max_steps_unit=(config or IntegrationConfig()).max_steps_unit,
+                         splitters=tuple(pass_splitters(listed)),
+                         task_type=getattr(trainer, 'task_type', None) or getattr(template, 'task_type', None),
+                         loss_type=getattr(args, 'loss_type', None),
+                         label_smoothing_factor=float(getattr(args, 'label_smoothing_factor', 0) or 0),
+                         router_aux_loss_coef=float(getattr(args, 'router_aux_loss_coef', 0) or 0),
+                         world_size=distributed.world_size(),
+                         average_tokens_across_devices=bool(getattr(args, 'average_tokens_across_devices', True))))
 
 
 def length_key(trainer: Any) -> tuple[Any, ...]:
