@@ -123,6 +123,8 @@ BAD = [
     ('oom_retries_without_recovery', case(['batch_growth'], {**GROWTH, 'integration': {
         'oom_recovery': False, 'oom_single_sample_retries': 3}}), [],
      ['dynamic_callbacks.integration.oom_single_sample_retries: only read by oom_recovery: auto | true']),
+    ('pass_tokens_not_auto', case(['length_batching'], {'length_batching': {'mode': 'balanced', 'pass_tokens': 'big'}}),
+     [], ["dynamic_callbacks.length_batching.pass_tokens: expected an integer >= 1, auto or null, got 'big'"]),
     ('pass_tokens_label_smoothing', case(['length_batching'], PASS_TOKENS, label_smoothing_factor=0.1), [],
      ['label_smoothing_factor: 0.1 cannot be combined with dynamic_callbacks.length_batching.pass_tokens',
       'allowed: 0']),
@@ -178,6 +180,8 @@ GOOD = [
                                                          'integration': {'packed_attention': 'keep'}}), []),
     ('samples_unit_with_max_steps', case(['batch_growth'], {**GROWTH, 'integration': {'max_steps_unit': 'samples'}},
                                          max_steps=64), []),
+    ('pass_tokens_auto', case(['length_batching'], {'length_batching': {'mode': 'balanced', 'pass_tokens': 'auto'}}),
+     []),
     ('pass_tokens_causal_lm', case(['length_batching'], PASS_TOKENS, task_type='causal_lm', label_smoothing_factor=0),
      []),
     ('seq_cls_without_splits', case(['batch_growth'], GROWTH, task_type='seq_cls', label_smoothing_factor=0.1), []),

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from swift_dynamic_callbacks.integrations.pass_budget import PassBudget
 from swift_dynamic_callbacks.policies.balance import step_passes
 from swift_dynamic_callbacks.policies.data_plan import piece_bounds
-from swift_dynamic_callbacks.policies.pass_cost import (TokenBudget, budget_after_oom, budget_after_step, fits,
-                                                        pass_cost, pieces_within)
+from swift_dynamic_callbacks.policies.pass_cost import (TokenBudget, auto_pass_tokens, budget_after_oom,
+                                                        budget_after_step, bytes_per_token, fits, pass_cost,
+                                                        pieces_within)
 from swift_dynamic_callbacks.records import DecisionRecord
 
 
@@ -109,6 +110,35 @@ def test_pass_budget_records_each_change_and_round_trips():
     assert part.at_boundary([], None, 4) is None and part.budget is None  # passes no longer cut by tokens
 
 
+def test_auto_budget_from_the_shape_by_hand():
+    """Qwen2.5-1.5B's shape in bf16 without checkpointing: 5.6 MB a token (a 16,384-token pass peaked at 81.7 GiB
+    on an H200); with checkpointing the layers keep one hidden state each; an 80 GB card gets about 13k tokens."""
+    shape = dict(hidden=1536, intermediate=8960, layers=28, vocab=151936, dtype_bytes=2)
+    full = bytes_per_token(**shape, checkpointing=False)
+    assert full == 18 * 151936 + 28 * (10 * 1536 + 4 * 8960) * 2 == 5602048
+    assert bytes_per_token(**shape, checkpointing=True) == 18 * 151936 + 28 * 1536 * 2 + (10 * 1536 + 4 * 8960) * 2
+    assert auto_pass_tokens(76 * 2**30, full) == 13056  # an H100 with the model loaded
+    assert auto_pass_tokens(136 * 2**30, full) == 23296  # an H200
+    assert auto_pass_tokens(10, full) == 256 and auto_pass_tokens(2**50, 1, maximum=8192) == 8192
+
+
+def test_auto_on_a_cpu_reads_the_budget_or_falls_back(tiny_model_object):
+    from swift_dynamic_callbacks.integrations.pass_budget import CPU_MAX_PASS_TOKENS, resolve_auto_pass_tokens
+    tokens, figures = resolve_auto_pass_tokens(tiny_model_object, 'cpu', checkpointing=False, cpu_budget_gib=0.001)
+    per_token = figures['bytes_per_token']
+    assert tokens == auto_pass_tokens(0.001 * 2**30, per_token, maximum=CPU_MAX_PASS_TOKENS)
+    assert figures['device'] == 'cpu' and figures['hidden_size'] == tiny_model_object.config.hidden_size
+    tokens, figures = resolve_auto_pass_tokens(object(), 'cpu', checkpointing=False, cpu_budget_gib=4)
+    assert tokens == 8192 and figures['how'].startswith('fallback')
+
+
+@pytest.fixture
+def tiny_model_object():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=1000))
+
+
 # ---- end to end ----------------------------------------------------------------------------------------------
 
 @pytest.mark.e2e
@@ -152,3 +182,32 @@ def test_swift_sft_memory_end_below_pass_tokens_settles_in_tokens(tmp_path, tiny
     assert any(d['reason'] == 'grow_back' for d in budgets)
     logged = [r['dynamic/pass_budget'] for r in train_logs(oom)]
     assert min(logged) < 900 and logged[0] == 1200
+
+
+@pytest.mark.e2e
+def test_swift_sft_pass_tokens_auto_plans_at_a_recorded_budget(tmp_path, tiny_qwen):
+    """``pass_tokens: auto`` on the CPU: the budget from half the available memory and the model's shape (at most
+    8,192 on a CPU), one ``pass_tokens`` record with its figures, and the plan (and its passes) at that number."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.testing.faults import OomInjector
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
+    from swift_runs import decisions, run_sft, train_logs
+    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=16))
+    try:
+        sdc.register(length_batching={'mode': 'balanced', 'pass_tokens': 'auto'})
+        with OomInjector() as injector:
+            out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'auto'), callbacks=['length_batching'],
+                          max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2,
+                          gradient_accumulation_steps=2, save_steps=1000, max_length=2048)
+    finally:
+        plugin._configured = None
+    records = decisions(out)
+    [auto] = [d for d in records if d['kind'] == 'pass_tokens']
+    chosen = auto['values']['pass_tokens']
+    assert auto['reason'] == 'auto' and auto['values']['device'] == 'cpu' and auto['values']['free_gib'] > 0
+    assert 256 <= chosen <= 8192 and auto['values']['bytes_per_token'] > 18 * 151936  # the vocabulary's logits
+    [plan] = [d for d in records if d['kind'] == 'batch_plan' and d['source'] == 'length_batching']
+    assert plan['values']['new']['pass_tokens'] == 'auto'
+    assert {r['dynamic/pass_budget'] for r in train_logs(out)} == {chosen}
+    assert all(rows == 1 or tokens <= chosen for rows, tokens in injector.passes)

@@ -13,6 +13,20 @@ SPLITS = ('micro_batches', 'passes')
 
 
 @dataclass(frozen=True)
+class TokensOrAuto(Int):
+    """An integer token budget in ``[minimum, maximum]``, or ``auto`` (chosen at train start from the device's free
+    memory and the model's shape)."""
+
+    def check(self, name: str, value: Any) -> Any:
+        if value == 'auto':
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f'{name}: expected an integer >= {self.minimum}, auto{self._or_null()}, got {value!r} '
+                              f'({type(value).__name__})')
+        return super().check(name, value)
+
+
+@dataclass(frozen=True)
 class LengthRules(Check):
     """``{longer_than: samples}`` (or ``[[longer_than, samples], ...]``) with a ``0`` entry."""
 
@@ -71,7 +85,9 @@ class LengthBatchingConfig(Settings):
             larger passes, not more of them. The loss is normalised over the step's items as before, so the
             gradient is the same; ``micro_batch_cap`` / ``memory_backoff`` / OOM recovery still cap the rows of a
             pass. Refused where passes cannot be split (FSDP2, DeepSpeed, ``swift rlhf``, ms-swift's packing).
-            ``null``: micro-batches of the per-device size.
+            ``auto``: the budget is chosen at train start from the device's free memory and the model's shape
+            (:func:`~..integrations.pass_budget.auto_pass_tokens`; a ``pass_tokens`` record with its figures), and an
+            OOM lowers it like any budget. ``null``: micro-batches of the per-device size.
 
     In both modes the trainer's per-device batch size (``per_device_train_batch_size``, or what a batch callback
     set) is the most samples a micro-batch holds: set it to the largest count you allow for short samples.
@@ -88,7 +104,7 @@ class LengthBatchingConfig(Settings):
     bucket_fill: float = setting(Number(0, 1), 0.5)
     seed: int | None = setting(Int(optional=True), None)
     padding_free: bool = setting(Flag(), False)
-    pass_tokens: int | None = setting(Int(1, optional=True), None)
+    pass_tokens: int | str | None = setting(TokensOrAuto(1, optional=True), None)
 
     reads = (
         Reads('mode', {'token_budget': ('max_tokens', ), 'rules': ('rules', ), 'balanced': ('pass_tokens', )}),

@@ -8,15 +8,17 @@ applies it and, unless a held record already tells the change (:meth:`~.decision
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
-from .. import protocol
+from .. import distributed, protocol
 from ..policies.length import BatchPlan, padding_fraction
 from ..records import DecisionRecord
 from .data import DataFeed
 from .decisions import Decisions
 from .layout import Layout
 from .optimizer import OptimizerScale
+from .pass_budget import resolve_auto_pass_tokens
 from .lr import LRControl
 from .metrics import global_batch_size
 from .requests import changes_lr
@@ -37,10 +39,12 @@ class RequestApplier:
         refresh_budget: ``reason -> None``: the step budget after a change of the batch size or plan.
         layout: converts requested per-device sizes to the current layout (a resume on another world size).
         optimizer: owns the optimizer's weight decay and beta2.
+        pack_config: the pack's settings (``pass_tokens: auto`` reads ``memory_backoff.cpu_budget_gib`` on a CPU).
     """
 
     def __init__(self, feed: DataFeed, runner: StepRunner, lr: LRControl, decisions: Decisions,
-                 refresh_budget: Callable[[str], None], layout: Layout, optimizer: OptimizerScale) -> None:
+                 refresh_budget: Callable[[str], None], layout: Layout, optimizer: OptimizerScale,
+                 pack_config: Mapping[str, Any] | None = None) -> None:
         self.layout = layout
         self.optimizer = optimizer
         self.feed = feed
@@ -48,6 +52,7 @@ class RequestApplier:
         self.lr = lr
         self.decisions = decisions
         self.refresh_budget = refresh_budget
+        self.pack_config = dict(pack_config or {})
 
     def apply(self, request: protocol.BatchRequest) -> None:
         for field in FIELDS:
@@ -87,6 +92,8 @@ class RequestApplier:
         old = loader.plan.to_json() if loader.plan is not None else None
         if plan.cuts_passes:  # a step's share in passes other than HF's micro-batches: where passes may split
             self.runner.check_splittable('length_batching.pass_tokens', 'pass_limit')
+        if plan.pass_tokens == 'auto':
+            plan = replace(plan, pass_tokens=self._auto_pass_tokens())
         attention = self.runner.set_padding_free(plan.padding_free, self.runner.trainer.model)
         if attention is not None:
             self.decisions.write(attention)
@@ -103,6 +110,21 @@ class RequestApplier:
             self.decisions.hold(DecisionRecord('control_flags', 'batch_plan', 'request',
                                                {'old': old, 'new': request.batch_plan, **applied}))
         self.feed.report_over_budget(plan)
+
+    def _auto_pass_tokens(self) -> int:
+        """``pass_tokens: auto``: every rank's budget from its free memory and the model's shape; the smallest is
+        planned at (collective: every rank applies the same plan at this boundary); a ``pass_tokens`` record."""
+        trainer = self.runner.trainer
+        budget = (self.pack_config.get('memory_backoff') or {}).get('cpu_budget_gib')
+        tokens, figures = resolve_auto_pass_tokens(trainer.model, trainer.args.device,
+                                                   checkpointing=bool(trainer.args.gradient_checkpointing),
+                                                   cpu_budget_gib=budget)
+        chosen = min(distributed.gather_objects(tokens))
+        self.decisions.write(DecisionRecord(
+            'integration', 'pass_tokens', 'auto', {'pass_tokens': chosen, 'rank_pass_tokens': tokens, **figures},
+            f'pass_tokens: auto -> {chosen} tokens a pass ({figures["how"]}; {figures["free_gib"]} GiB free on '
+            f'{figures["device"]})'))
+        return chosen
 
     def _num_pieces(self, request: protocol.BatchRequest) -> None:
         loader = self.feed.loader

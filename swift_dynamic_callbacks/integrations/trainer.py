@@ -80,7 +80,7 @@ class Integration:
         self.layout = Layout()
         self.optimizer = OptimizerScale(trainer)
         self.applier = RequestApplier(self.feed, self.runner, self.lr, self.decisions, self.refresh_budget,
-                                      self.layout, self.optimizer)
+                                      self.layout, self.optimizer, self.pack_config)
         self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
         self.replay: dict[int, protocol.BatchRequest] | None = None  # step -> recorded request (replay setting)
 

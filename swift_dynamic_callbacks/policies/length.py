@@ -67,7 +67,8 @@ class BatchPlan:
         pass_tokens: ``balanced`` only: each rank's share of a step runs in as few forward/backward passes as fit
             this many tokens (padded, or real when padding-free) instead of ``gradient_accumulation_steps``
             micro-batches of the per-device size (:func:`~.balance.step_passes`); ``None``: micro-batches of the
-            per-device size.
+            per-device size; ``'auto'`` in a request only: the integration chooses the budget at train start and
+            plans with that number (:func:`~.pass_cost.auto_pass_tokens`).
     """
 
     mode: str = 'token_budget'
@@ -78,7 +79,7 @@ class BatchPlan:
     bucket_fill: float = 0.5
     seed: int = 0
     padding_free: bool = False
-    pass_tokens: int | None = None
+    pass_tokens: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -101,8 +102,9 @@ class BatchPlan:
         if not isinstance(self.padding_free, bool):
             raise ValueError(f'padding_free: expected true or false, got {self.padding_free!r}')
         tokens = self.pass_tokens
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-            raise ValueError(f'pass_tokens: must be an int >= 1 or null, got {tokens!r}')
+        if tokens is not None and tokens != 'auto' and (isinstance(tokens, bool) or not isinstance(tokens, int)
+                                                        or tokens < 1):
+            raise ValueError(f'pass_tokens: must be an int >= 1, auto or null, got {tokens!r}')
         if tokens is not None and self.mode != 'balanced':
             raise ValueError(f'pass_tokens: only mode balanced cuts a step into passes by tokens, got mode {self.mode}')
 
