@@ -214,6 +214,19 @@ class StreamLoader:
     def pass_pieces(self) -> int:
         return self.num_pieces
 
+    @property
+    def cuts_passes(self) -> bool:
+        """A stream never cuts a step into passes by tokens (``pass_tokens`` needs balanced steps)."""
+        return False
+
+    @property
+    def pass_tokens(self) -> int | None:
+        return None
+
+    def set_pass_budget(self, tokens: int | None) -> bool:
+        """No passes cut here: nothing to plan again."""
+        return False
+
     def set_plan(self, plan: length_policy.BatchPlan) -> bool:
         """Use ``plan`` from the next unseen row on (a new window starts there); False when it is already the plan."""
         if plan == self.plan:
