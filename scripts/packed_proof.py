@@ -7,7 +7,7 @@ the same model (random weights of a real shape, or the tiny test model) with LoR
 trains it; the loss is the token sum over the (prediction, label) pairs divided by their number, as ms-swift's is.
 Printed per attention: the loss's relative difference, the gradient's (the norm of the difference of all LoRA
 gradients over the norm of the reference's), and whether changing the first row changes the second row's logits
-(it must not: :func:`~swift_dynamic_callbacks.integrations.padding_free.check_packed_attention`). A flex_attention
+(it must not: :func:`~swift_dynamic_callbacks.integrations.packed_attention.check_packed_attention`). A flex_attention
 backward needs CUDA (torch has none on CPU): there its gradient is not checked. Exit status 1 when a difference is
 over the tolerance (fp32 1e-4 for the loss and 1e-3 for the gradient; bf16 1e-2 and 5e-2: bf16 kernels sum in other
 orders), 0 otherwise. ``scripts/gpu_throughput.sh`` runs it before the arms.
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from swift_dynamic_callbacks.integrations.inputs import to_device
-    from swift_dynamic_callbacks.integrations.padding_free import check_packed_attention, flatten_rows
+    from swift_dynamic_callbacks.integrations.packed_attention import check_packed_attention
+    from swift_dynamic_callbacks.integrations.padding_free import flatten_rows
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     path, flags = prepare_model(args.model, work, args.device)

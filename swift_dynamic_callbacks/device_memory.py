@@ -137,9 +137,13 @@ _OOM_MESSAGES = ('out of memory', "can't allocate memory", 'not enough memory', 
 
 
 def is_oom(error: BaseException) -> bool:
-    """A typed ``torch.OutOfMemoryError`` first; the allocator messages of cuDNN, cuBLAS and CPU as a fallback."""
+    """A typed ``torch.OutOfMemoryError`` first; the allocator messages of cuDNN, cuBLAS and CPU as a fallback. An
+    error of torch's compiler (dynamo, inductor: a failed compile or autotune whose text may say "out of memory") is
+    never taken for an OOM: halving passes would not cure it (a switched attention kernel falls back instead)."""
     if isinstance(error, torch.OutOfMemoryError):
         return True
+    if type(error).__module__.startswith(('torch._dynamo', 'torch._inductor')):
+        return False
     return isinstance(error, RuntimeError) and any(m in str(error).lower() for m in _OOM_MESSAGES)
 
 

@@ -65,6 +65,8 @@ def test_is_oom():
     assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
     assert not is_oom(RuntimeError('shape mismatch'))
     assert not is_oom(ValueError('out of memory'))
+    from torch._dynamo.exc import TorchRuntimeError
+    assert not is_oom(TorchRuntimeError('out of memory while autotuning'))  # a compile failure
 
 
 class FakeProbe:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from swift_dynamic_callbacks.config import ConfigError
-from swift_dynamic_callbacks.integrations.padding_free import FLEX_BLOCK, PackedBatch, best_packed_attention, \
-    check_packed_attention, flatten_rows, split_packed, use_packed_attention
+from swift_dynamic_callbacks.integrations.packed_attention import best_packed_attention, check_packed_attention, \
+    use_packed_attention
+from swift_dynamic_callbacks.integrations.padding_free import FLEX_BLOCK, PackedBatch, flatten_rows, split_packed
 from swift_dynamic_callbacks.policies.length import BatchPlan, greedy_pieces
 
 
@@ -225,8 +226,64 @@ def test_the_best_packed_attention():
     assert best('sdpa', mode='keep', cuda=True, flash='flash_attention_2', flex=True)[0] == 'sdpa'
 
 
+def test_explicit_packed_attention_modes_or_a_reason():
+    best = best_packed_attention
+    assert best('eager', mode='sdpa', cuda=False, flash=None, flex=True) == (
+        'sdpa', 'integration.packed_attention: sdpa')
+    assert best('sdpa', mode='flash', cuda=True, flash='flash_attention_3', flex=True)[0] == 'flash_attention_3'
+    assert best('eager', mode='flex', cuda=True, flash=None, flex=True)[0] == 'flex_attention'
+    with pytest.raises(ConfigError, match='packed_attention: flash needs CUDA and flash-attn installed .got no '
+                                          'flash-attn.; allowed here: auto, sdpa, keep, flex'):
+        best('sdpa', mode='flash', cuda=True, flash=None, flex=True)
+    with pytest.raises(ConfigError, match='packed_attention: flex needs CUDA .* no CUDA device'):
+        best('sdpa', mode='flex', cuda=False, flash=None, flex=True)
+
+
+def test_an_explicit_kernel_that_fails_its_proof_is_refused(tiny_qwen, monkeypatch):
+    from swift_dynamic_callbacks.integrations import packed_attention
+    model = model_of(tiny_qwen, 'sdpa')
+    monkeypatch.setattr(packed_attention, 'best_packed_attention', lambda *a, **k: ('flex_attention', 'test'))
+    with pytest.raises(ConfigError, match='packed_attention: flex .flex_attention. failed its proof on this model '
+                                          '.NotImplementedError'):
+        use_packed_attention(model, 'flex')  # no flex backward on CPU: refused, not silently replaced
+    assert model.config._attn_implementation == 'sdpa'
+
+
+def test_the_backward_proof_runs_in_train_mode_under_reentrant_checkpointing(tiny_qwen):
+    """ms-swift checkpoints with use_reentrant=True in one process, and torch refuses autograd.grad through those:
+    the proof runs a real backward in train mode instead, and puts the gradients (and the random state) back."""
+    from peft import LoraConfig, get_peft_model
+
+    from swift_dynamic_callbacks.integrations.packed_attention import check_packed_backward
+    model = get_peft_model(model_of(tiny_qwen, 'sdpa'), LoraConfig(r=2, target_modules='all-linear',
+                                                                    lora_dropout=0.1))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True})
+    model.enable_input_require_grads()
+    model.eval()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable[:3]:
+        p.grad = torch.full_like(p, 0.5)
+    state = torch.get_rng_state()
+    check_packed_backward(model, 'sdpa')
+    assert not model.training  # the mode it was in
+    assert torch.equal(torch.get_rng_state(), state)  # dropout drew from a forked generator
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.5)) for p in trainable[:3])
+    assert all(p.grad is None for p in trainable[3:])
+    embeds_only = model_of(tiny_qwen, 'sdpa').requires_grad_(False)  # nothing trainable: the input embeddings' grad
+    check_packed_backward(embeds_only, 'sdpa')
+
+
+def test_flex_is_compiled_once_for_train_and_eval():
+    from transformers.integrations.flex_attention import WrappedFlexAttention
+
+    from swift_dynamic_callbacks.integrations.packed_attention import keep_flex_compiled
+    assert keep_flex_compiled() and keep_flex_compiled()  # idempotent
+    first = WrappedFlexAttention(True)()
+    assert WrappedFlexAttention(False)() is first and WrappedFlexAttention(True)() is first
+
+
 def test_a_kernel_that_fails_is_undone_and_said(tiny_qwen, monkeypatch):
-    from swift_dynamic_callbacks.integrations import padding_free
+    from swift_dynamic_callbacks.integrations import packed_attention as padding_free
     model = model_of(tiny_qwen, 'sdpa')
     assert use_packed_attention(model, 'auto') == {
         'old': 'sdpa', 'new': 'sdpa',
@@ -287,7 +344,7 @@ def test_swift_sft_padding_free_trains_as_the_padded_run(tmp_path, tiny_llama, m
     from transformers import PreTrainedModel
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from swift_dynamic_callbacks.integrations import padding_free
+    from swift_dynamic_callbacks.integrations import packed_attention
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     from swift_runs import decisions, run_sft, sample_trace, train_logs
@@ -301,7 +358,8 @@ def test_swift_sft_padding_free_trains_as_the_padded_run(tmp_path, tiny_llama, m
     for variant in ('padded', 'sdpa', 'varlen'):
         if variant == 'varlen':
             monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, 'flash_attention_2', counted)
-            monkeypatch.setattr(padding_free, 'best_packed_attention', lambda *a, **k: ('flash_attention_2', 'test'))
+            monkeypatch.setattr(packed_attention, 'best_packed_attention',
+                                lambda *a, **k: ('flash_attention_2', 'test'))
             monkeypatch.setattr(PreTrainedModel, 'set_attn_implementation',  # no flash-attn check on CPU
                                 lambda self, name: setattr(self.config, '_attn_implementation_internal', name))
         try:
@@ -357,3 +415,51 @@ def test_the_start_up_proof_script_passes_and_can_fail(tmp_path, monkeypatch, ca
     monkeypatch.setattr(padding_free, 'flatten_rows', one_sequence)
     assert proof.main(common) == 1
     assert 'DIFFERENT' in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_swift_sft_a_kernel_failing_mid_run_falls_back_to_sdpa(tmp_path, tiny_llama, monkeypatch):
+    """A switched packed-attention kernel (the stand-in varlen kernel as flash_attention_2) that fails in the third
+    training step (not an OOM): the step runs again on sdpa, a ``packed_attention`` ``fallback`` record says why, the
+    run finishes with the padded run's losses, and nothing is taken for an OOM."""
+    import swift_dynamic_callbacks as sdc
+    from transformers import PreTrainedModel
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from swift_dynamic_callbacks.integrations import packed_attention
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
+    from swift_runs import decisions, run_sft, train_logs
+    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=12))
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        if len(calls) == 11:  # proofs: 2 x 2 eval + 2 train calls; steps 1-2: 4 calls; step 3's first layer
+            raise RuntimeError('CUDA error: an illegal memory access was encountered (stand-in kernel)')
+        return varlen_stand_in(*args, **kwargs)
+
+    runs = {}
+    for variant in ('padded', 'failing'):
+        if variant == 'failing':
+            monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, 'flash_attention_2', failing)
+            monkeypatch.setattr(packed_attention, 'best_packed_attention',
+                                lambda *a, **k: ('flash_attention_2', 'test'))
+            monkeypatch.setattr(PreTrainedModel, 'set_attn_implementation',
+                                lambda self, name: setattr(self.config, '_attn_implementation_internal', name))
+        try:
+            sdc.register(length_batching={'mode': 'balanced', 'padding_free': variant != 'padded'})
+            runs[variant] = run_sft(
+                tiny_llama, 'llama', data, str(tmp_path / f'out-{variant}'), callbacks=['length_batching'],
+                max_steps=-1, num_train_epochs=1, per_device_train_batch_size=3, gradient_accumulation_steps=1,
+                max_length=2048, lora_dropout=0.0, attn_impl='sdpa')
+        finally:
+            plugin._configured = None
+    assert len(calls) == 11  # after the failure the kernel is never called again
+    padded, failed = train_logs(runs['padded']), train_logs(runs['failing'])
+    assert [r['loss'] for r in failed] == pytest.approx([r['loss'] for r in padded], rel=1e-4)
+    assert failed[-1]['dynamic/oom_count'] == 0
+    records = [d for d in decisions(runs['failing']) if d['kind'] == 'packed_attention']
+    assert [d['reason'] for d in records] == ['flash_attention_2', 'fallback']
+    assert records[1]['values']['old'] == 'flash_attention_2' and records[1]['values']['new'] == 'sdpa'
+    assert 'illegal memory access' in records[1]['values']['error']

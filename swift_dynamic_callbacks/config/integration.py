@@ -57,10 +57,13 @@ class IntegrationConfig(Settings):
             stream order is kept across windows. Read only on a stream.
         packed_attention: with ``length_batching.padding_free``, the attention the packed rows run with: ``auto``
             (default) switches a model on sdpa to the best kernel the machine has for packed rows (flash-attn's
-            varlen where it is installed, else ``flex_attention`` on CUDA; on CPU sdpa stays), ``keep`` leaves the
-            model's. Either way the choice is proven to keep rows apart before training (a kernel switched to: and
-            to run backward) and written as a ``packed_attention`` record; a kernel that fails to load or a proof is
-            undone (said in the record).
+            varlen where it is installed, else ``flex_attention`` on CUDA; on CPU sdpa stays; under FSDP2 /
+            DeepSpeed the model's own is kept); ``flash`` / ``flex`` / ``sdpa`` ask for that kernel (refused at start
+            when it is unavailable or fails its proof); ``keep`` leaves the model's. The choice is proven to keep rows
+            apart before training (a kernel switched to: and to run forward and backward in train mode), agreed by
+            all ranks and written as a ``packed_attention`` record; under ``auto`` a kernel that fails to load or a
+            proof is undone (said in the record). A switched kernel that fails during training (not an OOM) falls
+            back to the model's own attention with a record, and the step runs again.
     """
 
     record_samples: bool = setting(Flag(), False)
@@ -75,7 +78,7 @@ class IntegrationConfig(Settings):
     replay: str | None = setting(Text('output/first_run/dynamic_decisions.jsonl', optional=True), None)
     allow_config_change: bool = setting(Flag(), False)
     stream_window: int = setting(Int(1, 10_000_000), 1024)
-    packed_attention: str = setting(Choice(('auto', 'keep')), 'auto')
+    packed_attention: str = setting(Choice(('auto', 'flash', 'flex', 'sdpa', 'keep')), 'auto')
 
     reads = (Reads('oom_recovery', {'auto': ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_forget_steps'),
                                     True: ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_forget_steps'),

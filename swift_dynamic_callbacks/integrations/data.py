@@ -221,12 +221,13 @@ class DataFeed:
         (self.decisions.hold if hold else self.decisions.write)(record)
 
     # ---- the trace ----------------------------------------------------------------------------------------
-    def write_trace(self, step: int, batches: list[list[int]]) -> None:
-        """``record_samples``: append this step's dataset indices to this rank's ``dynamic_samples.rank<R>.jsonl``."""
+    def write_trace(self, step: int, batches: list[list[int]], passes: list[int]) -> None:
+        """``record_samples``: append this step's dataset indices to this rank's ``dynamic_samples.rank<R>.jsonl``
+        (``batches``: a slot's indices each; ``passes``: the passes each slot was drawn as, before any OOM split)."""
         loader, rank = self.loader, distributed.rank()
         path = os.path.join(self.trainer.args.output_dir, SAMPLES_FILE.format(rank=rank))
         line = {'step': step, 'epoch': loader.epoch, 'rank': rank, 'batch_size': loader.batch_size,
-                'num_pieces': loader.num_pieces, 'batches': batches}
+                'num_pieces': loader.num_pieces, 'batches': batches, 'passes': passes}
         with open(path, 'a', encoding='utf-8') as f:
             f.write(json.dumps(line) + '\n')
 

@@ -22,11 +22,8 @@ What each attention implementation computes for a packed row of ``N`` tokens in 
   (``cu_seq_lens_q`` / ``_k``, ``max_length_q`` / ``_k``) from the host: without them transformers finds the rows
   from the positions on the device, a synchronisation in every layer.
 
-:func:`best_packed_attention` chooses among them (``integration.packed_attention: auto``: flash-attn where it is
-installed, else ``flex_attention`` on CUDA, else what the model has), and :func:`check_packed_attention` proves the
-choice on the model at hand before training: two rows run packed, and changing the first row must not change the
-second row's logits (causal attention already keeps the first from the second); a kernel switched to must also run
-backward (:func:`check_packed_backward`).
+Which of them the rows run with, and the proof that it keeps rows apart, is :mod:`.packed_attention`'s (this module
+only packs: host tensors in, host tensors out).
 """
 
 from __future__ import annotations
@@ -36,9 +33,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..config import ConfigError
-
-#: attention implementations that keep packed rows apart by ``position_ids`` (checked by :func:`check_packed_attention`)
+#: attention implementations that keep packed rows apart by ``position_ids`` (proven by
+#: :func:`.packed_attention.check_packed_attention`)
 DENSE_ATTENTION = ('sdpa', 'eager')
 FLASH_ATTENTION = ('flash_attention_2', 'flash_attention_3', 'flash_attention_4')
 SUPPORTED_ATTENTION = DENSE_ATTENTION + ('flex_attention', ) + FLASH_ATTENTION
@@ -163,124 +159,3 @@ def flatten_rows(batch: Mapping[str, Any], attention: str = 'sdpa') -> PackedBat
         out['labels'] = labels
     out['use_cache'] = False
     return finish_packed(PackedBatch(out, [n for n in lengths if n]), attention)
-
-
-def attention_implementation(model: Any) -> str | None:
-    config = getattr(model, 'config', None)
-    return getattr(config, '_attn_implementation', None) or getattr(config, 'attn_implementation', None)
-
-
-def best_packed_attention(current: str | None, *, mode: str, cuda: bool, flash: str | None,
-                          flex: bool) -> tuple[str | None, str]:
-    """The attention implementation packed rows should run with, and why (pure). ``mode``: ``keep`` (the model's),
-    ``auto`` (switch from sdpa, the default the user did not choose for packing, to the best the machine has:
-    ``flash`` (the installed flash attention implementation, or ``None``), else ``flex_attention`` on CUDA where
-    ``flex``; eager, flash and flex chosen by the user are kept)."""
-    if mode == 'keep':
-        return current, 'integration.packed_attention: keep'
-    if current != 'sdpa':
-        return current, f'the model runs {current} (only sdpa is switched)'
-    if not cuda:
-        return current, 'not on CUDA (flex_attention has no backward on CPU; flash-attn needs CUDA)'
-    if flash:
-        return flash, 'flash-attn is installed: its varlen kernel attends within each row only'
-    if flex:
-        return 'flex_attention', ('flash-attn is not installed: flex_attention skips the masked blocks between '
-                                  'rows (sdpa computes all N^2 pairs)')
-    return current, 'neither flash-attn nor flex_attention is available'
-
-
-def installed_flash_attention() -> str | None:
-    """The flash attention implementation transformers can load here (3 before 2), or ``None``."""
-    from transformers.utils import import_utils
-    for name, check in (('flash_attention_3', 'is_flash_attn_3_available'),
-                        ('flash_attention_2', 'is_flash_attn_2_available')):
-        if getattr(import_utils, check, lambda: False)():
-            return name
-    return None
-
-
-def transformers_model(model: Any) -> Any:
-    """The outermost transformers model in ``model`` (itself, or inside PEFT / ms-swift wrappers), or ``None``."""
-    from transformers import PreTrainedModel
-    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
-    return next((m for m in modules if isinstance(m, PreTrainedModel)), None)
-
-
-def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.padding_free', *,
-                         probe_backward: bool = True) -> dict[str, Any]:
-    """Switch ``model`` (a transformers model, possibly inside PEFT) to :func:`best_packed_attention`'s choice and
-    prove it keeps packed rows apart (:func:`check_packed_attention`) and, with ``probe_backward`` (engines whose
-    backward holds no collectives), that it runs backward (:func:`check_packed_backward`); a choice that fails to
-    load or either proof is undone and the model's own is proven instead. Returns what was decided (``old``,
-    ``new``, ``why``)."""
-    from transformers.utils import is_torch_flex_attn_available
-    old = attention_implementation(model)
-    device = next(model.parameters()).device
-    new, why = best_packed_attention(old, mode=mode, cuda=device.type == 'cuda', flash=installed_flash_attention(),
-                                     flex=is_torch_flex_attn_available())
-    base = transformers_model(model) if new != old else None
-    if new != old and base is None:
-        new, why = old, f'no transformers model inside {type(model).__name__} to switch to {new}; kept {old}'
-    if new != old:
-        try:
-            base.set_attn_implementation(new)
-            check_packed_attention(model, setting)
-            if probe_backward:
-                check_packed_backward(model, new)
-        except Exception as error:  # noqa: BLE001 - any failure of the better kernel falls back, said in the record
-            base.set_attn_implementation(old)
-            why = f'{new} failed ({type(error).__name__}: {str(error)[:200]}); kept {old}'
-            new = old
-        else:
-            return {'old': old, 'new': new, 'why': why}
-    check_packed_attention(model, setting)
-    return {'old': old, 'new': new, 'why': why}
-
-
-def probe_rows(model: Any, attention: str, shift: int) -> PackedBatch:
-    """Two packed rows of 4 tokens on the model's device, finished for ``attention``: the second is always the same,
-    the first is the second's tokens moved by ``shift`` (the train-start proofs' input)."""
-    device = next(model.parameters()).device
-    vocab = int(getattr(getattr(model, 'config', None), 'vocab_size', 0) or 32)
-    second = torch.arange(1, 5, device=device) % vocab
-    values = {'input_ids': torch.cat([(second + shift) % vocab, second])[None],
-              'position_ids': torch.arange(4, device=device).repeat(2)[None]}
-    return finish_packed(PackedBatch(values, (4, 4)), attention)
-
-
-def check_packed_backward(model: Any, attention: str) -> None:
-    """One forward and backward of two packed rows finished for ``attention`` (:func:`probe_rows`), the gradient
-    taken to the input embeddings only (the parameters' gradients stay as they are): a kernel that cannot run
-    backward here (flex attention on CPU, a compile that fails) fails now, before training, not in the first training
-    step."""
-    packed = dict(probe_rows(model, attention, 7))
-    embeds = model.get_input_embeddings()(packed.pop('input_ids')).detach().requires_grad_(True)
-    logits = model(inputs_embeds=embeds, **packed, use_cache=False).logits
-    torch.autograd.grad(logits.float().sum(), embeds)
-
-
-@torch.no_grad()
-def check_packed_attention(model: Any, setting: str = 'length_batching.padding_free') -> None:
-    """Refuse padding-free micro-batches where the model would attend across packed rows: an attention
-    implementation outside :data:`SUPPORTED_ATTENTION`, or a model whose second row's logits change with the first
-    row's tokens (two tiny forwards of :func:`probe_rows` finished for the model's attention, in eval mode, on the
-    model's device; causal attention never lets the first row see the second, so the second is the one to watch)."""
-    implementation = attention_implementation(model)
-    if implementation not in SUPPORTED_ATTENTION:
-        raise ConfigError(f'{setting}: true needs attn_impl {" / ".join(SUPPORTED_ATTENTION)} (got '
-                          f'{implementation!r}): those keep packed rows apart by position_ids in transformers')
-
-    def logits(shift: int) -> torch.Tensor:
-        return model(**probe_rows(model, implementation, shift), use_cache=False).logits[0, 4:8].float()
-
-    was_training = model.training
-    model.eval()
-    try:
-        a, b = logits(7), logits(11)
-    finally:
-        model.train(was_training)
-    if not torch.allclose(a, b, atol=1e-5, rtol=1e-4):
-        raise ConfigError(f'{setting}: this model ({type(model).__name__}, attn_impl {implementation}) attends '
-                          'across rows packed by position_ids (the second row\'s logits changed with the first '
-                          'row\'s tokens), so padding-free micro-batches would mix samples; use padding_free: false')

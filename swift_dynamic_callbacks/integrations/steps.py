@@ -42,7 +42,8 @@ from ..policies.memory import oom_backoff, pass_cap
 from ..policies.pass_cost import pass_cost, pieces_within
 from ..records import DecisionRecord
 from .engines import Engine, select_engine
-from .padding_free import PackedBatch, use_packed_attention
+from .packed_attention import PackedAttention
+from .padding_free import PackedBatch
 from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, pass_lengths, restore_grads, \
     row_tokens, split_micro_batch
 
@@ -75,8 +76,11 @@ class StepRunner:
             each try) before the sample is declared too large.
     """
 
-    def __init__(self, trainer: Any, engine: Engine, *, oom_recovery: bool, single_sample_retries: int) -> None:
+    def __init__(self, trainer: Any, engine: Engine, *, oom_recovery: bool, single_sample_retries: int,
+                 attention: PackedAttention | None = None) -> None:
         self.trainer = trainer
+        self.attention = attention or PackedAttention()  # the packed rows' kernel (chosen, proven, fallen back from)
+        self.records: list[DecisionRecord] = []  # decisions made inside a step, held at the next boundary
         self.engine = engine
         self.oom_recovery = oom_recovery
         self.single_sample_retries = single_sample_retries
@@ -103,8 +107,6 @@ class StepRunner:
         self._checked = False
         self._can_split: bool | None = None  # whether a micro-batch may run as several passes (checked once)
         self.padding_free = False  # every pass runs as one packed row (a batch plan's padding_free)
-        self.packed_attention_mode = 'auto'  # integration.packed_attention
-        self.packed_attention = 'sdpa'  # the attention packed rows are finished for (chosen by set_padding_free)
         self._pass_stats = [0, 0]  # forward/backward passes run, steps started, since the last read
 
     def begin(self, config: IntegrationConfig, pack_config: Mapping[str, Any]) -> DecisionRecord:
@@ -121,7 +123,7 @@ class StepRunner:
                                   f'rlhf: {PAIRS_WHY}; use auto or false')
             recovery, why_off = False, f'swift rlhf: {PAIRS_WHY}'
         self.oom_recovery, self.single_sample_retries = recovery, config.oom_single_sample_retries
-        self.packed_attention_mode = config.packed_attention
+        self.attention.mode = config.packed_attention
         self.oom_count, self._checked, self._can_split, self._adapter_like = 0, False, None, None
         message = f'engine {self.engine.name}' + ('' if recovery else f'; OOM recovery off ({why_off})')
         if not recovery and config.oom_recovery == 'auto':
@@ -142,9 +144,9 @@ class StepRunner:
         self.engine.refuse(feature, setting)
 
     def set_padding_free(self, on: bool, model: Any) -> DecisionRecord | None:
-        """Run every pass as one packed row from now on (``on``), with the attention
-        :func:`.padding_free.use_packed_attention` chooses (``integration.packed_attention``) and proves keeps packed
-        rows apart; refused under ``swift rlhf`` and ms-swift's own packing. Returns the ``packed_attention``
+        """Run every pass as one packed row from now on (``on``), with the attention the
+        :class:`~.packed_attention.PackedAttention` part chooses (``integration.packed_attention``) and proves keeps
+        packed rows apart; refused under ``swift rlhf`` and ms-swift's own packing. Returns the ``packed_attention``
         decision when padding-free passes start."""
         record = None
         if on and not self.padding_free:
@@ -154,16 +156,20 @@ class StepRunner:
                                   'pairs them; they are not flattened)')
             if host_packs_rows(self.trainer):
                 raise ConfigError(f'{setting}: ms-swift\'s padding_free / packing already pack the rows; use one')
-            chosen = use_packed_attention(model, self.packed_attention_mode, setting,
-                                          probe_backward=self.engine.name in ('single', 'ddp'))
-            self.packed_attention = chosen['new']
-            message = (f'padding-free passes run with attn_impl {chosen["new"]}' +
-                       (f' (was {chosen["old"]})' if chosen['new'] != chosen['old'] else '') + f': {chosen["why"]}')
-            logger.info(message)
-            record = DecisionRecord('integration', 'packed_attention', chosen['new'],
-                                    {**chosen, 'mode': self.packed_attention_mode}, message)
+            single = self.engine.name in ('single', 'ddp')
+            record = self.attention.start(model, probe_backward=single, sharded=not single, setting=setting)
         self.padding_free = bool(on)
         return record
+
+    @property
+    def packed_attention(self) -> str:
+        """The attention packed rows are finished for now."""
+        return self.attention.kernel
+
+    def take_records(self) -> list[DecisionRecord]:
+        """The decisions made inside the last step (a kernel fallback), to hold at the boundary."""
+        records, self.records = self.records, []
+        return records
 
     def splittable(self) -> bool:
         """Whether a micro-batch may run as several passes here (checked once)."""
@@ -269,7 +275,13 @@ class StepRunner:
             return torch.zeros((), device=loss.device if loss is not None else self.trainer.args.device)
         self._template = inputs.passes[0] if isinstance(inputs, PassGroup) else inputs
         if not self.oom_recovery:
-            loss = self._run_passes(model, inputs, run, num_items_in_batch, index, final=last_of_step)
+            try:
+                loss = self._run_passes(model, inputs, run, num_items_in_batch, index, final=last_of_step)
+            except Exception as error:  # noqa: BLE001 - a switched kernel's failure is reported, then re-raised
+                if self.padding_free and self.attention.switched and not is_oom(error):
+                    logger.error(f'{self.attention.kernel} failed during training and OOM recovery is off here, so '
+                                 'the step cannot be run again on sdpa; set integration.packed_attention: sdpa')
+                raise
         else:
             loss = self._run_with_recovery(model, inputs, run, num_items_in_batch, index, last_of_step)
         if last_of_step:
@@ -279,7 +291,8 @@ class StepRunner:
     def _run_with_recovery(self, model: Any, inputs: Any, run: Run, num_items_in_batch: Any, index: int,
                            last_of_step: bool) -> torch.Tensor:
         snapshot = grad_snapshot(model) if self._snapshot_grads(model) else None
-        retries = 0
+        retries = ooms = 0
+        kernel_error: BaseException | None = None
         while True:
             failed: tuple[int, int, int] | None = None
             try:
@@ -290,15 +303,24 @@ class StepRunner:
                         if not isinstance(self.batches[j], EmptyMicroBatch):
                             self._run_passes(model, self.batches[j], run, num_items_in_batch, j, final=False)
                 loss = self._run_passes(model, inputs, run, num_items_in_batch, index, final=last_of_step)
-            except Exception as error:  # noqa: BLE001 - only OOMs are handled; everything else is re-raised
+            except Exception as error:  # noqa: BLE001 - OOMs and a switched kernel's failure; the rest is re-raised
                 if not is_oom(error):
-                    raise
-                failed = self._current if self._current is not None else (index, 0, 1)
+                    if not (self.padding_free and self.attention.switched):
+                        raise
+                    kernel_error = error
+                else:
+                    failed = self._current if self._current is not None else (index, 0, 1)
+            if kernel_error is not None:  # the model's own attention from now on, the micro-batch again
+                inputs = self._fall_back(model, kernel_error, inputs)
+                kernel_error = None
+                retries += 1
+                continue
             if failed is None:
-                if retries:
+                if ooms:
                     self._report_oom(retries)
                 return loss
             retries += 1
+            ooms += 1
             self._recover(model, failed)
 
     def _run_passes(self, model: Any, inputs: Any, run: Run, num_items_in_batch: Any, index: int, *,
@@ -363,6 +385,19 @@ class StepRunner:
             sample = self.probe.finish(model)
             if sample is not None:
                 setattr(self.trainer.control, protocol.GRAD_NOISE_SAMPLE, sample)
+
+    def _fall_back(self, model: Any, error: BaseException, inputs: Any) -> Any:
+        """After a switched kernel failed in a pass of ``inputs``: drop the step's gradients (the caller restores
+        or recomputes the earlier ones), switch to the model's own attention, finish the step's batches for it; the
+        record is held for the boundary. Returns ``inputs`` finished again."""
+        for p in model.parameters():
+            p.grad = None
+        self.probe = None
+        self._current = None
+        free_memory()
+        self.records.append(self.attention.fall_back(model, error, self.trainer.state.global_step))
+        self.batches = [self.attention.refinish(b) for b in self.batches]
+        return self.attention.refinish(inputs)
 
     # ---- out of memory -------------------------------------------------------------------------------------
     def _snapshot_grads(self, model: Any) -> bool:

@@ -6,6 +6,7 @@
 - :mod:`.budget` — max_steps, the epoch budget, progress bars;
 - :mod:`.lr` — the LR the optimizer uses (scale, stretch, schedule);
 - :mod:`.steps` — one step's passes on the engine (:mod:`.engines`), the pass limit, OOM recovery;
+- :mod:`.packed_attention` — the kernel packed rows run with: chosen, proven, agreed, fallen back from;
 - :mod:`.pass_budget` — the token budget of a pass under ``pass_tokens`` after OOMs (agreed, planned at);
 - :mod:`.checkpoint` — the pack state in checkpoints, resume checks;
 - :mod:`.metrics` — the numbers in the logs.
@@ -38,6 +39,7 @@ from .inputs import prepare_slot, to_device
 from .layout import Layout
 from .optimizer import OptimizerScale
 from .lr import LRControl
+from .packed_attention import PackedAttention
 from .pass_budget import PassBudget
 from .metrics import Metrics
 from .requests import agree_step, load_replay, request_to_json, set_request
@@ -73,7 +75,9 @@ class Integration:
         self.feed = DataFeed(trainer, self.config, self.decisions)
         self.budget = StepBudget(trainer, self.config, self.decisions)
         self.lr = LRControl()
-        self.runner = StepRunner(trainer, Engine(trainer), oom_recovery=False, single_sample_retries=0)
+        self.attention = PackedAttention()
+        self.runner = StepRunner(trainer, Engine(trainer), oom_recovery=False, single_sample_retries=0,
+                                 attention=self.attention)
         self.pass_budget = PassBudget(self.config.oom_grow_back_steps, self.config.oom_forget_steps)
         self.metrics = Metrics(self.config)
         self.checkpoints = Checkpoints(trainer, self.config, self.pack_config, self.decisions)
@@ -158,6 +162,7 @@ class Integration:
         self.decisions.drain(self.trainer.control)
         if self.runner.oom is not None and self.runner.oom.get('record') is not None:
             self.decisions.hold(self.runner.oom['record'])  # an OOM in the last step: no boundary exchanged it
+        self.decisions.hold_all(self.runner.take_records())  # a kernel fallback in the last step
         if protocol.has_pending_request(self.trainer.control):  # decided after the last step: never applied here
             self.decisions.mark_pending()
         self.decisions.flush()
@@ -185,7 +190,7 @@ class Integration:
                            padding_free=self.runner.padding_free)
         target = trainer.args.device if trainer.args.device.type == 'cuda' else None
         pairs = [(indices, prepare_slot(slot, padding_free=self.runner.padding_free,
-                                                 attention=self.runner.packed_attention, device=target))
+                                                 attention=self.attention.kernel, device=target))
                  for indices, slot in pairs]
         real = [batch for _, slot in pairs for batch in slot_batches(slot)]
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
@@ -197,7 +202,8 @@ class Integration:
         self.runner.start_step(pairs, self.runner.noise_probe(pairs, num_items_in_batch),
                                num_pieces=loader.pass_pieces, budget_tokens=self.feed.estimated_budget())
         if self.config.record_samples:
-            self.feed.write_trace(trainer.state.global_step + 1, [indices for indices, _ in pairs])
+            self.feed.write_trace(trainer.state.global_step + 1, [indices for indices, _ in pairs],
+                                  [len(slot_batches(slot)) for _, slot in pairs])
         return [batch for _, batch in pairs], num_items_in_batch
 
     def apply_requests(self, control: Any) -> None:
@@ -211,6 +217,7 @@ class Integration:
         request, ooms = agree_step(self.runner.with_oom_cap(request), (self.runner.oom or {}).get('record'))
         self.decisions.drain(control)
         self.decisions.hold_all(ooms)  # every rank's OOM of the last step, on every rank (rank 0 writes them)
+        self.decisions.hold_all(self.runner.take_records())  # this rank's kernel fallback, if any
         if self.replay is not None:
             self.decisions.drop_callback_requests()
         try:

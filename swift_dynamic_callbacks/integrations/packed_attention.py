@@ -1,0 +1,312 @@
+"""Which attention packed rows run with, the proof that it keeps them apart, and the fall-back when it fails.
+
+``integration.packed_attention`` (with ``length_batching.padding_free``):
+
+- ``auto`` (default): a model on sdpa (the default nobody chose for packing) moves to the best kernel the machine has
+  for packed rows: flash-attn's varlen kernel where it is installed, else ``flex_attention`` on CUDA; on a CPU sdpa
+  stays. A kernel that fails to load or a proof is undone and said in the record.
+- ``flash`` / ``flex`` / ``sdpa``: that kernel (``flash``: the installed flash attention 3 or 2). Unavailable, or
+  failing its proof, it is refused at start with the reason (an explicit choice is never silently replaced).
+- ``keep``: the model's own attention.
+
+:class:`PackedAttention` (the integration's part) chooses (:func:`best_packed_attention`, pure), switches the
+transformers model inside any wrapper, and proves the choice before training: :func:`check_packed_attention` (two rows
+run packed; changing the first must not change the second's logits) and, where backward holds no collectives,
+:func:`check_packed_backward` (a real forward and backward in train mode, as training runs it — under gradient
+checkpointing too — the trainable parameters' gradients put back after it; for flex two lengths, so its kernels are
+compiled for training with dynamic lengths before step 1). The ranks agree: a kernel is used only where it passed on
+every rank. During training a non-OOM error in a pass on a switched kernel (a compile or kernel failure at a new
+shape; ``flex_attention`` running uncompiled, which would materialise ``N x N`` scores, is turned into such an error)
+falls back to the model's own attention with a record, and the step is run again (:meth:`PackedAttention.fall_back`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from .. import distributed
+from ..config import ConfigError
+from ..records import DecisionRecord
+from .padding_free import SUPPORTED_ATTENTION, PackedBatch, finish_packed
+
+logger = logging.getLogger('swift_dynamic_callbacks')
+
+MODES = ('auto', 'flash', 'flex', 'sdpa', 'keep')
+SETTING = 'dynamic_callbacks.integration.packed_attention'
+#: torch's warning when flex_attention runs without torch.compile (the whole N x N score matrix): made an error
+#: while flex is in use, so the step falls back to sdpa instead of running out of memory
+FLEX_EAGER_WARNING = r'flex_attention called without torch\.compile'
+
+
+def attention_implementation(model: Any) -> str | None:
+    config = getattr(model, 'config', None)
+    return getattr(config, '_attn_implementation', None) or getattr(config, 'attn_implementation', None)
+
+
+def best_packed_attention(current: str | None, *, mode: str, cuda: bool, flash: str | None,
+                          flex: bool) -> tuple[str | None, str]:
+    """The attention implementation packed rows should run with, and why (pure). ``mode``: ``keep`` (the model's),
+    ``sdpa`` / ``flash`` / ``flex`` (that one: ``flash`` the installed flash attention implementation; refused with the
+    reason when unavailable), ``auto`` (switch from sdpa, the default the user did not choose for packing, to the best
+    the machine has: ``flash``, else ``flex_attention`` on CUDA where ``flex``; eager, flash and flex chosen by the user
+    are kept).
+
+    Raises:
+        ConfigError: an explicit ``flash`` / ``flex`` that this machine cannot run.
+    """
+    if mode == 'keep':
+        return current, 'integration.packed_attention: keep'
+    if mode == 'sdpa':
+        return 'sdpa', 'integration.packed_attention: sdpa'
+    if mode == 'flash':
+        if not cuda or not flash:
+            raise ConfigError(f'{SETTING}: flash needs CUDA and flash-attn installed (got '
+                              f'{"no CUDA device" if not cuda else "no flash-attn"}); allowed here: auto, sdpa, keep' +
+                              (', flex' if cuda and flex else ''))
+        return flash, 'integration.packed_attention: flash'
+    if mode == 'flex':
+        if not cuda or not flex:
+            raise ConfigError(f'{SETTING}: flex needs CUDA and torch\'s flex_attention (got '
+                              f'{"no CUDA device: flex_attention has no backward on CPU" if not cuda else "no flex"}); '
+                              'allowed here: auto, sdpa, keep')
+        return 'flex_attention', 'integration.packed_attention: flex'
+    if current != 'sdpa':
+        return current, f'the model runs {current} (only sdpa is switched)'
+    if not cuda:
+        return current, 'not on CUDA (flex_attention has no backward on CPU; flash-attn needs CUDA)'
+    if flash:
+        return flash, 'flash-attn is installed: its varlen kernel attends within each row only'
+    if flex:
+        return 'flex_attention', ('flash-attn is not installed: flex_attention skips the masked blocks between '
+                                  'rows (sdpa computes all N^2 pairs)')
+    return current, 'neither flash-attn nor flex_attention is available'
+
+
+def installed_flash_attention() -> str | None:
+    """The flash attention implementation transformers can load here (3 before 2), or ``None``."""
+    from transformers.utils import import_utils
+    for name, check in (('flash_attention_3', 'is_flash_attn_3_available'),
+                        ('flash_attention_2', 'is_flash_attn_2_available')):
+        if getattr(import_utils, check, lambda: False)():
+            return name
+    return None
+
+
+def transformers_model(model: Any) -> Any:
+    """The outermost transformers model in ``model`` (itself, or inside PEFT / ms-swift wrappers), or ``None``."""
+    from transformers import PreTrainedModel
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    return next((m for m in modules if isinstance(m, PreTrainedModel)), None)
+
+
+def keep_flex_compiled() -> bool:
+    """transformers' ``WrappedFlexAttention`` builds a new ``torch.compile`` of flex_attention whenever the model
+    flips between train and eval mode (every evaluation), although on torch 2.7+ both modes compile it the same way;
+    after the fix the one compiled function serves both. Returns whether it was applied (idempotent)."""
+    try:
+        from transformers.integrations import flex_attention as hf_flex
+    except ImportError:
+        return False
+    wrapped = getattr(hf_flex, 'WrappedFlexAttention', None)
+    if wrapped is None or getattr(wrapped, '_sdc_compiled_once', False):
+        return wrapped is not None
+    from packaging import version
+    if version.parse(torch.__version__).release < (2, 7):
+        return False  # older torch compiles differently in training: leave transformers' rule
+    original = wrapped.__init__
+
+    @torch.compiler.disable(recursive=False)
+    def compile_once(self, training):
+        if not self._is_flex_compiled:
+            original(self, training)
+        self.training = training
+
+    wrapped.__init__ = compile_once
+    wrapped._sdc_compiled_once = True
+    return True
+
+
+def probe_rows(model: Any, attention: str, shift: int, length: int = 4) -> PackedBatch:
+    """Two packed rows of ``length`` tokens on the model's device, finished for ``attention``: the second is always
+    the same, the first is the second's tokens moved by ``shift`` (the train-start proofs' input)."""
+    device = next(model.parameters()).device
+    vocab = int(getattr(getattr(model, 'config', None), 'vocab_size', 0) or 32)
+    second = torch.arange(1, length + 1, device=device) % vocab
+    values = {'input_ids': torch.cat([(second + shift) % vocab, second])[None],
+              'position_ids': torch.arange(length, device=device).repeat(2)[None]}
+    return finish_packed(PackedBatch(values, (length, length)), attention)
+
+
+def check_packed_backward(model: Any, attention: str) -> None:
+    """A forward and backward of two packed rows finished for ``attention`` (:func:`probe_rows`) in train mode, as
+    training runs them (gradient checkpointing included), so a kernel that cannot run backward here (flex attention
+    on CPU, a compile that fails, attention dropout flex refuses in training) fails now, before training. The trainable
+    parameters' gradients are put back as they were and the random state is restored (dropout draws nothing from the
+    run's generators). For flex two lengths (one and two blocks of 128), so its training kernels are compiled, for
+    dynamic lengths, before the first step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    devices = [next(model.parameters()).device] if next(model.parameters()).device.type == 'cuda' else []
+    was_training = model.training
+    lengths = (4, 68) if attention == 'flex_attention' else (4, )
+    try:
+        with torch.random.fork_rng(devices=devices):
+            model.train()
+            for length in lengths:
+                for p in params:
+                    p.grad = None
+                batch = dict(probe_rows(model, attention, 7, length))
+                if params:
+                    model(**batch, use_cache=False).logits.float().sum().backward()
+                else:  # nothing trainable: the gradient to the input embeddings only
+                    embeds = model.get_input_embeddings()(batch.pop('input_ids')).detach().requires_grad_(True)
+                    logits = model(inputs_embeds=embeds, **batch, use_cache=False).logits
+                    torch.autograd.grad(logits.float().sum(), embeds)
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad
+        model.train(was_training)
+
+
+@torch.no_grad()
+def check_packed_attention(model: Any, setting: str = 'length_batching.padding_free') -> None:
+    """Refuse padding-free micro-batches where the model would attend across packed rows: an attention
+    implementation outside :data:`SUPPORTED_ATTENTION`, or a model whose second row's logits change with the first
+    row's tokens (two tiny forwards of :func:`probe_rows` finished for the model's attention, in eval mode, on the
+    model's device; causal attention never lets the first row see the second, so the second is the one to watch)."""
+    implementation = attention_implementation(model)
+    if implementation not in SUPPORTED_ATTENTION:
+        raise ConfigError(f'{setting}: true needs attn_impl {" / ".join(SUPPORTED_ATTENTION)} (got '
+                          f'{implementation!r}): those keep packed rows apart by position_ids in transformers')
+
+    def logits(shift: int) -> torch.Tensor:
+        return model(**probe_rows(model, implementation, shift), use_cache=False).logits[0, 4:8].float()
+
+    was_training = model.training
+    model.eval()
+    try:
+        a, b = logits(7), logits(11)
+    finally:
+        model.train(was_training)
+    if not torch.allclose(a, b, atol=1e-5, rtol=1e-4):
+        raise ConfigError(f'{setting}: this model ({type(model).__name__}, attn_impl {implementation}) attends '
+                          'across rows packed by position_ids (the second row\'s logits changed with the first '
+                          'row\'s tokens), so padding-free micro-batches would mix samples; use padding_free: false')
+
+
+def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.padding_free', *,
+                         probe_backward: bool = True) -> dict[str, Any]:
+    """Switch ``model`` (a transformers model, possibly inside PEFT) to :func:`best_packed_attention`'s choice and
+    prove it keeps packed rows apart (:func:`check_packed_attention`) and, with ``probe_backward`` (engines whose
+    backward holds no collectives), that it runs backward (:func:`check_packed_backward`). Every rank takes part in
+    one agreement: the choice stays only where it passed on every rank; otherwise it is undone everywhere (``auto``:
+    the model's own is proven instead; an explicit mode: refused). Returns what was decided (``old``, ``new``,
+    ``why``)."""
+    from transformers.utils import is_torch_flex_attn_available
+    old = attention_implementation(model)
+    device = next(model.parameters()).device
+    new, why = best_packed_attention(old, mode=mode, cuda=device.type == 'cuda', flash=installed_flash_attention(),
+                                     flex=is_torch_flex_attn_available())
+    base = transformers_model(model) if new != old else None
+    if new != old and base is None:
+        new, why = old, f'no transformers model inside {type(model).__name__} to switch to {new}; kept {old}'
+    failure = None
+    if new != old:
+        try:
+            if new == 'flex_attention':
+                keep_flex_compiled()
+            base.set_attn_implementation(new)
+            check_packed_attention(model, setting)
+            if probe_backward:
+                check_packed_backward(model, new)
+        except Exception as error:  # noqa: BLE001 - any failure of the better kernel falls back, said in the record
+            failure = f'{type(error).__name__}: {str(error)[:200]}'
+    failures = [f for f in distributed.gather_objects(failure) if f is not None]  # every rank, every time
+    if new != old and failures:
+        base.set_attn_implementation(old)
+        if mode not in ('auto', 'keep'):
+            raise ConfigError(f'{SETTING}: {mode} ({new}) failed its proof on this model ({failures[0]}); allowed: '
+                              'auto, sdpa, keep, or padding_free: false')
+        why = f'{new} failed ({failures[0]})' + (' on another rank' if failure is None else '') + f'; kept {old}'
+        new = old
+    elif new != old:
+        return {'old': old, 'new': new, 'why': why}
+    check_packed_attention(model, setting)
+    return {'old': old, 'new': new, 'why': why}
+
+
+class PackedAttention:
+    """The attention packed rows run with (the integration's part; module docstring).
+
+    Args:
+        mode: ``integration.packed_attention``.
+
+    State: none saved (a resumed run chooses and proves again); ``kernel`` (what packed rows are finished for),
+    ``original`` (the model's own before a switch) and ``fallen_back`` for the run.
+    """
+
+    def __init__(self, mode: str = 'auto') -> None:
+        self.mode = mode
+        self.kernel = 'sdpa'
+        self.original: str | None = None
+        self.fallen_back = False
+
+    @property
+    def switched(self) -> bool:
+        """Whether packed rows run on a kernel the pack switched the model to (one it can fall back from)."""
+        return self.original is not None and self.kernel != self.original and not self.fallen_back
+
+    def start(self, model: Any, *, probe_backward: bool, sharded: bool = False,
+              setting: str = 'length_batching.padding_free') -> DecisionRecord:
+        """Choose, switch and prove (collective); the ``packed_attention`` record. ``sharded`` (FSDP2, DeepSpeed:
+        the forward holds collectives, so a proof failing on one rank would leave the others waiting): the model's
+        own attention is kept (``auto``), an explicit kernel refused."""
+        mode = self.mode
+        if sharded and mode in ('flash', 'flex', 'sdpa'):
+            raise ConfigError(f'{SETTING}: {mode} is not supported under FSDP2 / DeepSpeed (their forward holds '
+                              'collectives: a kernel proof failing on one rank would leave the others waiting); '
+                              'allowed there: auto (the model\'s own attention is kept) or keep')
+        if sharded:
+            mode = 'keep'
+        chosen = use_packed_attention(model, mode, setting, probe_backward=probe_backward)
+        if sharded and self.mode == 'auto':
+            chosen['why'] = 'under FSDP2 / DeepSpeed the model\'s own attention is kept (a proof failing on one rank ' \
+                            'would leave the others waiting in a collective)'
+        self.kernel, self.original = chosen['new'], chosen['old']
+        if self.kernel == 'flex_attention':  # uncompiled flex (N x N scores) becomes an error the step falls back from
+            warnings.filterwarnings('error', message=FLEX_EAGER_WARNING)
+        message = (f'padding-free passes run with attn_impl {chosen["new"]}' +
+                   (f' (was {chosen["old"]})' if chosen['new'] != chosen['old'] else '') + f': {chosen["why"]}')
+        logger.info(message)
+        return DecisionRecord('integration', 'packed_attention', chosen['new'], {**chosen, 'mode': self.mode},
+                              message)
+
+    def fall_back(self, model: Any, error: BaseException, step: int) -> DecisionRecord:
+        """After a non-OOM error in a pass on the switched kernel: the model's own attention from now on (this
+        rank), the ``packed_attention`` record saying why. The caller finishes the step's batches for it again."""
+        base = transformers_model(model)
+        failed, self.kernel, self.fallen_back = self.kernel, self.original, True
+        base.set_attn_implementation(self.kernel)
+        if failed == 'flex_attention':
+            warnings.filterwarnings('default', message=FLEX_EAGER_WARNING)
+        message = (f'{failed} failed during training ({type(error).__name__}: {str(error)[:300]}); packed rows run '
+                   f'with {self.kernel} from now on (rank {distributed.rank()}), the step was run again')
+        logger.warning(message)
+        return DecisionRecord('integration', 'packed_attention', 'fallback', {
+            'old': failed, 'new': self.kernel, 'rank': distributed.rank(), 'error': f'{type(error).__name__}: '
+            f'{str(error)[:300]}'}, message, step=step)
+
+    def refinish(self, batch: Any) -> Any:
+        """A prepared batch (or a slot of passes) finished for the current kernel again."""
+        from ..data.slots import PassGroup
+        from .padding_free import packed_rows_only
+        if isinstance(batch, PassGroup):
+            return PassGroup([self.refinish(b) for b in batch.passes])
+        if isinstance(batch, PackedBatch):
+            return finish_packed(packed_rows_only(batch), self.kernel)
+        return batch
+
