@@ -53,3 +53,48 @@ def test_two_processes_balanced_padding_free_with_a_batch_change(tmp_path, tiny_
     unbalanced = [row['dynamic/rank_work_spread_unbalanced'] for row in logs]
     assert all(0 <= s < 0.1 for s in spread[:-1])  # the last step: one sample on rank 0, none on rank 1 (spread 1)
     assert sum(spread) < sum(unbalanced)
+
+
+def _two_processes(tmp_path, name, model, data, length_batching):
+    out = str(tmp_path / name)
+    config = sft_kwargs(model, 'qwen2', data, out, max_steps=-1, num_train_epochs=1, max_length=2048,
+                        per_device_train_batch_size=2, gradient_accumulation_steps=2, lora_dropout=0.0,
+                        learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0)
+    config.update(report_to='none', use_cpu=True, ddp_backend='gloo', callbacks=['length_batching'],
+                  dynamic_callbacks={'length_batching': length_batching, 'integration': {'record_samples': True}})
+    path = tmp_path / f'{name}.yaml'
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = {**os.environ, 'NPROC_PER_NODE': '2', 'MASTER_PORT': str(free_port()), 'OMP_NUM_THREADS': '1'}
+    result = subprocess.run([sys.executable, '-m', 'swift_dynamic_callbacks.cli', 'sft', str(path)],
+                            capture_output=True, text=True, env=env, timeout=900, start_new_session=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+def test_two_processes_passes_by_tokens_train_the_same_steps(tmp_path, tiny_qwen):
+    """Balanced steps under two DDP processes as micro-batches of the per-device size, as passes of at most 2,000
+    padded tokens and as padding-free passes of 2,000 real tokens: every step the same samples over both ranks, the
+    same loss and grad_norm, while each rank runs its share in its own passes (steps of fewer and of more passes than
+    gradient_accumulation_steps, empty slots)."""
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
+    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=32))
+    base = {'mode': 'balanced'}
+    runs = [_two_processes(tmp_path, 'plain', tiny_qwen, data, base),
+            _two_processes(tmp_path, 'padded', tiny_qwen, data, {**base, 'pass_tokens': 2000}),
+            _two_processes(tmp_path, 'packed', tiny_qwen, data, {**base, 'pass_tokens': 2000, 'padding_free': True})]
+
+    def steps(out):
+        traces = [sample_trace(out, rank) for rank in (0, 1)]
+        return [sorted(i for row in rows for batch in row['batches'] for i in batch) for rows in zip(*traces)]
+
+    def logged(out, key):
+        return [row[key] for row in read_jsonl(os.path.join(out, 'logging.jsonl')) if 'loss' in row]
+
+    assert steps(runs[1]) == steps(runs[0]) == steps(runs[2])
+    for out in runs[1:]:
+        assert logged(out, 'loss') == pytest.approx(logged(runs[0], 'loss'), rel=1e-4)
+        assert logged(out, 'grad_norm') == pytest.approx(logged(runs[0], 'grad_norm'), rel=1e-3)
+        for rank in (0, 1):  # each rank cuts its own share: steps of fewer and of more passes than GA, empty slots
+            slots = [row['passes'] for row in sample_trace(out, rank)]
+            assert min(map(sum, slots)) < 2 < max(map(sum, slots)) and min(map(min, slots)) == 0, slots
+    assert {sum(row['passes']) for row in sample_trace(runs[0], 0)} == {2}  # gradient_accumulation_steps
