@@ -35,7 +35,7 @@ read -r -a REPORT <<< "${REPORT_SEEDS:-2 3 4 5 6 7 8 9 10 11 12 13}"
 FUTILITY_AT=${FUTILITY_AT:-6}
 read -r -a A_LRS <<< "${A_LRS:-0.00283 0.004 0.002}"
 read -r -a B_LRS <<< "${B_LRS:-0.002 0.00283 0.00141}"
-read -r -a BASE_LRS <<< "${BASE_LRS:-0.00283 0.00141}"  # the baseline's neighbours at the chosen beta2
+read -r -a BASE_LRS <<< "${BASE_LRS-0.00283 0.00141}"  # the baseline's neighbours at the chosen beta2
 EXTEND=${EXTEND:-2}
 case $STAGE in
   all | beta2 | tune | report | table) ;;
