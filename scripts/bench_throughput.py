@@ -69,7 +69,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CHILD = HERE / 'throughput_child.py'
 ARMS = ('random', 'group_by_length', 'batch_rebalance', 'pack_buckets', 'pack_token_budget', 'pack_balanced',
-        'pack_balanced_padding_free', 'pack_passes', 'pack_passes_padding_free', 'bare_loop')
+        'pack_balanced_padding_free', 'pack_passes', 'pack_passes_padding_free', 'pack_passes_auto', 'bare_loop')
 #: random-weight shapes of real models (hidden, intermediate, layers, heads, kv heads, tied embeddings)
 SHAPES = {'qwen2.5-1.5b': (1536, 8960, 28, 12, 2, True), 'qwen2.5-7b': (3584, 18944, 28, 28, 4, False),
           'qwen2.5-test': (128, 512, 2, 4, 2, True)}
@@ -77,8 +77,33 @@ KEYS = ('arm', 'procs', 'real_tokens_per_s', 'padding', 'rank_spread', 'p50_step
         'optimizer_steps', 'train_loss')
 
 
-def pack_settings(arm: str, batch: int, max_tokens: int, pass_tokens: int = 16384) -> dict:
+def parse_arm(label: str) -> dict:
+    """An arm as written on the command line: ``ARM[:PASS_TOKENS][@BATCHxGA]`` (``group_by_length@16x1``,
+    ``pack_passes:8192``), or a chain ``A|B|C``: the first of them that runs (``group_by_length@16x1|...@8x2|...@4x4``:
+    the largest per-device batch that fits the global batch). Returns ``{'label', 'arms': [{'label', 'arm', 'tokens',
+    'batch', 'ga'}]}`` (``None``: the command line's)."""
+    arms = []
+    for part in label.split('|'):
+        rest, _, layout = part.partition('@')
+        arm, _, tokens = rest.partition(':')
+        if arm not in ARMS:
+            raise ValueError(f'arm {part!r}: {arm!r} is not one of {", ".join(ARMS)}')
+        batch = ga = None
+        if layout:
+            try:
+                batch, ga = (int(x) for x in layout.lower().split('x'))
+            except ValueError:
+                raise ValueError(f'arm {part!r}: the layout after @ must be BATCHxGA, e.g. 16x1') from None
+        if tokens and not tokens.isdigit():
+            raise ValueError(f'arm {part!r}: the pass budget after : must be an integer')
+        arms.append({'label': part, 'arm': arm, 'tokens': int(tokens) if tokens else None, 'batch': batch, 'ga': ga})
+    return {'label': label, 'arms': arms}
+
+
+def pack_settings(arm: str, batch: int, max_tokens: int, pass_tokens: int | str = 16384) -> dict:
     """The ``dynamic_callbacks`` settings of an arm (empty: the pack is not installed)."""
+    if arm == 'pack_passes_auto':
+        return {'length_batching': {'mode': 'balanced', 'pass_tokens': 'auto'}}
     if arm == 'pack_passes':
         return {'length_batching': {'mode': 'balanced', 'pass_tokens': pass_tokens}}
     if arm == 'pack_passes_padding_free':
@@ -202,20 +227,67 @@ def run_arm(spec: dict, threads: int, quiet: bool) -> list[dict]:
     return read_ranks(spec)
 
 
-def run_arms_in_one_process(specs: list[dict], threads: int, quiet: bool, done) -> None:
-    """Several one-process arms in one child process, in order; ``done(spec, ranks)`` as soon as each one ends."""
+def run_arms_in_one_process(specs: list[dict], threads: int, quiet: bool, done, log: Path | None = None) -> None:
+    """Several one-process arms in one child process, in order; ``done(spec, ranks)`` as soon as each one ends. An arm
+    that fails is reported with its cause (``[arm-skipped] ...: failed ...``) and the next one runs; the child's
+    stderr goes to ``log`` (appended), whose tail is printed if the child itself dies (a crash, a kill), and the
+    arms after it are reported as not run."""
     paths = [str(write_spec(spec)) for spec in specs]
     by_out = {spec['out']: spec for spec in specs}
-    with subprocess.Popen([sys.executable, str(CHILD), *paths], env=child_env(threads), stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL if quiet else None, text=True, bufsize=1) as child:
+    finished: set[str] = set()
+    log = log or Path(specs[0]['out']).parent / 'child.log'
+    with open(log, 'a', encoding='utf-8') as err, \
+            subprocess.Popen([sys.executable, str(CHILD), *paths], env=child_env(threads), stdout=subprocess.PIPE,
+                             stderr=err if quiet else None, text=True, bufsize=1) as child:
         for line in child.stdout:
             if line.startswith('[arm-done] '):
                 spec = by_out[line.split(' ', 1)[1].strip()]
+                finished.add(spec['out'])
                 done(spec, read_ranks(spec))
-            elif line.startswith('[arm-skipped] ') or not quiet:
+            elif line.startswith(('[arm-skipped] ', '[arm-warmup] ')) or not quiet:
                 print(line, end='', file=sys.stderr, flush=True)
     if child.returncode != 0:
-        raise SystemExit(f'the arms\' child process failed (rc {child.returncode}); rerun with --verbose')
+        tail = log.read_text(encoding='utf-8', errors='replace')[-3000:] if quiet else '(above)'
+        left = [spec.get('label', spec['arm']) for spec in specs if spec['out'] not in finished]
+        print(f'[arm-skipped] the arms\' child process died (rc {child.returncode}); not run or not finished: '
+              f'{", ".join(left)}; the end of its log ({log}):\n{tail}', file=sys.stderr, flush=True)
+
+
+def oom_phase(args: argparse.Namespace, spec_of, threads: int, done) -> None:
+    """``--oom-fraction``: ``pack_passes`` at ``--oom-pass-tokens`` with only that fraction of the GPU (it runs out of
+    memory, the pack lowers its token budget and grows it back), then ``pack_passes`` planned from the start at the
+    budget the first one ended at, with the same fraction; prints their tokens/s over the second half of the epoch
+    (after the recovery) and the ratio (goal >= 0.9)."""
+    tokens = args.oom_pass_tokens or 2 * args.pass_tokens
+    first = {**spec_of({'label': f'pack_passes:{tokens}', 'arm': 'pack_passes', 'tokens': tokens, 'batch': None,
+                        'ga': None}, 1, tag='-oom'), 'memory_fraction': args.oom_fraction, 'deadline': None}
+    first['label'] = f'pack_passes:{tokens} (memory {args.oom_fraction:g})'
+    results: dict[str, dict] = {}
+
+    def keep(spec: dict, ranks: list[dict]) -> None:
+        results[spec['label']] = summarize(spec['label'], 1, ranks)
+        results[spec['label']]['pack'] = ranks[0].get('pack') or {}
+        done(spec, ranks)
+
+    run_arms_in_one_process([first], threads, args.quiet, keep, Path(first['out']).parent / 'child.log')
+    ran = results.get(first['label'])
+    if ran is None:
+        print('[oom] the OOM arm did not finish (its cause above): no comparison', file=sys.stderr, flush=True)
+        return
+    budget = ran['pack'].get('final_pass_budget') or tokens
+    second = {**spec_of({'label': f'pack_passes:{budget}', 'arm': 'pack_passes', 'tokens': budget, 'batch': None,
+                         'ga': None}, 1, tag='-recovered'), 'memory_fraction': args.oom_fraction, 'deadline': None}
+    second['label'] = f'pack_passes:{budget} (memory {args.oom_fraction:g}, planned at the recovered budget)'
+    run_arms_in_one_process([second], threads, args.quiet, keep, Path(second['out']).parent / 'child.log')
+    planned = results.get(second['label'])
+    late = ran.get('late_tokens_per_s')
+    print(f'[oom] {first["label"]}: {ran["pack"].get("ooms", 0)} OOMs, budgets {ran["pack"].get("pass_budgets")}, '
+          f'second half {late and round(late)} tokens/s', flush=True)
+    if planned is not None and late and planned.get('late_tokens_per_s'):
+        ratio = late / planned['late_tokens_per_s']
+        print(f'[oom] after recovery {ratio:.2f} x the run planned at {budget} from the start '
+              f'({round(planned["late_tokens_per_s"])} tokens/s; goal >= 0.9); its OOMs: '
+              f'{planned["pack"].get("ooms", 0)}', flush=True)
 
 
 def summarize(arm: str, procs: int, ranks: list[dict]) -> dict:
@@ -244,12 +316,25 @@ def summarize(arm: str, procs: int, ranks: list[dict]) -> dict:
             'train_s': seconds, 'real_tokens': real, 'first_step_s': first,
             'steady_tokens_per_s': later / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else None,
             'attention': ranks[0].get('attention') or 'sdpa',
-            'passes': sum(1 for r in ranks for m in r['micro'] if m['real']) / len(ranks)}
+            'passes': sum(1 for r in ranks for m in r['micro'] if m['real']) / len(ranks),
+            'late_tokens_per_s': late_tokens_per_s(ranks),
+            'compiled': ranks[0].get('dynamo') or {}, 'pack': ranks[0].get('pack') or {}}
+
+
+def late_tokens_per_s(ranks: list[dict]) -> float | None:
+    """Real tokens/s over the second half of the epoch's steps (after an early OOM's recovery, the compiles)."""
+    ends = ranks[0]['step_end']
+    half = len(ends) // 2
+    if half < 1 or ends[-1] <= ends[half - 1]:
+        return None
+    tokens = sum(m['real'] for r in ranks for m in r['micro'] if m['step'] >= half)
+    return tokens / (ends[-1] - ends[half - 1])
 
 
 def median_row(runs: list[dict]) -> dict:
     row = {'arm': runs[0]['arm'], 'procs': runs[0]['procs'], 'repeats': len(runs)}
     row['attention'] = runs[0].get('attention', 'sdpa')
+    row['compiled'], row['pack'] = runs[-1].get('compiled') or {}, runs[-1].get('pack') or {}
     for key in KEYS[2:] + ('train_s', 'peak_cuda_gib', 'passes', 'first_step_s', 'steady_tokens_per_s'):
         values = [r.get(key) for r in runs if r.get(key) is not None]
         row[key] = round(statistics.median(values), 5) if values else None
@@ -260,7 +345,10 @@ def median_row(runs: list[dict]) -> dict:
 
 
 def table(rows: list[dict], procs: int) -> list[str]:
-    base = {r['arm']: r['real_tokens_per_s'] for r in rows}
+    base: dict[str, float] = {}
+    for r in rows:  # the best row of each base arm (a layout variant: group_by_length@16x1 ...)
+        name = r['arm'].split('@')[0].split(':')[0]
+        base[name] = max(base.get(name, 0.0), r['real_tokens_per_s'])
     lines = [f'**{procs} process(es)**', '',
              '| arm | real tokens/s (min-max) | x random | x group_by_length | padding | passes a step | rank spread | '
              'p50 / p90 step s | first step s | after it, tokens/s | peak RSS GiB | peak GPU GiB | steps | '
@@ -280,7 +368,22 @@ def table(rows: list[dict], procs: int) -> list[str]:
                      f'{"-" if first is None else f"{first:.1f}"} | {"-" if steady is None else f"{steady:.0f}"} | '
                      f'{r["peak_rss_gib"]:.2f} | '
                      f'{r["peak_cuda_gib"] or 0:.1f} | {r["optimizer_steps"]} | {r["train_loss"]:.4f} |')
-    return lines
+    notes = []
+    for r in rows:
+        pack, compiled = r.get('pack') or {}, r.get('compiled') or {}
+        said = []
+        if pack.get('auto_pass_tokens'):
+            said.append(f'pass_tokens: auto chose {pack["auto_pass_tokens"]}')
+        if pack.get('ooms'):
+            said.append(f'{pack["ooms"]} OOMs, token budgets {pack.get("pass_budgets")}')
+        if [a for a in pack.get('attention') or () if a[0] == 'fallback']:
+            said.append('packed attention fell back: ' + str([a for a in pack['attention'] if a[0] == 'fallback']))
+        graphs = {k: v for k, v in compiled.items() if k.startswith(('stats.unique_graphs', 'recompiles'))}
+        if graphs:
+            said.append(f'compiled: {graphs}')
+        if said:
+            notes.append(f'- {r["arm"]}: ' + '; '.join(said))
+    return lines + ([''] + notes if notes else [])
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -309,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--repeats', type=int, default=3)
     parser.add_argument('--rows', type=int, default=256)
     parser.add_argument('--arms', nargs='+', default=[a for a in ARMS if not a.startswith(('pack_passes', 'bare'))],
-                        choices=ARMS)
+                        help='ARM[:PASS_TOKENS][@BATCHxGA], or A|B|C: the first that runs (arms: ' + ', '.join(ARMS) +
+                        ')')
     parser.add_argument('--batch', type=int, default=4, help='per-device batch size of every arm')
     parser.add_argument('--ga', type=int, default=1, help='gradient_accumulation_steps of every arm')
     parser.add_argument('--max-length', type=int, default=1024, help='rows longer than this are cut (right)')
@@ -323,6 +427,14 @@ def main(argv: list[str] | None = None) -> int:
                         help='ms-swift arguments for every arm (JSON values: use_liger_kernel=true)')
     parser.add_argument('--deadline', type=float, default=None, help='seconds after which no arm starts')
     parser.add_argument('--profile-arms', nargs='*', default=[], choices=ARMS)
+    parser.add_argument('--warmup', action='store_true',
+                        help='one process: a short unmeasured run (random, 32 rows) before the first measured arm')
+    parser.add_argument('--oom-fraction', type=float, default=None,
+                        help='one process, CUDA: after the arms, pack_passes at --oom-pass-tokens with only this '
+                        'fraction of the GPU (it runs out of memory and recovers), then pack_passes planned at the '
+                        'budget it recovered to, with the same fraction; their tokens/s over the second half compared')
+    parser.add_argument('--oom-pass-tokens', type=int, default=None, help='the OOM phase\'s budget (default 2 x '
+                        '--pass-tokens)')
     parser.add_argument('--profile-rows', type=int, default=96)
     parser.add_argument('--data', default=str(REPO.parent / 'shared' / 'data'))
     parser.add_argument('--work', default=str(REPO / '.cache' / 'bench_throughput'))
@@ -332,6 +444,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (args.model in ('smollm2', 'tiny') or args.model.split(':', 1)[-1] in SHAPES):
         parser.error(f'--model: smollm2, tiny or random:<{"|".join(SHAPES)}>, got {args.model!r}')
+    try:
+        groups = [parse_arm(label) for label in args.arms]
+    except ValueError as error:
+        parser.error(f'--arms: {error}')
+    for group in groups:  # every arm trains the same global batch
+        for one in group['arms']:
+            if one['batch'] and one['batch'] * one['ga'] != args.batch * args.ga:
+                parser.error(f'--arms: {one["label"]} is {one["batch"]} x {one["ga"]} = {one["batch"] * one["ga"]} '
+                             f'samples a step; every arm trains --batch x --ga = {args.batch * args.ga}')
+    if args.oom_fraction is not None and not 0 < args.oom_fraction < 1:
+        parser.error(f'--oom-fraction: must be in (0, 1), got {args.oom_fraction}')
+    if args.oom_fraction is not None and args.device != 'cuda':
+        parser.error('--oom-fraction: the OOM phase caps the GPU\'s memory; it needs --device cuda')
     sys.path.insert(0, str(HERE))
     from bench_common import machine_lines
     begun = time.monotonic()
@@ -349,20 +474,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.jsonl:
         Path(args.jsonl).write_text('')
 
-    def spec_of(arm: str, procs: int, rows_file: str = data, tag: str = '') -> dict:
-        return {'arm': arm, 'procs': procs, 'model': model, 'flags': flags, 'data': rows_file,
-                'out': str(work / f'out-{arm}-{procs}{tag}'), 'batch': args.batch, 'ga': args.ga,
-                'max_length': args.max_length, 'seed': args.seed, 'device': args.device, 'swift': swift_args,
-                'deadline': deadline, 'pack': pack_settings(arm, args.batch, args.max_tokens, args.pass_tokens)}
+    def spec_of(arm: str | dict, procs: int, rows_file: str = data, tag: str = '') -> dict:
+        one = arm if isinstance(arm, dict) else {'label': arm, 'arm': arm, 'tokens': None, 'batch': None, 'ga': None}
+        name = one['arm']
+        folder = one['label'].replace('@', '_at_').replace(':', '_')
+        return {'arm': name, 'label': one['label'], 'procs': procs, 'model': model, 'flags': flags, 'data': rows_file,
+                'out': str(work / f'out-{folder}-{procs}{tag}'), 'batch': one['batch'] or args.batch,
+                'ga': one['ga'] or args.ga, 'max_length': args.max_length, 'seed': args.seed, 'device': args.device,
+                'swift': swift_args, 'deadline': deadline,
+                'pack': pack_settings(name, one['batch'] or args.batch, args.max_tokens,
+                                      one['tokens'] or args.pass_tokens)}
+
+    def specs_of(group: dict, procs: int) -> list[dict]:
+        specs = [spec_of(one, procs) for one in group['arms']]
+        if len(specs) > 1:
+            for spec in specs:
+                spec['chain'] = group['label']
+        return specs
 
     rows: list[dict] = []
     for procs in args.procs:
         threads = args.threads or max(1, 2 // procs)
-        runs: dict[str, list[dict]] = {arm: [] for arm in args.arms}
+        runs: dict[str, list[dict]] = {}
 
         def done(spec: dict, ranks: list[dict], repeat: int) -> None:
-            result = summarize(spec['arm'], procs, ranks)
-            runs[spec['arm']].append(result)
+            result = summarize(spec.get('label', spec['arm']), procs, ranks)
+            runs.setdefault(result['arm'], []).append(result)
             line = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in result.items()}
             print(f'[bench] procs {procs} repeat {repeat} {spec["arm"]}: {result["real_tokens_per_s"]:.0f} real '
                   f'tokens/s, padding {100 * result["padding"]:.1f} %, {result["optimizer_steps"]} steps, '
@@ -374,22 +511,35 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps({**line, 'repeat': repeat}) + '\n')
 
         for repeat in range(args.repeats):
-            swift_arms = [a for a in args.arms if a != 'bare_loop']
-            k = repeat % max(len(swift_arms), 1)
-            order = swift_arms[k:] + swift_arms[:k] + (['bare_loop'] if 'bare_loop' in args.arms else [])
+            swift_groups = [g for g in groups if g['label'] != 'bare_loop']
+            k = repeat % max(len(swift_groups), 1)
+            order = swift_groups[k:] + swift_groups[:k] + [g for g in groups if g['label'] == 'bare_loop']
             if procs == 1:
-                run_arms_in_one_process([spec_of(arm, procs) for arm in order], threads, args.quiet,
-                                        lambda spec, ranks, repeat=repeat: done(spec, ranks, repeat))
+                specs = [spec for group in order for spec in specs_of(group, procs)]
+                if args.warmup and repeat == 0:
+                    warm, _ = write_rows(Path(args.data), 32, args.seed + 2, work / f'rows-32-{args.seed + 2}.jsonl')
+                    specs.insert(0, {**spec_of('random', procs, warm, '-warmup'), 'warmup': True, 'deadline': None})
+                run_arms_in_one_process(specs, threads, args.quiet,
+                                        lambda spec, ranks, repeat=repeat: done(spec, ranks, repeat),
+                                        work / 'child.log')
                 continue
-            for arm in order:
-                if arm == 'bare_loop':
+            for group in order:
+                if group['label'] == 'bare_loop':
                     continue  # one process only
-                if deadline is not None and time.time() > deadline:
-                    print(f'[arm-skipped] {arm}: past --deadline', file=sys.stderr, flush=True)
-                    continue
-                spec = spec_of(arm, procs)
-                done(spec, run_arm(spec, threads, args.quiet), repeat)
-        mine = [median_row(runs[arm]) for arm in args.arms if runs[arm]]
+                for spec in specs_of(group, procs):
+                    if deadline is not None and time.time() > deadline:
+                        print(f'[arm-skipped] {spec["label"]}: past --deadline', file=sys.stderr, flush=True)
+                        break
+                    try:
+                        ranks = run_arm(spec, threads, args.quiet)
+                    except SystemExit as failed:  # its cause printed; a chain tries the next layout
+                        print(f'[arm-skipped] {failed}', file=sys.stderr, flush=True)
+                        continue
+                    done(spec, ranks, repeat)
+                    break
+        if args.oom_fraction is not None and procs == 1:
+            oom_phase(args, spec_of, threads, lambda spec, ranks: done(spec, ranks, 0))
+        mine = [median_row(r) for r in runs.values()]
         rows += mine
         print('\n'.join(table(mine, procs)) + '\n', flush=True)
     if args.profile_arms:

@@ -38,24 +38,103 @@ LENGTHS: list[int] = []  # the rows' real lengths as an ms-swift arm of this pro
 
 
 def main(paths: list[str]) -> None:
+    chains_done: set[str] = set()  # "the largest that fits": the first spec of a chain that runs, the rest skipped
     for path in paths:
         with open(path, encoding='utf-8') as f:
             spec = json.load(f)
-        if spec.get('deadline') is not None and time.time() > spec['deadline']:
-            print(f'[arm-skipped] {spec["arm"]}: past --deadline', flush=True)
+        label = spec.get('label', spec['arm'])
+        if spec.get('chain') in chains_done:
             continue
+        if spec.get('deadline') is not None and time.time() > spec['deadline']:
+            print(f'[arm-skipped] {label}: past --deadline', flush=True)
+            continue
+        started = time.monotonic()
         try:
-            record = bare_loop(spec) if spec['arm'] == 'bare_loop' else swift_arm(spec)
-        except Exception as error:  # noqa: BLE001 - one failed arm must not lose the arms after it
-            if len(paths) == 1:
-                raise
+            with memory_fraction(spec), dynamo_counts() as compiled:
+                record = bare_loop(spec) if spec['arm'] == 'bare_loop' else swift_arm(spec)
+        except BaseException as error:  # noqa: BLE001 - one failed arm must not lose the arms after it
+            if int(os.environ.get('WORLD_SIZE', '1')) > 1 or isinstance(error, KeyboardInterrupt):
+                raise  # several processes: the parent reports the child's exit and its log
             traceback.print_exc()
-            print(f'[arm-skipped] {spec["arm"]}: failed: {type(error).__name__}: {str(error)[:300]}', flush=True)
+            cause = f'{type(error).__name__}: {" ".join(str(error).split())[:400]}'
+            print(f'[arm-skipped] {label}: failed after {time.monotonic() - started:.0f} s: {cause}', flush=True)
             release_memory()
             continue
+        if spec.get('warmup'):
+            print(f'[arm-warmup] {label}: {time.monotonic() - started:.0f} s (not measured)', flush=True)
+            continue
+        record['dynamo'] = compiled
+        record['pack'] = pack_decisions(spec['out'])
         write_record(spec, record)
+        if spec.get('chain'):
+            chains_done.add(spec['chain'])
         if int(os.environ.get('RANK', '0')) == 0:
             print(f'[arm-done] {spec["out"]}', flush=True)
+
+
+class memory_fraction:  # noqa: N801 - a context manager used like a function
+    """``spec['memory_fraction']`` of the GPU for this arm (``torch.cuda.set_per_process_memory_fraction``): a
+    smaller card, or a memory end below the arm's pass budget; back to all of it afterwards."""
+
+    def __init__(self, spec: dict) -> None:
+        self.fraction = spec.get('memory_fraction')
+
+    def __enter__(self) -> None:
+        if self.fraction:
+            import torch
+            torch.cuda.set_per_process_memory_fraction(float(self.fraction))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fraction:
+            import torch
+            release_memory()
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+class dynamo_counts:  # noqa: N801 - a context manager used like a function
+    """What torch's compiler did during an arm (flex_attention's kernels): the growth of dynamo's counters, each
+    group summed (``stats.unique_graphs``: graphs compiled; ``recompiles``: recompilations, by reason)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def _snapshot(self) -> dict[str, int]:
+        try:
+            from torch._dynamo.utils import counters
+        except ImportError:
+            return {}
+        out = {}
+        for group, values in counters.items():
+            for key, value in values.items():
+                if isinstance(value, int):
+                    out[f'{group}.{key}'] = value
+        return out
+
+    def __enter__(self) -> dict[str, int]:
+        self.before = self._snapshot()
+        return self.counts
+
+    def __exit__(self, *exc: Any) -> None:
+        after = self._snapshot()
+        self.counts.update({k: v - self.before.get(k, 0) for k, v in after.items() if v != self.before.get(k, 0)})
+
+
+def pack_decisions(out: str) -> dict[str, Any]:
+    """What the pack decided in an arm, from ``<out>/dynamic_decisions.jsonl``: ``pass_tokens: auto``'s choice, the
+    token budget after OOMs (every change, the last one), the OOMs, the packed attention and a fallback from it."""
+    path = os.path.join(out, 'dynamic_decisions.jsonl')
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding='utf-8') as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    budgets = [r['values']['new'] for r in records if r['kind'] == 'pass_budget']
+    auto = [r['values'] for r in records if r['kind'] == 'pass_tokens']
+    attention = [r for r in records if r['kind'] == 'packed_attention']
+    return {'auto_pass_tokens': auto[0]['pass_tokens'] if auto else None,
+            'auto_figures': auto[0] if auto else None,
+            'pass_budgets': budgets, 'final_pass_budget': budgets[-1] if budgets else None,
+            'ooms': sum(1 for r in records if r['kind'] == 'oom'),
+            'attention': [(r['reason'], r['values'].get('why') or r['values'].get('error')) for r in attention]}
 
 
 def write_record(spec: dict, record: dict) -> None:

@@ -1,0 +1,57 @@
+"""The throughput benchmark's harness (scripts/bench_throughput.py, throughput_child.py): how arms are written, and an
+arm that fails is reported with its cause while the next one runs (no GPU, no training)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def bench():
+    sys.path.insert(0, os.path.join(ROOT, 'scripts'))
+    spec = importlib.util.spec_from_file_location('bench_throughput', os.path.join(ROOT, 'scripts',
+                                                                                    'bench_throughput.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arms_with_a_budget_a_layout_or_a_chain(bench):
+    assert bench.parse_arm('pack_passes:8192') == {'label': 'pack_passes:8192', 'arms': [
+        {'label': 'pack_passes:8192', 'arm': 'pack_passes', 'tokens': 8192, 'batch': None, 'ga': None}]}
+    chain = bench.parse_arm('group_by_length@16x1|group_by_length@8x2')
+    assert [(a['arm'], a['batch'], a['ga']) for a in chain['arms']] == [('group_by_length', 16, 1),
+                                                                        ('group_by_length', 8, 2)]
+    for bad, words in (('pack_everything', 'is not one of'), ('random@16', 'BATCHxGA'), ('pack_passes:big', 'integer')):
+        with pytest.raises(ValueError, match=words):
+            bench.parse_arm(bad)
+    assert bench.pack_settings('pack_passes_auto', 4, 2048) == {
+        'length_batching': {'mode': 'balanced', 'pass_tokens': 'auto'}}
+
+
+def test_a_layout_must_keep_the_global_batch(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(['--batch', '4', '--ga', '4', '--arms', 'group_by_length@8x1'])
+    assert 'group_by_length@8x1 is 8 x 1 = 8 samples a step; every arm trains --batch x --ga = 16' in (
+        capsys.readouterr().err)
+
+
+def test_a_failing_arm_says_why_and_the_next_one_runs(bench, tmp_path, capsys):
+    """Two arms in one child: both fail (the bare loop needs an ms-swift arm's lengths first); each failure is
+    printed with its cause, the child goes on to the next and exits normally."""
+    done = []
+    specs = [{'arm': 'bare_loop', 'label': f'bare_loop#{k}', 'out': str(tmp_path / f'out-{k}'), 'procs': 1,
+              'flags': {}, 'seed': 0, 'device': 'cpu'} for k in (1, 2)]
+    bench.run_arms_in_one_process(specs, 1, True, lambda spec, ranks: done.append(spec), tmp_path / 'child.log')
+    err = capsys.readouterr().err
+    assert not done
+    for k in (1, 2):
+        assert f"[arm-skipped] bare_loop#{k}: failed after" in err and "needs the rows' lengths" in err
+    assert 'child process died' not in err
+    assert 'Traceback' in (tmp_path / 'child.log').read_text()  # the whole cause, in the log
