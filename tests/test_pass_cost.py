@@ -211,3 +211,41 @@ def test_swift_sft_pass_tokens_auto_plans_at_a_recorded_budget(tmp_path, tiny_qw
     assert plan['values']['new']['pass_tokens'] == 'auto'
     assert {r['dynamic/pass_budget'] for r in train_logs(out)} == {chosen}
     assert all(rows == 1 or tokens <= chosen for rows, tokens in injector.passes)
+
+
+@pytest.mark.e2e
+def test_swift_sft_a_lowered_budget_survives_a_resume(tmp_path, tiny_qwen):
+    """The token budget an OOM lowered is in the checkpoint: a run resumed from it plans at that budget from its first
+    step (no OOM again), and trains the uninterrupted run's samples with its losses."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.testing.faults import OomInjector
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
+    from swift_runs import decisions, run_sft, sample_trace, train_logs
+    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=24))
+
+    def train(out, max_steps, **extra):
+        try:
+            sdc.register(length_batching={'mode': 'balanced', 'pass_tokens': 1200},
+                         integration={'record_samples': True, 'oom_grow_back_steps': 0})
+            with OomInjector(token_budget=900) as injector:
+                run_sft(tiny_qwen, 'qwen2', data, str(out), callbacks=['length_batching'], max_steps=max_steps,
+                        per_device_train_batch_size=2, gradient_accumulation_steps=2, lora_dropout=0.0,
+                        learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=3,
+                        max_length=900, truncation_strategy='right', **extra)
+        finally:
+            plugin._configured = None
+        return injector
+
+    full = tmp_path / 'full'
+    train(full, 6)
+    part = tmp_path / 'part'
+    train(part, 3)  # the OOM comes in its first step
+    [lowered] = [d['values']['new'] for d in decisions(str(part)) if d['kind'] == 'pass_budget']
+    resumed_injector = train(part, 6, resume_from_checkpoint=str(part / 'checkpoint-3'), fresh=False)
+    assert resumed_injector.counts == {'forward': 0, 'backward': 0}  # planned at the saved budget: no OOM
+    assert all(rows == 1 or tokens <= lowered for rows, tokens in resumed_injector.passes)
+    logs = train_logs(str(part))
+    assert [r['dynamic/pass_budget'] for r in logs[3:]] == [lowered] * 3
+    assert [r['batches'] for r in sample_trace(str(part))] == [r['batches'] for r in sample_trace(str(full))]
+    assert [r['loss'] for r in logs] == pytest.approx([r['loss'] for r in train_logs(str(full))], abs=1e-5)
