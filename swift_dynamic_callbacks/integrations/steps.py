@@ -431,7 +431,8 @@ class StepRunner:
             raise self._too_large(micro, start)
         self._halvings += 1
         if self.cuts_passes:  # memory follows tokens: re-cut within half the failing pass's cost, rows uncapped
-            self._oom_tokens = max(1, cost // 2)
+            half = max(1, cost // 2)
+            self._oom_tokens = half if self._oom_tokens is None else min(self._oom_tokens, half)
             self.oom = {'pass_size': size, 'pass_tokens': cost, 'new_cap': None, 'new_tokens': self._oom_tokens,
                         'record': None}
             return
