@@ -158,6 +158,21 @@ def test_zero_weight_batch_is_one_ignored_row():
         zero_weight_batch({'input_ids': torch.zeros(2, 3)})
 
 
+def test_a_packed_template_gives_its_first_row_not_the_whole_pass():
+    """A rank without samples copies its last real pass; a padding-free pass is one [1, N] row of many rows, and a
+    placeholder of all N tokens would cost a whole pass on the idle rank: it takes the first packed row only."""
+    from swift_dynamic_callbacks.integrations.padding_free import flatten_rows
+    rows = [torch.arange(1, n + 1) for n in (6, 4, 3)]
+    ids = torch.zeros(3, 6, dtype=torch.long)
+    mask = torch.zeros(3, 6, dtype=torch.long)
+    for k, row in enumerate(rows):
+        ids[k, :len(row)], mask[k, :len(row)] = row, 1
+    packed = flatten_rows({'input_ids': ids, 'attention_mask': mask, 'labels': ids.clone()})
+    batch = zero_weight_batch(packed)
+    assert batch['input_ids'].tolist() == [[1, 2, 3, 4, 5, 6]] and batch['labels'].tolist() == [[-100] * 6]
+    assert batch['position_ids'].tolist() == [[0, 1, 2, 3, 4, 5]]
+
+
 @pytest.mark.parametrize('engine_cls,kind', [(FSDP2Engine, 'FSDP'), (DeepSpeedEngineAdapter, 'DEEPSPEED')])
 def test_sharded_placeholders_run_a_zero_weight_pass(engine_cls, kind):
     engine = engine_cls(fake_trainer(kind))

@@ -110,7 +110,11 @@ class Engine:
 
 def zero_weight_batch(template: Mapping[str, Any]) -> dict[str, Any]:
     """One row of ``template`` with every label ignored: a pass over it costs one sample's compute, contributes a
-    zero loss and a zero gradient, and enters every collective a real pass enters (sharded engines)."""
+    zero loss and a zero gradient, and enters every collective a real pass enters (sharded engines). A packed pass
+    (padding-free) gives its first packed row, finished for its attention, not the whole packed row."""
+    from ..padding_free import PackedBatch, split_packed
+    if isinstance(template, PackedBatch) and len(template.row_lengths) > 1:
+        template = split_packed(template, len(template.row_lengths))[0]
     reference = template.get('input_ids', template.get('labels'))
     if not isinstance(reference, torch.Tensor) or reference.dim() == 0:
         raise RuntimeError('a zero-weight placeholder pass needs an input_ids or labels tensor in the template batch')
