@@ -239,6 +239,27 @@ def test_explicit_packed_attention_modes_or_a_reason():
         best('sdpa', mode='flex', cuda=False, flash=None, flex=True)
 
 
+def test_auto_tries_the_next_installed_kernel_after_a_failure(monkeypatch):
+    """On CUDA with flash attention 3 and 2 installed, a broken FA3 build falls to FA2 (then flex), not to sdpa; every
+    kernel tried is one agreement of the ranks (faked here: the proofs need a GPU)."""
+    from types import SimpleNamespace
+
+    from swift_dynamic_callbacks.integrations import packed_attention
+    tried, switched = [], []
+    base = SimpleNamespace(set_attn_implementation=switched.append)
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation='sdpa'),
+                            parameters=lambda: iter([SimpleNamespace(device=torch.device('cuda'))]))
+    monkeypatch.setattr(packed_attention, 'installed_flash_attentions', lambda: ['flash_attention_3',
+                                                                                 'flash_attention_2'])
+    monkeypatch.setattr(packed_attention, 'transformers_model', lambda m: base)
+    monkeypatch.setattr(packed_attention, '_try_kernel', lambda m, b, kernel, *a: tried.append(kernel) or (
+        'ImportError: broken build' if kernel == 'flash_attention_3' else None))
+    chosen = use_packed_attention(model, 'auto')
+    assert tried == ['flash_attention_3', 'flash_attention_2'] and chosen['new'] == 'flash_attention_2'
+    assert chosen['why'].startswith('flash_attention_3 failed (ImportError: broken build); flash_attention_2 passed')
+    assert switched == ['sdpa']  # FA3 undone before FA2 was tried
+
+
 def test_an_explicit_kernel_that_fails_its_proof_is_refused(tiny_qwen, monkeypatch):
     from swift_dynamic_callbacks.integrations import packed_attention
     model = model_of(tiny_qwen, 'sdpa')

@@ -86,14 +86,18 @@ def best_packed_attention(current: str | None, *, mode: str, cuda: bool, flash: 
     return current, 'neither flash-attn nor flex_attention is available'
 
 
-def installed_flash_attention() -> str | None:
-    """The flash attention implementation transformers can load here (3 before 2), or ``None``."""
+def installed_flash_attentions() -> list[str]:
+    """The flash attention implementations transformers can load here, 3 before 2."""
     from transformers.utils import import_utils
-    for name, check in (('flash_attention_3', 'is_flash_attn_3_available'),
-                        ('flash_attention_2', 'is_flash_attn_2_available')):
-        if getattr(import_utils, check, lambda: False)():
-            return name
-    return None
+    return [name for name, check in (('flash_attention_3', 'is_flash_attn_3_available'),
+                                     ('flash_attention_2', 'is_flash_attn_2_available'))
+            if getattr(import_utils, check, lambda: False)()]
+
+
+def installed_flash_attention() -> str | None:
+    """The first of :func:`installed_flash_attentions`, or ``None``."""
+    found = installed_flash_attentions()
+    return found[0] if found else None
 
 
 def transformers_model(model: Any) -> Any:
@@ -198,45 +202,62 @@ def check_packed_attention(model: Any, setting: str = 'length_batching.padding_f
                           'row\'s tokens), so padding-free micro-batches would mix samples; use padding_free: false')
 
 
+def _try_kernel(model: Any, base: Any, kernel: str, setting: str, probe_backward: bool) -> str | None:
+    """Switch to ``kernel`` and prove it on this rank; the failure (``None``: it passed). Collective: every rank
+    learns every rank's outcome and returns the first failure of any."""
+    failure = None
+    try:
+        if kernel == 'flex_attention':
+            keep_flex_compiled()
+        base.set_attn_implementation(kernel)
+        check_packed_attention(model, setting)
+        if probe_backward:
+            check_packed_backward(model, kernel)
+    except Exception as error:  # noqa: BLE001 - any failure of a better kernel falls back, said in the record
+        failure = f'{type(error).__name__}: {str(error)[:200]}'
+    failures = [f for f in distributed.gather_objects(failure) if f is not None]  # every rank, every time
+    if failures and failure is None:
+        return f'{failures[0]} on another rank'
+    return failures[0] if failures else None
+
+
 def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.padding_free', *,
                          probe_backward: bool = True) -> dict[str, Any]:
     """Switch ``model`` (a transformers model, possibly inside PEFT) to :func:`best_packed_attention`'s choice and
     prove it keeps packed rows apart (:func:`check_packed_attention`) and, with ``probe_backward`` (engines whose
     backward holds no collectives), that it runs backward (:func:`check_packed_backward`). Every rank takes part in
-    one agreement: the choice stays only where it passed on every rank; otherwise it is undone everywhere (``auto``:
-    the model's own is proven instead; an explicit mode: refused). Returns what was decided (``old``, ``new``,
+    one agreement a kernel tried: it stays only where it passed on every rank. Under ``auto`` a kernel that failed
+    is undone and the next candidate is tried (the other installed flash attention, then flex_attention on CUDA),
+    then the model's own is proven; an explicit mode that fails is refused. Returns what was decided (``old``, ``new``,
     ``why``)."""
     from transformers.utils import is_torch_flex_attn_available
     old = attention_implementation(model)
-    device = next(model.parameters()).device
-    new, why = best_packed_attention(old, mode=mode, cuda=device.type == 'cuda', flash=installed_flash_attention(),
-                                     flex=is_torch_flex_attn_available())
+    cuda = next(model.parameters()).device.type == 'cuda'
+    flex = is_torch_flex_attn_available()
+    new, why = best_packed_attention(old, mode=mode, cuda=cuda, flash=installed_flash_attention(), flex=flex)
     base = transformers_model(model) if new != old else None
     if new != old and base is None:
         new, why = old, f'no transformers model inside {type(model).__name__} to switch to {new}; kept {old}'
-    failure = None
-    if new != old:
-        try:
-            if new == 'flex_attention':
-                keep_flex_compiled()
-            base.set_attn_implementation(new)
-            check_packed_attention(model, setting)
-            if probe_backward:
-                check_packed_backward(model, new)
-        except Exception as error:  # noqa: BLE001 - any failure of the better kernel falls back, said in the record
-            failure = f'{type(error).__name__}: {str(error)[:200]}'
-    failures = [f for f in distributed.gather_objects(failure) if f is not None]  # every rank, every time
-    if new != old and failures:
+    if new == old:
+        check_packed_attention(model, setting)
+        return {'old': old, 'new': new, 'why': why}
+    candidates = [new]
+    if mode == 'auto' and cuda:  # the fallback chain: a broken FA3 build next to a working FA2 ends on FA2
+        candidates += [k for k in installed_flash_attentions() + (['flex_attention'] if flex else [])
+                       if k not in candidates]
+    failed = []
+    for kernel in candidates:
+        failure = _try_kernel(model, base, kernel, setting, probe_backward)
+        if failure is None:
+            return {'old': old, 'new': kernel, 'why': why if kernel == new else
+                    f'{"; ".join(failed)}; {kernel} passed (the next one installed)'}
         base.set_attn_implementation(old)
         if mode not in ('auto', 'keep'):
-            raise ConfigError(f'{SETTING}: {mode} ({new}) failed its proof on this model ({failures[0]}); allowed: '
+            raise ConfigError(f'{SETTING}: {mode} ({kernel}) failed its proof on this model ({failure}); allowed: '
                               'auto, sdpa, keep, or padding_free: false')
-        why = f'{new} failed ({failures[0]})' + (' on another rank' if failure is None else '') + f'; kept {old}'
-        new = old
-    elif new != old:
-        return {'old': old, 'new': new, 'why': why}
+        failed.append(f'{kernel} failed ({failure})')
     check_packed_attention(model, setting)
-    return {'old': old, 'new': new, 'why': why}
+    return {'old': old, 'new': old, 'why': '; '.join(failed) + f'; kept {old}'}
 
 
 class PackedAttention:
