@@ -349,25 +349,39 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None) -> No
     """The tuning grid per beta2, then (with reporting seeds) the paired comparisons: each arm against the baseline
     and ``growth_b`` against ``control_a``."""
     for beta2 in sorted({r['adam_beta2'] for r in results}, reverse=True):
-        grid = tuning_grid(results, tune, beta2)
-        if not grid:
+        seen: dict[str, dict[str, list[float]]] = {}
+        for r in results:
+            if r['adam_beta2'] == beta2 and r['seed'] in tune:
+                arm, _, lr = r['arm'].partition('@')
+                seen.setdefault(arm, {}).setdefault(lr, []).append(r['eval_loss'])
+        if not seen:
             continue
-        lrs = sorted({lr for by in grid.values() for lr in by}, key=float)
-        print(f'\ntuning, beta2 {beta2:g}, mean eval loss over seeds {tune} (token-weighted held-out loss); '
-              'bold: the arm\'s best')
+        grid = tuning_grid(results, tune, beta2)
+        lrs = sorted({lr for by in seen.values() for lr in by}, key=float)
+        print(f'\ntuning, beta2 {beta2:g}, mean eval loss over seeds {tune} (token-weighted held-out loss); bold: the '
+              'arm\'s best; "(1 of 2)": not on every tuning seed yet')
         print('| arm | ' + ' | '.join(lrs) + ' |')
         print('|---|' + '---:|' * len(lrs))
-        for arm in sorted(grid):
-            best = min(grid[arm].values())
-            cells = [('–' if lr not in grid[arm] else
-                      f'**{grid[arm][lr]:.4f}**' if grid[arm][lr] == best else f'{grid[arm][lr]:.4f}') for lr in lrs]
+        for arm in sorted(seen):
+            best = min(grid.get(arm, {}).values(), default=None)
+            cells = []
+            for lr in lrs:
+                losses = seen[arm].get(lr)
+                if not losses:
+                    cells.append('–')
+                elif lr not in grid.get(arm, {}):
+                    cells.append(f'{statistics.fmean(losses):.4f} ({len(losses)} of {len(tune)})')
+                else:
+                    cells.append(f'**{grid[arm][lr]:.4f}**' if grid[arm][lr] == best else f'{grid[arm][lr]:.4f}')
             print(f'| {arm} | ' + ' | '.join(cells) + ' |')
-    print('\nruns: | arm | beta2 | seed | steps | passes | eval loss | train loss | wall s | eval s | '
-          'B_simple (rows) |')
+    print('\nevery run (wall s: model load, training and the eval; B_simple: the gradient noise scale at the end, '
+          'EMA 0.9):')
+    print('| arm | beta2 | seed | steps | passes | eval loss | train loss | wall s | eval s | B_simple (rows) |')
+    print('|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
     for r in results:
         scale = noise_scale(r.get('steps', {}))
         print(f'| {r["arm"]} | {r["adam_beta2"]:g} | {r["seed"]} | {r["optimizer_steps"]} | {r.get("passes", "-")} | '
-              f'{r["eval_loss"]:.4f} | {r["train_loss"]:.4f} | {r["wall_s"]:.0f} | {r.get("eval_s", "-")} | '
+              f'{r["eval_loss"]:.5f} | {r["train_loss"]:.4f} | {r["wall_s"]:.0f} | {r.get("eval_s", "-")} | '
               f'{f"{scale:.1f}" if scale is not None else "-"} |')
     if not report:
         return
