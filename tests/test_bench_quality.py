@@ -128,7 +128,7 @@ def test_the_study_reports_the_arms_that_could_meet_the_goal_on_the_tuning_seed(
     assert select(MARGIN='0.05', KEEP='9')[-1] == 'growth_rewarm 0.002'  # the seed-1 line never counts
 
 
-@pytest.mark.e2e
+@pytest.mark.slow  # 2.5 minutes on one core, the longest test of the default run; the issue-30 study is done
 def test_the_study_on_the_tiny_model_tunes_on_one_seed_and_reports_on_two_others(tmp_path):
     """The whole study script, two lanes: tuning runs on seed 0 (growth's second LR because it saves >= 40 % of the
     steps: 4 of 8), the reported arms at their LRs on seeds 1 and 2, every run's held-out answers scored, the tables

@@ -151,7 +151,7 @@ def test_swift_sft_memory_end_below_pass_tokens_settles_in_tokens(tmp_path, tiny
     from swift_dynamic_callbacks.testing.faults import OomInjector
     from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     from swift_runs import decisions, run_sft, train_logs
-    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=48))
+    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=32))
 
     def train(name, pass_tokens, memory_end):
         try:
