@@ -194,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         f'pack buckets, batch {BATCH}': pack({'mode': 'rules', 'rules': ((0, BATCH), ), 'bucket_width': width,
                                                  'bucket_fill': opts.bucket_fill}, BATCH),
         f'pack token budget {opts.max_tokens}, cap {opts.cap}': pack(
-            {'mode': 'token_budget', 'max_tokens': opts.max_tokens, 'bucket_width': width,
+            {'mode': 'token_budget', 'micro_batch_tokens': opts.max_tokens, 'bucket_width': width,
              'bucket_fill': opts.bucket_fill}, opts.cap),
         f'pack token budget {opts.max_tokens}, cap {opts.cap}, no buckets': pack(
-            {'mode': 'token_budget', 'max_tokens': opts.max_tokens, 'bucketing': False}, opts.cap),
+            {'mode': 'token_budget', 'micro_batch_tokens': opts.max_tokens, 'bucketing': False}, opts.cap),
     }
     results: dict[str, dict[str, dict[str, float]]] = {}
     lines = machine_lines(['python', 'scripts/bench_length.py'] + list(argv if argv is not None else sys.argv[1:]))

@@ -86,7 +86,7 @@ def arm_settings(arm: str, steps_small: int, max_length: int) -> tuple[dict, dic
         pack = {'batch_growth': {**growth, **OPTIMIZER}, 'lr_schedule': lr_schedule}
         return {}, pack, ['batch_growth', 'lr_schedule']
     late = {'policy': 'late_switch', 'initial': 1, 'maximum': 4, 'switch_at': 0.75, 'lr_scaling': 'sqrt', **OPTIMIZER}
-    budget = {'max_tokens': 4 * max_length, 'bucketing': True}
+    budget = {'micro_batch_tokens': 4 * max_length, 'bucketing': True}
     if arm == 'late_switch':
         return {}, {'batch_growth': late, 'lr_schedule': lr_schedule}, ['batch_growth', 'lr_schedule']
     if arm == 'late_switch_plateau':

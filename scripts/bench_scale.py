@@ -60,7 +60,7 @@ print('BENCH ' + json.dumps({'first_step_s': round(marks['first_step'] - t0, 2)}
 CONFIGS = {
     'plain': ([], {}),
     'growth': (['batch_growth'], {'batch_growth': {'initial': 4, 'factor': 2, 'interval': 10, 'maximum': 16}}),
-    'length_batching': (['length_batching'], {'length_batching': {'max_tokens': 2048}}),
+    'length_batching': (['length_batching'], {'length_batching': {'micro_batch_tokens': 2048}}),
 }
 
 

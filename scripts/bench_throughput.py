@@ -111,7 +111,7 @@ def pack_settings(arm: str, batch: int, max_tokens: int, pass_tokens: int | str 
     if arm == 'pack_buckets':
         return {'length_batching': {'mode': 'rules', 'rules': {0: batch}}}
     if arm == 'pack_token_budget':
-        return {'length_batching': {'split': 'passes', 'bucketing': False, 'max_tokens': max_tokens}}
+        return {'length_batching': {'split': 'passes', 'bucketing': False, 'micro_batch_tokens': max_tokens}}
     if arm == 'pack_balanced':
         return {'length_batching': {'mode': 'balanced'}}
     if arm == 'pack_balanced_padding_free':

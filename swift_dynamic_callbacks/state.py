@@ -130,12 +130,28 @@ def check_binding(checkpoint_dir: str | os.PathLike, payload: Mapping[str, Any])
     return dict(binding)
 
 
+def renamed_settings(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """A settings snapshot with every setting a later version renamed under its new name (a checkpoint written
+    before a rename resumes as the same settings)."""
+    from .config.pack import CALLBACK_CONFIGS
+    from .config.integration import IntegrationConfig
+    classes = {**CALLBACK_CONFIGS, 'integration': IntegrationConfig}
+    out: dict[str, Any] = {}
+    for section, values in snapshot.items():
+        renamed = getattr(classes.get(section), 'renamed', {})
+        if isinstance(values, Mapping) and renamed:
+            values = {renamed.get(key, key): value for key, value in values.items()}
+        out[section] = values
+    return out
+
+
 def settings_changes(old: Mapping[str, Any], new: Mapping[str, Any], *, ignore: Iterable[str] = ()
                      ) -> dict[str, list[Any]]:
     """``{dotted.key: [old, new]}`` for every setting that differs between two normalised settings snapshots
     (``{section: {setting: value}}``); a section present in one only is one change. ``ignore``: dotted keys or
     whole sections that do not change training (logging)."""
     skip = set(ignore)
+    old = renamed_settings(old)
     changes: dict[str, list[Any]] = {}
     for section in sorted(set(old) | set(new)):
         if section in skip:

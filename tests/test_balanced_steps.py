@@ -209,7 +209,7 @@ def test_resume_inside_an_epoch_draws_the_same_micro_batches():
     ({'mode': 'balanced', 'split': 'passes', 'bucketing': False}, 'mode: balanced'),
     ({'mode': 'balanced', 'bucketing': False}, 'bucketing: true'),
     ({'padding_free': True, 'split': 'passes', 'bucketing': False}, 'padding_free: true needs split'),
-    ({'mode': 'balanced', 'max_tokens': 100}, 'max_tokens'),
+    ({'mode': 'balanced', 'micro_batch_tokens': 100}, 'micro_batch_tokens'),
     ({'padding_free': 'yes'}, 'padding_free'),
 ])
 def test_bad_settings_are_refused_naming_the_setting(settings_, match):

@@ -335,3 +335,26 @@ def test_stateful_components_filters_and_dedups():
     found = stateful_components([a, object(), b, a, 42])  # the same object twice is one component
     assert found == [a, b]
     assert stateful_components([]) == []
+
+
+def test_a_renamed_setting_is_read_with_a_note_and_both_at_once_refused():
+    from swift_dynamic_callbacks.config.length_batching import LengthBatchingConfig
+    from swift_dynamic_callbacks.config.memory_backoff import MemoryBackoffConfig
+    from swift_dynamic_callbacks.config import from_mapping
+    from swift_dynamic_callbacks.state import settings_changes
+    pack = parse_section({'length_batching': {'max_tokens': 4096}, 'memory_backoff': {
+        'max_pass_tokens': 8192, 'cpu_budget_gib': 4}}, listed=['length_batching', 'memory_backoff'])
+    assert pack.callback_config('length_batching').micro_batch_tokens == 4096
+    assert pack.callback_config('memory_backoff').static_limit()['tokens'] == 8192
+    assert any('length_batching.max_tokens is now called micro_batch_tokens' in n for n in pack.notes)
+    assert any('memory_backoff.max_pass_tokens is now called pass_tokens_cap' in n for n in pack.notes)
+    with pytest.raises(ConfigError, match='length_batching.max_tokens: renamed micro_batch_tokens, and both are set'):
+        from_mapping(LengthBatchingConfig, {'max_tokens': 1, 'micro_batch_tokens': 2},
+                     prefix='dynamic_callbacks.length_batching')
+    assert not from_mapping(MemoryBackoffConfig, {'cpu_budget_gib': 4}, prefix='x').renamed_notes()
+    # a checkpoint written under the old name resumes as the same settings
+    assert settings_changes({'length_batching': {'max_tokens': 4096}},
+                            {'length_batching': {'micro_batch_tokens': 4096}}) == {}
+    assert settings_changes({'length_batching': {'max_tokens': 4096}},
+                            {'length_batching': {'micro_batch_tokens': 2048}}) == {
+        'length_batching.micro_batch_tokens': [4096, 2048]}

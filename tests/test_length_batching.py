@@ -164,7 +164,7 @@ def test_agreed_steps_is_the_maximum_and_checks_short_ranks():
 
 @pytest.mark.parametrize('settings_,field', [
     ({'mode': 'sorted'}, 'mode'),
-    ({'max_tokens': 0}, 'max_tokens'),
+    ({'micro_batch_tokens': 0}, 'micro_batch_tokens'),
     ({'rules': {512: 4}}, 'rules'),
     ({'rules': {0: 0}}, 'rules'),
     ({'bucket_width': -0.1}, 'bucket_width'),
@@ -206,19 +206,19 @@ class State:
 
 
 def test_callback_requests_the_plan_once_and_survives_resume():
-    cb = LengthBatchingCallback(LengthBatchingConfig(max_tokens=4096))
+    cb = LengthBatchingCallback(LengthBatchingConfig(micro_batch_tokens=4096))
     control = Control()
     cb.on_train_begin(Args(), State(), control)
     request = protocol.pending_request(control)
     assert request.batch_plan == BatchPlan(max_tokens=4096, seed=5).to_json()
     [record] = protocol.drain_decisions(control)
     assert (record.source, record.kind, record.reason) == ('length_batching', 'batch_plan', 'start')
-    resumed = LengthBatchingCallback(LengthBatchingConfig(max_tokens=4096))
+    resumed = LengthBatchingCallback(LengthBatchingConfig(micro_batch_tokens=4096))
     resumed.load_state_dict(json.loads(json.dumps(cb.state_dict())))
     control = Control()
     resumed.on_train_begin(Args(), State(), control)
     assert not protocol.has_pending_request(control)  # the loader's state already has the plan
-    changed = LengthBatchingCallback(LengthBatchingConfig(max_tokens=2048))
+    changed = LengthBatchingCallback(LengthBatchingConfig(micro_batch_tokens=2048))
     changed.load_state_dict(cb.state_dict())
     changed.on_train_begin(Args(), State(), control)
     assert protocol.pending_request(control).batch_plan['max_tokens'] == 2048
@@ -226,7 +226,7 @@ def test_callback_requests_the_plan_once_and_survives_resume():
 
 
 def test_split_passes_requests_a_pass_limit_not_a_plan():
-    cb = LengthBatchingCallback(LengthBatchingConfig(split='passes', bucketing=False, max_tokens=1024))
+    cb = LengthBatchingCallback(LengthBatchingConfig(split='passes', bucketing=False, micro_batch_tokens=1024))
     control = Control()
     cb.on_train_begin(Args(), State(), control)
     request = protocol.pending_request(control)

@@ -321,9 +321,15 @@ class Settings:
 
     reads: ClassVar[tuple[Reads, ...]] = ()
     controls: ClassVar[tuple[str, ...]] = ()
+    #: old setting name -> its new name: the old one is still read (a note says so), both at once are refused
+    renamed: ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
         validate(self)
+
+    def renamed_notes(self) -> tuple[str, ...]:
+        """What :func:`from_mapping` read under an old name (one note each)."""
+        return getattr(self, '_renamed_notes', ())
 
     def cross_checks(self) -> None:
         """Rules between settings (override); single settings are checked by their :class:`Check`."""
@@ -346,6 +352,14 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, *, prefix: str
     bad_keys = [k for k in mapping if not isinstance(k, str)]
     if bad_keys:
         raise ConfigError(f'{prefix}: setting names must be strings, got {bad_keys[0]!r}')
+    notes = []
+    for old, new in getattr(cls, 'renamed', {}).items():
+        if old in mapping:
+            if new in mapping:
+                raise ConfigError(f'{prefix}.{old}: renamed {new}, and both are set ({mapping[old]!r}, '
+                                  f'{mapping[new]!r}); set only {new}')
+            mapping[new] = mapping.pop(old)
+            notes.append(f'{prefix}.{old} is now called {new} (read as {new}: {mapping[new]!r}); rename it')
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(mapping) - fields)
     if unknown:
@@ -353,6 +367,8 @@ def from_mapping(cls: type[T], mapping: Mapping[str, Any] | None, *, prefix: str
     try:
         config = cls(**mapping)
         check_reads(config, mapping)
+        if notes:
+            object.__setattr__(config, '_renamed_notes', tuple(notes))
         return config
     except ConfigError as e:
         raise ConfigError(f'{prefix}.{e}') from None

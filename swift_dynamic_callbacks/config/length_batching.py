@@ -55,14 +55,15 @@ class LengthBatchingConfig(Settings):
             loss normalisation: the same gradient, verl's dynamic batch size). ``passes`` asks for a pass limit,
             refused under FSDP2 and DeepSpeed like every pass limit, and cannot be combined with
             ``memory_backoff`` (both set the pass limit).
-        mode: ``token_budget`` (a micro-batch holds as many samples as fit in ``max_tokens`` padded tokens,
+        mode: ``token_budget`` (a micro-batch holds as many samples as fit in ``micro_batch_tokens`` padded tokens,
             ``samples x longest``), ``rules`` (the longest sample picks the size from ``rules``) or ``balanced``
             (every optimizer step takes exactly the global batch, ``per_device x gradient_accumulation_steps x
             processes`` samples, of similar length, dealt so that every rank's work ``a x L + L^2`` is even;
             micro-batches of the per-device size; ``bucket_width`` is the relative length jitter of the layout:
             :mod:`~..policies.balance`).
-        max_tokens: padded-token budget of one micro-batch (token_budget). A sample longer than this runs alone
-            (a warning record lists such samples).
+        micro_batch_tokens: padded-token budget of one micro-batch (token_budget; with ``split: passes`` of one
+            pass of a micro-batch). A sample longer than this runs alone (a warning record lists such samples).
+            Called ``max_tokens`` before (still read, with a note).
         rules: ``{longer_than: samples}``: a micro-batch whose longest sample is longer than ``longer_than`` tokens
             holds at most ``samples`` (the largest matching threshold wins); needs a ``0`` entry. The seed's rule:
             ``{0: 8, 1024: 2}`` (longest > 1024 tokens -> 2, else 8).
@@ -91,13 +92,13 @@ class LengthBatchingConfig(Settings):
 
     In both modes the trainer's per-device batch size (``per_device_train_batch_size``, or what a batch callback
     set) is the most samples a micro-batch holds: set it to the largest count you allow for short samples.
-    ``max_tokens`` is read only by ``mode: token_budget``, ``rules`` only by ``mode: rules``, the ``bucket_*``
+    ``micro_batch_tokens`` is read only by ``mode: token_budget``, ``rules`` only by ``mode: rules``, the ``bucket_*``
     settings and ``seed`` only with ``bucketing: true`` (the ``reads`` table).
     """
 
     split: str = setting(Choice(SPLITS), 'micro_batches')
     mode: str = setting(Choice(MODES), 'token_budget')
-    max_tokens: int = setting(Int(1), 16384)
+    micro_batch_tokens: int = setting(Int(1), 16384)
     rules: Mapping[int, int] = setting(LengthRules(), default_factory=lambda: dict(DEFAULT_RULES))
     bucketing: bool = setting(Flag(), True)
     bucket_width: float = setting(Number(0, 10), 0.03)
@@ -106,8 +107,10 @@ class LengthBatchingConfig(Settings):
     padding_free: bool = setting(Flag(), False)
     pass_tokens: int | str | None = setting(TokensOrAuto(1, optional=True), None)
 
+    renamed = {'max_tokens': 'micro_batch_tokens'}
     reads = (
-        Reads('mode', {'token_budget': ('max_tokens', ), 'rules': ('rules', ), 'balanced': ('pass_tokens', )}),
+        Reads('mode', {'token_budget': ('micro_batch_tokens', ), 'rules': ('rules', ),
+                       'balanced': ('pass_tokens', )}),
         Reads('bucketing', {True: ('bucket_width', 'bucket_fill', 'seed'), False: ()}),
     )
 
@@ -131,18 +134,18 @@ class LengthBatchingConfig(Settings):
                               'micro_batches')
 
     def pass_limit(self) -> dict[str, Any]:
-        """The pass limit ``split: passes`` requests: ``{'tokens': max_tokens}`` (token_budget) or, for rules,
+        """The pass limit ``split: passes`` requests: ``{'tokens': micro_batch_tokens}`` (token_budget) or, for rules,
         ``{'samples': rules[0], 'rules': [[longer_than, samples], ...]}`` (a pass of rows longer than
         ``longer_than`` tokens holds at most ``samples``)."""
         if self.mode == 'token_budget':
-            return {'samples': None, 'tokens': self.max_tokens, 'rules': []}
+            return {'samples': None, 'tokens': self.micro_batch_tokens, 'rules': []}
         rules = sorted(self.rules.items())
         return {'samples': rules[0][1], 'tokens': None, 'rules': [[t, n] for t, n in rules if t > 0]}
     controls = ('batch_plan', )  # composes with batch_size: the plan cuts micro-batches at most the current size
 
     def plan(self, default_seed: int) -> BatchPlan:
         """The :class:`BatchPlan` these settings ask for (``default_seed`` when ``seed`` is ``None``)."""
-        return BatchPlan(mode=self.mode, max_tokens=self.max_tokens, rules=tuple(self.rules.items()),
+        return BatchPlan(mode=self.mode, max_tokens=self.micro_batch_tokens, rules=tuple(self.rules.items()),
                          bucketing=self.bucketing, bucket_width=float(self.bucket_width),
                          bucket_fill=float(self.bucket_fill),
                          seed=self.seed if self.seed is not None else default_seed, padding_free=self.padding_free,

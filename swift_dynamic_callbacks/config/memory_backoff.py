@@ -24,7 +24,9 @@ class MemoryBackoffConfig(Settings):
         min_pass: never fewer samples per pass than this (default 1).
         length_rules: ``{longer_than: samples}``: a micro-batch whose padded length is greater than
             ``longer_than`` tokens runs at most ``samples`` samples a pass (seed: ``{1024: 2}``).
-        max_pass_tokens: at most this many padded tokens (samples x padded length) per pass.
+        pass_tokens_cap: at most this many tokens a pass, priced as the planner prices one (padded ``rows x
+            longest``, the sum when packed: ``policies/pass_cost.py``); under ``length_batching.pass_tokens`` the
+            passes are also planned within it. Called ``max_pass_tokens`` before (still read, with a note).
         probe: ``auto`` (CUDA, XPU or MPS when present, else CPU), ``cuda`` or ``cpu``.
         cpu_budget_gib: the CPU probe's budget for the process RSS (required with ``probe: cpu``, and with
             ``auto`` when training runs on the CPU: without it there is no fraction to compare). Not read by
@@ -41,10 +43,11 @@ class MemoryBackoffConfig(Settings):
     grow: float = setting(Number(1, 8, low_open=True), 2.0)
     min_pass: int = setting(Int(1), 1)
     length_rules: Mapping[int, int] = setting(IntTable(1, what='longer_than: samples'), default_factory=dict)
-    max_pass_tokens: int | None = setting(Int(1, optional=True), None)
+    pass_tokens_cap: int | None = setting(Int(1, optional=True), None)
     probe: str = setting(Choice(('auto', 'cuda', 'cpu')), 'auto')
     cpu_budget_gib: float | None = setting(Number(0, math.inf, low_open=True, high_open=True, optional=True), None)
 
+    renamed = {'max_pass_tokens': 'pass_tokens_cap'}
     reads = (Reads('probe', {'auto': ('cpu_budget_gib', ), 'cpu': ('cpu_budget_gib', ), 'cuda': ()}), )
     controls = ('pass_limit', )
 
@@ -58,6 +61,6 @@ class MemoryBackoffConfig(Settings):
     def static_limit(self) -> dict[str, Any]:
         return {
             'samples': None,
-            'tokens': self.max_pass_tokens,
+            'tokens': self.pass_tokens_cap,
             'rules': [[k, v] for k, v in sorted(self.length_rules.items())]
         }

@@ -149,6 +149,7 @@ def parse_section(section: Mapping[str, Any] | None, listed: Iterable[str] | Non
     for name in names:
         if name in CALLBACK_CONFIGS:
             config = pack.callback_config(name)  # validates, raising ConfigError naming the key
+            notes.extend(getattr(config, 'renamed_notes', lambda: ())())
             notes.extend(getattr(config, 'notes', lambda: ())())
     check_controls(names)
     replay = integration.replay

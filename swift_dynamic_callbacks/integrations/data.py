@@ -196,7 +196,7 @@ class DataFeed:
         # each rank records its own (no collective); under several processes the console names them
         for entry in reports.over_estimates:
             message = (f'micro-batch of {len(entry["indices"])} samples has {entry["padded"]} padded tokens, over '
-                       f'max_tokens={loader.plan.max_tokens} (the length estimates were low); '
+                       f'micro_batch_tokens={loader.plan.max_tokens} (the length estimates were low); '
                        + ('it runs as several passes within the budget' if splittable else
                           'it runs in one pass, over the budget (passes cannot be split here)'))
             logger.warning(message)
@@ -212,8 +212,8 @@ class DataFeed:
 
     def _over_budget(self, indices: list[int], longest: int, what: str, max_tokens: int, *, hold: bool,
                      **extra: Any) -> None:
-        message = (f'{len(indices)} {what} are longer than max_tokens={max_tokens} (longest {longest} tokens); each '
-                   'runs alone in its micro-batch, over the token budget')
+        message = (f'{len(indices)} {what} are longer than micro_batch_tokens={max_tokens} (longest {longest} '
+                   'tokens); each runs alone in its micro-batch, over the token budget')
         logger.warning(message)
         record = DecisionRecord('integration', 'over_budget', 'warning', {
             'samples': len(indices), 'indices': sorted(indices)[:32], 'longest': longest, 'max_tokens': max_tokens,
