@@ -59,6 +59,15 @@ def test_pressure_cap_never_below_minimum_nor_above_start(fractions, size, minim
             assert minimum <= state.cap < size
 
 
+def test_a_backoff_never_raises_the_cap():
+    """Under a token cap the largest pass can be one row over the cap (rows are never cut): half of it may be above
+    the cap in force, and backing off to it would raise the cap: it holds instead."""
+    state = PressureState(cap=297, clean=3, unlimited=2000, unit='tokens')
+    assert pressure_step(state, 1.5, 614, **KW) == (PressureState(cap=297, clean=0, unlimited=2000, unit='tokens'),
+                                                   None)
+    assert pressure_step(state, 1.5, 400, **KW)[0].cap == 200  # a cut that lowers it still happens
+
+
 def test_is_oom():
     assert is_oom(torch.OutOfMemoryError('x'))
     assert is_oom(RuntimeError('CUDA error: out of memory'))

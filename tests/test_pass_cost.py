@@ -249,3 +249,41 @@ def test_swift_sft_a_lowered_budget_survives_a_resume(tmp_path, tiny_qwen):
     assert [r['dynamic/pass_budget'] for r in logs[3:]] == [lowered] * 3
     assert [r['batches'] for r in sample_trace(str(part))] == [r['batches'] for r in sample_trace(str(full))]
     assert [r['loss'] for r in logs] == pytest.approx([r['loss'] for r in train_logs(str(full))], abs=1e-5)
+
+
+@pytest.mark.e2e
+def test_swift_sft_memory_backoff_under_pass_tokens_caps_and_plans_in_tokens(tmp_path, tiny_qwen):
+    """memory_backoff under pass_tokens with a memory budget the process is always over: it caps a pass's *tokens*
+    (never its rows), the integration plans the next steps within the cap, and every pass after a backoff keeps
+    within it (or is one row)."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.testing.faults import OomInjector
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
+    from swift_runs import decisions, run_sft, sample_trace, train_logs
+    data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=16))
+    try:
+        sdc.register(length_batching={'mode': 'balanced', 'pass_tokens': 2000},
+                     memory_backoff={'cpu_budget_gib': 0.5, 'clean_steps': 1},
+                     integration={'record_samples': True})
+        with OomInjector() as injector:
+            out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'out'), callbacks=['length_batching',
+                                                                                      'memory_backoff'],
+                          max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2,
+                          gradient_accumulation_steps=2, save_steps=1000, max_length=2048)
+    finally:
+        plugin._configured = None
+    backoffs = [d for d in decisions(out) if d['kind'] == 'pass_limit' and d['reason'] == 'backoff']
+    assert backoffs and all(d['values']['unit'] == 'tokens' for d in backoffs)
+    requested = [d for d in decisions(out) if d['kind'] == 'pass_limit' and d['source'] == 'control_flags']
+    assert all(d['values']['new']['samples'] is None for d in requested)  # never a row cap
+    logs = train_logs(out)
+    caps = [r['dynamic/pass_cap'] for r in logs]
+    assert all(r['dynamic/pass_cap_unit'] == 1 for r in logs) and caps[-1] < 2000
+    budgets = [r['dynamic/pass_budget'] for r in logs]
+    assert budgets[0] == 2000 and budgets[-1] == caps[-2]  # the steps after a backoff are planned within its cap
+    step_of_pass = [p for row in sample_trace(out) for p in [row['step']] * sum(row['passes'])]
+    assert len(step_of_pass) == len(injector.passes)
+    for step, (rows, tokens) in zip(step_of_pass, injector.passes):
+        if step > 1:  # planned after the first backoff
+            assert rows == 1 or tokens <= caps[step - 2], (step, rows, tokens)

@@ -57,7 +57,8 @@ def pressure_step(state: PressureState, fraction: float, pass_size: int, *, high
     """Fold one step's peak memory fraction in; returns the new state and ``'backoff'``, ``'grow_back'`` or None.
 
     - ``fraction > high``: cap the pass at ``max(minimum, floor(pass_size * shrink))`` (when that is smaller than
-      the pass that just ran); the clean count restarts.
+      the pass that just ran and than the cap in force: a backoff never raises it; under a token cap a pass over it
+      is a single row, which no cap can cut); the clean count restarts.
     - ``fraction < low`` for ``clean_steps`` steps in a row while capped: raise the cap by ``grow``; once it
       reaches the pass size from before the first backoff, the cap is removed.
     - In between (the hysteresis band ``[low, high]``): hold, and the clean count restarts.
@@ -65,6 +66,8 @@ def pressure_step(state: PressureState, fraction: float, pass_size: int, *, high
     if fraction > high:
         cap = max(minimum, math.floor(pass_size * shrink))
         if cap >= pass_size:  # already at the minimum
+            return replace(state, clean=0), None
+        if state.cap is not None and cap >= state.cap:  # a pass over the cap is one row that cannot be cut: hold
             return replace(state, clean=0), None
         unlimited = state.unlimited if state.unlimited is not None else pass_size
         return PressureState(cap=cap, clean=0, unlimited=unlimited, unit=state.unit), 'backoff'
