@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import logging
 import os
+import sys
 import platform
 import shlex
 from pathlib import Path
@@ -45,3 +49,21 @@ def base_parser(doc: str, repo: Path, work_dir_name: str) -> argparse.ArgumentPa
     parser.add_argument('--verbose', dest='quiet', action='store_false',
                         help='show the ms-swift / HF output of every run (hidden by default)')
     return parser
+
+
+@contextlib.contextmanager
+def quiet_run(quiet: bool):
+    """Around one in-process training: its stdout, stderr and INFO logging hidden when ``quiet``, and printed (the
+    last 20,000 characters) if it fails."""
+    log = io.StringIO()
+    try:
+        with contextlib.ExitStack() as stack:
+            if quiet:
+                stack.enter_context(contextlib.redirect_stdout(log))
+                stack.enter_context(contextlib.redirect_stderr(log))
+                logging.disable(logging.INFO)
+                stack.callback(logging.disable, logging.NOTSET)
+            yield
+    except BaseException:
+        sys.stderr.write(log.getvalue()[-20000:])
+        raise

@@ -23,16 +23,13 @@ alone, as on a card that can train them at all.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 
-from bench_common import base_parser, machine_lines
+from bench_common import base_parser, machine_lines, quiet_run
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -56,19 +53,9 @@ def run_arm(name: str, opts, model: str, dataset: str, pass_tokens: int, memory_
         per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.ga, lora_dropout=0.0,
         learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=100_000, seed=opts.seed,
         max_length=opts.memory_end, truncation_strategy='right')
-    log = io.StringIO()
     try:
-        with contextlib.ExitStack() as stack:
-            if opts.quiet:
-                stack.enter_context(contextlib.redirect_stdout(log))
-                stack.enter_context(contextlib.redirect_stderr(log))
-                logging.disable(logging.INFO)
-                stack.callback(logging.disable, logging.NOTSET)
-            injector = stack.enter_context(OomInjector(token_budget=memory_end))
+        with quiet_run(opts.quiet), OomInjector(token_budget=memory_end) as injector:
             sft_main(SftArguments(**kwargs))
-    except BaseException:
-        sys.stderr.write(log.getvalue()[-20000:])
-        raise
     finally:
         plugin._configured = None
     rows = [json.loads(line) for line in open(os.path.join(out, 'logging.jsonl'))]

@@ -28,16 +28,13 @@ On a GPU the same script measures the injected OOM on the real device (the model
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from bench_common import base_parser, machine_lines
+from bench_common import base_parser, machine_lines, quiet_run
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -88,19 +85,9 @@ def run(name: str, opts, model: str, dataset: str, fail_passes: tuple[int, ...] 
         model, dataset, out, arch='qwen2', callbacks=['batch_schedule'], max_steps=opts.steps,
         per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.ga, lora_dropout=0.0,
         learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=opts.steps, seed=opts.seed)
-    log = io.StringIO()
     try:
-        with contextlib.ExitStack() as stack:
-            if opts.quiet:
-                stack.enter_context(contextlib.redirect_stdout(log))
-                stack.enter_context(contextlib.redirect_stderr(log))
-                logging.disable(logging.INFO)
-                stack.callback(logging.disable, logging.NOTSET)
-            injector = stack.enter_context(OomInjector(fail_passes=fail_passes))
+        with quiet_run(opts.quiet), OomInjector(fail_passes=fail_passes) as injector:
             sft_main(SftArguments(**kwargs))
-    except BaseException:
-        sys.stderr.write(log.getvalue()[-20000:])
-        raise
     finally:
         Seq2SeqTrainer.__init__ = original_init
         plugin._configured = None

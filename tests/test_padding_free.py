@@ -356,19 +356,40 @@ def test_padding_free_token_budget_counts_real_tokens():
     assert greedy_pieces(lengths, BatchPlan(max_tokens=100, bucketing=False)) != sizes  # padded: n x longest
 
 
+def stand_in_flash(monkeypatch, kernel):
+    """``kernel`` as flash_attention_2, which ``packed_attention: auto`` then chooses (no flash-attn check on CPU)."""
+    from transformers import PreTrainedModel
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from swift_dynamic_callbacks.integrations import packed_attention
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, 'flash_attention_2', kernel)
+    monkeypatch.setattr(packed_attention, 'best_packed_attention', lambda *a, **k: ('flash_attention_2', 'test'))
+    monkeypatch.setattr(PreTrainedModel, 'set_attn_implementation',
+                        lambda self, name: setattr(self.config, '_attn_implementation_internal', name))
+
+
+def balanced_run(out, model, data, padding_free, **integration):
+    """One epoch of balanced steps (3 x GA 1, LoRA dropout 0) on the tiny LLaMA, padded or padding-free."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_runs import run_sft
+    try:
+        sdc.register(length_batching={'mode': 'balanced', 'padding_free': padding_free}, integration=integration)
+        return run_sft(model, 'llama', data, str(out), callbacks=['length_batching'], max_steps=-1,
+                       num_train_epochs=1, per_device_train_batch_size=3, gradient_accumulation_steps=1,
+                       max_length=2048, lora_dropout=0.0, attn_impl='sdpa')
+    finally:
+        plugin._configured = None
+
+
 @pytest.mark.e2e
 def test_swift_sft_padding_free_trains_as_the_padded_run(tmp_path, tiny_llama, monkeypatch):
     """Real swift sft runs, the same samples a step: padded; padding-free on sdpa (auto keeps it on CPU); padding-free
     switched by auto to flash attention, here the stand-in varlen kernel (flash-attn needs CUDA), which fails unless the
     rows' boundaries reach it through ms-swift's trainer and PEFT. The same loss at every step."""
-    import swift_dynamic_callbacks as sdc
-    from transformers import PreTrainedModel
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from swift_dynamic_callbacks.integrations import packed_attention
-    from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
-    from swift_runs import decisions, run_sft, sample_trace, train_logs
+    from swift_runs import decisions, sample_trace, train_logs
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=12))
     runs, calls = {}, []
 
@@ -378,20 +399,9 @@ def test_swift_sft_padding_free_trains_as_the_padded_run(tmp_path, tiny_llama, m
 
     for variant in ('padded', 'sdpa', 'varlen'):
         if variant == 'varlen':
-            monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, 'flash_attention_2', counted)
-            monkeypatch.setattr(packed_attention, 'best_packed_attention',
-                                lambda *a, **k: ('flash_attention_2', 'test'))
-            monkeypatch.setattr(PreTrainedModel, 'set_attn_implementation',  # no flash-attn check on CPU
-                                lambda self, name: setattr(self.config, '_attn_implementation_internal', name))
-        try:
-            sdc.register(length_batching={'mode': 'balanced', 'padding_free': variant != 'padded'},
-                         integration={'record_samples': True})
-            runs[variant] = run_sft(
-                tiny_llama, 'llama', data, str(tmp_path / f'out-{variant}'), callbacks=['length_batching'],
-                max_steps=-1, num_train_epochs=1, per_device_train_batch_size=3, gradient_accumulation_steps=1,
-                max_length=2048, lora_dropout=0.0, attn_impl='sdpa')
-        finally:
-            plugin._configured = None
+            stand_in_flash(monkeypatch, counted)
+        runs[variant] = balanced_run(tmp_path / f'out-{variant}', tiny_llama, data, variant != 'padded',
+                                     record_samples=True)
     padded = train_logs(runs['padded'])
     assert len(padded) == 4
     for variant in ('sdpa', 'varlen'):
@@ -443,14 +453,9 @@ def test_swift_sft_a_kernel_failing_mid_run_falls_back_to_sdpa(tmp_path, tiny_ll
     """A switched packed-attention kernel (the stand-in varlen kernel as flash_attention_2) that fails in the third
     training step (not an OOM): the step runs again on sdpa, a ``packed_attention`` ``fallback`` record says why, the
     run finishes with the padded run's losses, and nothing is taken for an OOM."""
-    import swift_dynamic_callbacks as sdc
-    from transformers import PreTrainedModel
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from swift_dynamic_callbacks.integrations import packed_attention
-    from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
-    from swift_runs import decisions, run_sft, train_logs
+    from swift_runs import decisions, train_logs
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=12))
     calls = []
 
@@ -463,19 +468,8 @@ def test_swift_sft_a_kernel_failing_mid_run_falls_back_to_sdpa(tmp_path, tiny_ll
     runs = {}
     for variant in ('padded', 'failing'):
         if variant == 'failing':
-            monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, 'flash_attention_2', failing)
-            monkeypatch.setattr(packed_attention, 'best_packed_attention',
-                                lambda *a, **k: ('flash_attention_2', 'test'))
-            monkeypatch.setattr(PreTrainedModel, 'set_attn_implementation',
-                                lambda self, name: setattr(self.config, '_attn_implementation_internal', name))
-        try:
-            sdc.register(length_batching={'mode': 'balanced', 'padding_free': variant != 'padded'})
-            runs[variant] = run_sft(
-                tiny_llama, 'llama', data, str(tmp_path / f'out-{variant}'), callbacks=['length_batching'],
-                max_steps=-1, num_train_epochs=1, per_device_train_batch_size=3, gradient_accumulation_steps=1,
-                max_length=2048, lora_dropout=0.0, attn_impl='sdpa')
-        finally:
-            plugin._configured = None
+            stand_in_flash(monkeypatch, failing)
+        runs[variant] = balanced_run(tmp_path / f'out-{variant}', tiny_llama, data, variant != 'padded')
     assert len(calls) == 11  # after the failure the kernel is never called again
     padded, failed = train_logs(runs['padded']), train_logs(runs['failing'])
     assert [r['loss'] for r in failed] == pytest.approx([r['loss'] for r in padded], rel=1e-4)
