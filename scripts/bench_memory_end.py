@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += machine_lines([sys.argv[0]] + list(argv if argv is not None else sys.argv[1:]))
     lines += ['', f'{opts.rows} rows, one epoch, balanced {opts.batch} x GA {opts.ga}, pass_tokens {opts.pass_tokens}, '
               f'memory end {opts.memory_end} tokens a pass', '',
-              '| run | passes (failed ones included) | OOMs | optimizer steps | largest pass run (tokens) |',
+              '| run | passes (failed ones included) | OOMs | optimizer steps | largest pass tried (tokens) |',
               '|---|---:|---:|---:|---:|']
     for name, arm in arms.items():
         lines.append(f'| {name} | {arm["passes"]} | {arm["ooms"]} | {arm["steps"]} | {arm["largest_pass_tokens"]} |')
