@@ -18,7 +18,7 @@ same losses). Rows are truncated to ``--memory-end`` tokens (``truncation_strate
 alone, as on a card that can train them at all.
 
     python scripts/bench_memory_end.py                      # 160 rows, 4 x GA 4, pass_tokens 1200, memory end 900
-    python scripts/bench_memory_end.py --rows 64
+    python scripts/bench_memory_end.py --data gsm8k        # one problem a row: many rows a pass
 """
 
 from __future__ import annotations
@@ -80,16 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--ga', type=int, default=4)
     parser.add_argument('--pass-tokens', type=int, default=1200, help='the budget the user set')
     parser.add_argument('--memory-end', type=int, default=900, help='tokens a pass on the simulated device')
+    parser.add_argument('--data', choices=('mixed', 'gsm8k'), default='mixed',
+                        help='mixed: 1-6 GSM8K problems a row (100-1,300 tokens); gsm8k: one problem a row (short '
+                        'rows: many a pass, where a row cap after an OOM costs most)')
     opts = parser.parse_args(argv)
     if opts.memory_end >= opts.pass_tokens:
         parser.error(f'--memory-end: must be below --pass-tokens ({opts.pass_tokens}), got {opts.memory_end}')
     import torch
 
-    from swift_dynamic_callbacks.testing.tiny import build_tiny_model, write_mixed_length_dataset
+    from swift_dynamic_callbacks.testing.tiny import build_tiny_model, write_gsm8k_dataset, write_mixed_length_dataset
     torch.set_num_threads(1)
     os.makedirs(opts.work_dir, exist_ok=True)
     model = str(build_tiny_model(Path(opts.work_dir) / 'tiny-qwen2', 'qwen2'))
-    dataset = str(write_mixed_length_dataset(Path(opts.work_dir) / 'mixed.jsonl', n=opts.rows))
+    write = write_mixed_length_dataset if opts.data == 'mixed' else write_gsm8k_dataset
+    dataset = str(write(Path(opts.work_dir) / f'{opts.data}.jsonl', opts.rows))
     arms = {
         'no_oom': run_arm('no_oom', opts, model, dataset, opts.pass_tokens, None),
         'oom': run_arm('oom', opts, model, dataset, opts.pass_tokens, opts.memory_end),
@@ -100,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     same_steps = arms['oom']['steps'] == arms['no_oom']['steps']
     lines = ['# Passes when memory ends below pass_tokens', '']
     lines += machine_lines([sys.argv[0]] + list(argv if argv is not None else sys.argv[1:]))
-    lines += ['', f'{opts.rows} rows, one epoch, balanced {opts.batch} x GA {opts.ga}, pass_tokens {opts.pass_tokens}, '
-              f'memory end {opts.memory_end} tokens a pass', '',
+    lines += ['', f'{opts.rows} {opts.data} rows, one epoch, balanced {opts.batch} x GA {opts.ga}, pass_tokens '
+              f'{opts.pass_tokens}, memory end {opts.memory_end} tokens a pass', '',
               '| run | passes (failed ones included) | OOMs | optimizer steps | largest pass tried (tokens) |',
               '|---|---:|---:|---:|---:|']
     for name, arm in arms.items():
