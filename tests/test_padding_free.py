@@ -260,6 +260,33 @@ def test_auto_tries_the_next_installed_kernel_after_a_failure(monkeypatch):
     assert switched == ['sdpa']  # FA3 undone before FA2 was tried
 
 
+def test_a_kernel_that_fell_back_on_one_rank_is_left_on_every_rank(monkeypatch):
+    """Mid-run, rank 1's kernel failed and it fell back; at the next boundary every rank has every rank's records
+    (``requests.merge_step``), and a rank still on the kernel falls back too: the ranks run one kernel again."""
+    from types import SimpleNamespace
+
+    from swift_dynamic_callbacks.integrations import packed_attention
+    from swift_dynamic_callbacks.integrations.requests import merge_step
+    from swift_dynamic_callbacks.protocol import BatchRequest
+    from swift_dynamic_callbacks.records import DecisionRecord
+    switched = []
+    monkeypatch.setattr(packed_attention, 'transformers_model',
+                        lambda m: SimpleNamespace(set_attn_implementation=switched.append))
+    rank0 = packed_attention.PackedAttention('auto')
+    rank0.kernel, rank0.original = 'flash_attention_2', 'sdpa'
+    failed = DecisionRecord('integration', 'packed_attention', 'fallback',
+                            {'old': 'flash_attention_2', 'new': 'sdpa', 'rank': 1, 'error': 'RuntimeError: boom'})
+    oom = DecisionRecord('integration', 'oom', 'recovered', {'rank': 0, 'pass_tokens': 900})
+    _, shared = merge_step([(BatchRequest(), [oom]), (BatchRequest(), [failed])])
+    assert shared == [oom, failed]
+    assert rank0.follow(None, [oom], 3) is None  # nothing failed: stays
+    record = rank0.follow(None, shared, 3)
+    assert record.reason == 'follow' and record.values['new'] == 'sdpa' and 'rank 1: RuntimeError: boom' in (
+        record.values['error'])
+    assert switched == ['sdpa'] and rank0.kernel == 'sdpa' and not rank0.switched
+    assert rank0.follow(None, shared, 4) is None  # already on it
+
+
 def test_an_explicit_kernel_that_fails_its_proof_is_refused(tiny_qwen, monkeypatch):
     from swift_dynamic_callbacks.integrations import packed_attention
     model = model_of(tiny_qwen, 'sdpa')

@@ -306,20 +306,35 @@ class PackedAttention:
         return DecisionRecord('integration', 'packed_attention', chosen['new'], {**chosen, 'mode': self.mode},
                               message)
 
-    def fall_back(self, model: Any, error: BaseException, step: int) -> DecisionRecord:
+    def fall_back(self, model: Any, error: BaseException, step: int, *, reason: str = 'fallback') -> DecisionRecord:
         """After a non-OOM error in a pass on the switched kernel: the model's own attention from now on (this
-        rank), the ``packed_attention`` record saying why. The caller finishes the step's batches for it again."""
+        rank), the ``packed_attention`` record saying why (``reason`` ``follow``: another rank's failure, agreed at
+        the step boundary). The caller finishes the step's batches for it again."""
         base = transformers_model(model)
         failed, self.kernel, self.fallen_back = self.kernel, self.original, True
         base.set_attn_implementation(self.kernel)
         if failed == 'flex_attention':
             warnings.filterwarnings('default', message=FLEX_EAGER_WARNING)
-        message = (f'{failed} failed during training ({type(error).__name__}: {str(error)[:300]}); packed rows run '
-                   f'with {self.kernel} from now on (rank {distributed.rank()}), the step was run again')
+        if reason == 'follow':
+            message = (f'{failed} failed on another rank ({str(error)[:300]}); this rank runs {self.kernel} too from '
+                       f'this step on (rank {distributed.rank()})')
+        else:
+            message = (f'{failed} failed during training ({type(error).__name__}: {str(error)[:300]}); packed rows '
+                       f'run with {self.kernel} from now on (rank {distributed.rank()}), the step was run again')
         logger.warning(message)
-        return DecisionRecord('integration', 'packed_attention', 'fallback', {
+        return DecisionRecord('integration', 'packed_attention', reason, {
             'old': failed, 'new': self.kernel, 'rank': distributed.rank(), 'error': f'{type(error).__name__}: '
             f'{str(error)[:300]}'}, message, step=step)
+
+    def follow(self, model: Any, records: list[DecisionRecord], step: int) -> DecisionRecord | None:
+        """At a step boundary, every rank's records of the last step in hand: when another rank's kernel fell back and
+        this one still runs it, fall back too (the ranks run one kernel again); the record says whose failure."""
+        fell = [r for r in records if r.kind == 'packed_attention' and r.reason == 'fallback']
+        if not fell or not self.switched:
+            return None
+        first = fell[0]
+        return self.fall_back(model, RuntimeError(f'rank {first.values.get("rank")}: {first.values.get("error")}'),
+                              step, reason='follow')
 
     def refinish(self, batch: Any) -> Any:
         """A prepared batch (or a slot of passes) finished for the current kernel again."""

@@ -73,18 +73,19 @@ def load_replay(path: str) -> dict[int, protocol.BatchRequest]:
     return out
 
 
-def agree_step(request: protocol.BatchRequest, oom: DecisionRecord | None
+def agree_step(request: protocol.BatchRequest, records: list[DecisionRecord]
                ) -> tuple[protocol.BatchRequest, list[DecisionRecord]]:
-    """The request every rank applies at this boundary (``protocol.merge_requests``) and every rank's OOM record of the
-    last step, in rank order. Collective: one small all-reduce decides whether any rank has something to agree on
-    (most boundaries: nothing); only then are the requests and OOM records gathered."""
-    if distributed.sum_ints([int(not request.empty or oom is not None)])[0]:
-        return distributed.agree((request, oom), merge_step)
+    """The request every rank applies at this boundary (``protocol.merge_requests``) and every rank's records of the
+    last step that the others must know (its OOM, its packed-attention fallback), in rank order. Collective: one
+    small all-reduce decides whether any rank has something to agree on (most boundaries: nothing); only then are
+    the requests and records gathered."""
+    if distributed.sum_ints([int(not request.empty or bool(records))])[0]:
+        return distributed.agree((request, list(records)), merge_step)
     return request, []
 
 
-def merge_step(votes: Iterable[tuple[protocol.BatchRequest, DecisionRecord | None]]
+def merge_step(votes: Iterable[tuple[protocol.BatchRequest, list[DecisionRecord]]]
                 ) -> tuple[protocol.BatchRequest, list[DecisionRecord]]:
-    """The merged request (``protocol.merge_requests``) and the OOM records of all ranks, in rank order."""
+    """The merged request (``protocol.merge_requests``) and the records of all ranks, in rank order."""
     votes = list(votes)
-    return protocol.merge_requests(v[0] for v in votes), [v[1] for v in votes if v[1] is not None]
+    return protocol.merge_requests(v[0] for v in votes), [r for v in votes for r in v[1]]

@@ -214,10 +214,14 @@ class Integration:
         protocol.clear_requests(control)
         if self.replay is not None:  # the recorded request of this boundary instead of the callbacks'
             request = self.replay.get(self.trainer.state.global_step, protocol.BatchRequest())
-        request, ooms = agree_step(self.runner.with_oom_cap(request), (self.runner.oom or {}).get('record'))
+        own = [r for r in [(self.runner.oom or {}).get('record')] + self.runner.take_records() if r is not None]
+        request, shared = agree_step(self.runner.with_oom_cap(request), own)
         self.decisions.drain(control)
-        self.decisions.hold_all(ooms)  # every rank's OOM of the last step, on every rank (rank 0 writes them)
-        self.decisions.hold_all(self.runner.take_records())  # this rank's kernel fallback, if any
+        self.decisions.hold_all(shared)  # every rank's OOM and kernel fallback of the last step (rank 0 writes them)
+        ooms = [r for r in shared if r.kind == 'oom']
+        follow = self.attention.follow(self.trainer.model, shared, self.trainer.state.global_step)
+        if follow is not None:  # another rank's kernel failed: every rank runs the same attention from this step
+            self.decisions.hold(follow)
         if self.replay is not None:
             self.decisions.drop_callback_requests()
         try:
