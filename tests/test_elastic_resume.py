@@ -226,3 +226,20 @@ def test_a_resume_mid_epoch_reads_no_sample_before_the_position(path):
     pairs = fresh.next_step(2)
     assert [i for indices, _ in pairs for i in indices] == list(range(n - 10, n))
     assert _Counting.reads == 10
+
+
+@pytest.mark.parametrize('new', [2, 3])
+def test_balanced_steps_resumed_on_another_world_deal_by_the_given_rank(new):
+    """``resume_from_rests(rank=, world=)`` under balanced steps lays the rest out for the world and rank it is given
+    (as the other layouts do), not this process's: here one process plays every rank of the new world."""
+    plan = BatchPlan(mode='balanced', bucketing=True)
+    before = _loaders(1, batch_size=2, plan=plan)
+    first = _draw(before, steps=2)
+    states = [loader.state_dict() for loader in before]
+    after = _loaders(new, batch_size=2)
+    for rank, loader in enumerate(after):
+        loader.resume_from_rests(states, rank=rank, world=new)
+    shares = [loader.remaining for loader in after]
+    assert sum(shares) == N - len(first) and max(shares) - min(shares) <= 2  # dealt over the ranks, not all to each
+    rest = _draw(after)
+    assert sorted(first + rest) == list(range(N))  # the epoch exactly once

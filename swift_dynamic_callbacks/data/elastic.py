@@ -237,13 +237,14 @@ class ElasticDataLoader:
         rests = distributed.gather_objects(self.shard.rest)
         consumed = int((self.redealt or {}).get('consumed', 0)) + sum(positions)
         merged = redeal(rests, 1)[0]  # the order in which the ranks would have drawn them
-        self._take_balanced(merged, self.layout.plan, consumed, distributed.world_size())
+        self._take_balanced(merged, self.layout.plan, consumed, distributed.rank(), distributed.world_size())
 
-    def _take_balanced(self, merged: list[int], plan: length_policy.BatchPlan, consumed: int, world: int) -> None:
-        """The rest of the epoch is this rank's share of ``merged`` (every rank's samples left) laid out in balanced
-        steps at the current size; the epoch counts as re-dealt over ``world`` processes."""
+    def _take_balanced(self, merged: list[int], plan: length_policy.BatchPlan, consumed: int, rank: int,
+                       world: int) -> None:
+        """The rest of the epoch is rank ``rank``'s share of ``merged`` (every rank's samples left) laid out in
+        balanced steps at the current size over ``world`` processes; the epoch counts as re-dealt over them."""
         share, spreads = self.layout.balanced_share(merged, self.epoch, plan, self.batch_size, self.entries_per_step,
-                                                    salt=consumed)
+                                                    salt=consumed, rank=rank, world=world)
         self.layout.set_current(plan, None, spreads)
         self.shard.take_share(share, consumed=consumed, dealt=len(merged), world=world)
 
@@ -512,7 +513,7 @@ class ElasticDataLoader:
             self.layout.set_current(order_plan)
             self.shard.take_share(share, consumed=saved.consumed, dealt=saved.left, world=world)
         elif order_plan is not None and order_plan.balanced:  # balanced steps for the new world
-            self._take_balanced(redeal(saved.rests, 1)[0], order_plan, saved.consumed, world)
+            self._take_balanced(redeal(saved.rests, 1)[0], order_plan, saved.consumed, rank, world)
         else:
             share, chunks = redeal(saved.rests, world)[rank], None
             if order_plan is not None and order_plan.bucketing:

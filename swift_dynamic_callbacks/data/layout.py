@@ -78,12 +78,16 @@ class EpochLayout:
         return order
 
     def balanced_share(self, order: list[int], epoch: int, plan: length_policy.BatchPlan, batch: int, entries: int, *,
-                       salt: int = 0) -> tuple[list[int], list[tuple[float, float]]]:
-        """This rank's share of ``order`` (all ranks' samples) laid out in balanced steps, and the steps' spreads."""
-        layout = balanced_layout(order, self.rows.costs, world=distributed.world_size(), batch=batch,
+                       salt: int = 0, rank: int | None = None,
+                       world: int | None = None) -> tuple[list[int], list[tuple[float, float]]]:
+        """Rank ``rank``'s share of ``order`` (all ranks' samples) laid out in balanced steps over ``world`` ranks,
+        and the steps' spreads (``None``: this process's rank and world size)."""
+        world = distributed.world_size() if world is None else world
+        rank = distributed.rank() if rank is None else rank
+        layout = balanced_layout(order, self.rows.costs, world=world, batch=batch,
                                  entries=entries, seed=plan.seed + salt, epoch=epoch, jitter=plan.bucket_width,
                                  coef=self.work_coef, padding_free=plan.padding_free)
-        return layout.shares[distributed.rank()], list(zip(layout.spread, layout.unbalanced))
+        return layout.shares[rank], list(zip(layout.spread, layout.unbalanced))
 
     def set_current(self, plan: length_policy.BatchPlan | None, chunks: list[int] | None = None,
                     spreads: Sequence[tuple[float, float]] = ()) -> None:
