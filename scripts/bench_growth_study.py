@@ -252,20 +252,21 @@ def step_log(train_rows: list[dict], probe: dict[int, dict]) -> dict[str, list]:
     return cols
 
 
-def noise_scale(steps: dict[str, list], decay: float = 0.9) -> float | None:
-    """B_simple in rows at the end of a run: tr(Sigma) / |G|^2 from EMAs of McCandlish et al.'s two unbiased terms
-    (``policies.growth.noise_scale_terms``, in loss tokens), divided by the run's mean loss tokens per row."""
-    from swift_dynamic_callbacks.policies.growth import critical_batch, ema, noise_scale_terms
-    g2 = trace = None
-    tokens = rows = 0
+def noise_scale(steps: dict[str, list]) -> float | None:
+    """B_simple in rows over a run: tr(Sigma) / |G|^2 from the means over its steps of McCandlish et al.'s two unbiased
+    terms (``policies.growth.noise_scale_terms``, in loss tokens; one step's pair is very noisy, and the ratio of the
+    means is the run's estimate), divided by the run's mean loss tokens per row."""
+    from swift_dynamic_callbacks.policies.growth import critical_batch, noise_scale_terms
+    terms, tokens, rows = [], 0, 0
     for noise in steps.get('noise', []):
         if not noise or noise[1] >= noise[3]:
             continue
-        g, t = noise_scale_terms(noise[0], noise[1], noise[2], noise[3])
-        g2, trace = ema(g2, g, decay), ema(trace, t, decay)
+        terms.append(noise_scale_terms(noise[0], noise[1], noise[2], noise[3]))
         tokens, rows = tokens + noise[3], rows + noise[4]
-    scale = critical_batch(g2, trace) if g2 is not None else None
-    return scale / (tokens / rows) if scale is not None and rows else None
+    if not terms:
+        return None
+    scale = critical_batch(statistics.fmean(g for g, _ in terms), statistics.fmean(t for _, t in terms))
+    return scale / (tokens / rows) if scale is not None else None
 
 
 def run_name(arm: str, lr: float) -> str:
@@ -374,8 +375,8 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None) -> No
                 else:
                     cells.append(f'**{grid[arm][lr]:.4f}**' if grid[arm][lr] == best else f'{grid[arm][lr]:.4f}')
             print(f'| {arm} | ' + ' | '.join(cells) + ' |')
-    print('\nevery run (wall s: model load, training and the eval; B_simple: the gradient noise scale at the end, '
-          'EMA 0.9):')
+    print('\nevery run (wall s: model load, training and the eval; B_simple: the gradient noise scale, from '
+          'the means of its terms over the run):')
     print('| arm | beta2 | seed | steps | passes | eval loss | train loss | wall s | eval s | B_simple (rows) |')
     print('|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
     for r in results:
