@@ -7,9 +7,9 @@
 # Phases (PHASES, default "proof main": about 8 minutes, one device call with timeout 600):
 # - proof (under a minute): scripts/packed_proof.py, the padded micro-batch against its packed forms on every
 #   attention that loads (loss and LoRA gradient; flex_attention's backward only runs on CUDA).
-# - main (about 7 minutes: no arm starts after 4, then the OOM phase): an unmeasured warm-up, then plain ms-swift's random order (4 x 4),
-#   group_by_length at the largest per-device batch that fits the global batch (16 x 1, else 8 x 2, else 4 x 4: the
-#   first that runs), the pack's pass_tokens at P, pass_tokens: auto (its choice in the notes under the table),
+# - main (about 7 minutes: no arm starts after 4, then the OOM phase): an unmeasured warm-up, then plain ms-swift's
+#   random order (4 x 4), group_by_length at the largest per-device batch that fits the global batch (16 x 1, else
+#   8 x 2, else 4 x 4: the first that runs), the pack's pass_tokens at P, pass_tokens: auto (its choice in the notes under the table),
 #   padding-free passes (packed_attention: auto: flash-attn where installed, else flex_attention; its first step's
 #   time and what torch compiled in the notes), the bare PEFT loop; then the OOM phase: pass_tokens 2 P with 75 % of
 #   the GPU (it runs out of memory and recovers in tokens) against a run planned from the start at the budget it
@@ -62,7 +62,8 @@ if [[ " $PHASES " == *" main "* ]]; then
   profile=()
   if [ -n "${PROFILE:-}" ]; then profile=(--profile-arms random group_by_length pack_passes); fi
   TORCH_LOGS=recompiles "$PY" scripts/bench_throughput.py "${common[@]}" --model random:qwen2.5-1.5b \
-    --pass-tokens "$PASS_TOKENS" --deadline 240 --arms random "$GBL" pack_passes pack_passes_auto pack_passes_padding_free bare_loop \
+    --pass-tokens "$PASS_TOKENS" --deadline 240 \
+    --arms random "$GBL" pack_passes pack_passes_auto pack_passes_padding_free bare_loop \
     --oom-fraction 0.75 --oom-pass-tokens $((2 * PASS_TOKENS)) "${profile[@]}" \
     --jsonl "$OUT/throughput.jsonl" "$@" 2>&1 | tee "$OUT/log.txt"
 fi
