@@ -8,11 +8,11 @@
 # - proof (under a minute): scripts/packed_proof.py, the padded micro-batch against its packed forms on every
 #   attention that loads (loss and LoRA gradient; flex_attention's backward only runs on CUDA).
 # - main (about 7 minutes: no arm starts after 4, then the OOM phase): an unmeasured warm-up, then plain ms-swift's
-#   random order (4 x 4), group_by_length at the largest per-device batch that fits the global batch (16 x 1, else
-#   8 x 2, else 4 x 4: the first that runs), the pack's pass_tokens at P, pass_tokens: auto (its choice in the
-#   notes under the table), padding-free passes (packed_attention: auto: flash-attn where installed, else flex_attention; its first step's
-#   time and what torch compiled in the notes), the bare PEFT loop; then the OOM phase: pass_tokens 2 P with 75 % of
-#   the GPU (it runs out of memory and recovers in tokens) against a run planned from the start at the budget it
+#   random order (4 x 4), group_by_length at the largest per-device batch that fits the global batch (16 x 1, else 8 x
+#   2, else 4 x 4: the first that runs), the pack's pass_tokens at P, pass_tokens: auto (its choice in the notes under
+#   the table), padding-free passes (packed_attention: auto: flash-attn where installed, else flex_attention; its first
+#   step's time and what torch compiled in the notes), the bare PEFT loop; then the OOM phase: pass_tokens 2 P with 75 %
+#   of the GPU (it runs out of memory and recovers in tokens) against a run planned from the start at the budget it
 #   recovered to, with the same memory (the "[oom]" lines: tokens/s after the recovery, goal >= 0.9 x).
 # - 7b (about 6 minutes, a second call): the Qwen2.5-7B shape, pass_tokens 8192 and auto against group_by_length at
 #   the largest per-device batch that fits.
