@@ -161,11 +161,6 @@ class StepRunner:
         self.padding_free = bool(on)
         return record
 
-    @property
-    def packed_attention(self) -> str:
-        """The attention packed rows are finished for now."""
-        return self.attention.kernel
-
     def take_records(self) -> list[DecisionRecord]:
         """The decisions made inside the last step (a kernel fallback), to hold at the boundary."""
         records, self.records = self.records, []
