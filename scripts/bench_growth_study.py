@@ -6,6 +6,9 @@ Arms (every arm sees the same ``--samples`` GSM8K train rows once, in the same o
 - ``baseline``: fixed micro-batch 1 x GA 2 (2 rows a step: 64 steps on 128 rows), plain ms-swift.
 - ``control_a``: fixed micro-batch 2 x GA 2 (4 rows a step: 32 steps), plain ms-swift: the control that says whether
   growth is what saves the steps.
+- ``fixed_4``, ``fixed_8``: fixed micro-batch 4 (8) x GA 2 (16 and 8 steps), plain ms-swift: with the baseline and
+  control A the fixed-batch frontier {1, 2, 4, 8} that the growth arms are placed on (eval loss against steps and
+  against GPU seconds, ``scripts/growth_clock.py``).
 - ``growth_b``: OLMo-style batch warmup in rows: 2 rows a step for the first quarter of the rows, 4 for the second,
   8 for the second half (micro 1, 2, 4 x GA 2: 16 + 8 + 8 = 32 steps on 128 rows), the LR x sqrt(2) at each
   doubling. Pack settings only: ``batch_growth`` ``policy: table`` at the steps where those rows are reached
@@ -46,7 +49,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'scripts'))
 import bench_quality  # noqa: E402 - a sibling script: the model folder, the train rows and the paired interval
 
-ARMS = ('baseline', 'control_a', 'growth_b')
+ARMS = ('baseline', 'control_a', 'growth_b', 'fixed_4', 'fixed_8')
+#: the fixed arms' micro-batch
+FIXED = {'baseline': 1, 'control_a': 2, 'fixed_4': 4, 'fixed_8': 8}
 TEST_FILE = os.path.join(ROOT, 'scripts', 'assets', 'gsm8k-test-500.jsonl.gz')
 TEST_ROWS = 500
 #: the study's LR ladder: 2e-3 (the last study's tuned baseline) times powers of sqrt(2), as the run names write them
@@ -79,10 +84,8 @@ def growth_stages(samples: int) -> dict[int, int]:
 
 def arm_settings(arm: str, samples: int, ga: int) -> tuple[dict, dict, list[str]]:
     """(ms-swift overrides, pack settings, pack callbacks) of one arm."""
-    if arm == 'baseline':
-        return {'per_device_train_batch_size': 1}, {}, []
-    if arm == 'control_a':
-        return {'per_device_train_batch_size': 2}, {}, []
+    if arm in FIXED:
+        return {'per_device_train_batch_size': FIXED[arm]}, {}, []
     if arm == 'growth_b':
         table = rows_table(growth_stages(samples), ga)
         growth = {'policy': 'table', 'initial': 1, 'maximum': max(table.values()), 'table': table,
@@ -98,10 +101,12 @@ def write_test_rows(dest: str, rows: int) -> str:
     with gzip.open(TEST_FILE, 'rt', encoding='utf-8') as f:
         items = [json.loads(line) for line in f if line.strip()][:rows]
     items.sort(key=lambda r: len(r['question']) + len(r['answer']))
-    with open(dest, 'w', encoding='utf-8') as f:
+    tmp = f'{dest}.{os.getpid()}.tmp'  # written whole, then renamed: a run of another stream may be reading it
+    with open(tmp, 'w', encoding='utf-8') as f:
         for r in items:
             f.write(json.dumps({'messages': [{'role': 'user', 'content': r['question']},
                                              {'role': 'assistant', 'content': r['answer']}]}) + '\n')
+    os.replace(tmp, dest)
     return dest
 
 
@@ -179,26 +184,34 @@ def make_probe():
     return GrowthProbe
 
 
+def sft_settings(arm: str, lr: float, seed: int, beta2: float, args: argparse.Namespace, model: str, flags: dict,
+                 train: str, out: str, extra_callbacks: list[str], **overrides) -> tuple[dict, dict]:
+    """(``SftArguments`` keyword arguments, pack settings) of one run of ``arm``: every run of the study and of its
+    GPU clock (``growth_clock.py``) is built here, so both train the same rows in the same order with the same
+    settings. ``overrides`` replace ms-swift arguments (the eval rows, the dtype)."""
+    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
+    arm_overrides, pack, callbacks = arm_settings(arm, args.samples, args.ga)
+    kwargs = offline_sft_kwargs(
+        model, train, out, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=args.ga, learning_rate=lr,
+        lr_scheduler_type='cosine', warmup_ratio=0.1, seed=seed, data_seed=seed, max_length=args.max_length,
+        adam_beta2=beta2, eval_strategy='no', gradient_checkpointing=False, save_strategy='no',
+        callbacks=[*callbacks, 'training_log', *extra_callbacks], **{**flags, **arm_overrides, **overrides})
+    return kwargs, {**pack, 'training_log': {'memory': False}}
+
+
 def run_arm(arm: str, lr: float, seed: int, beta2: float, args: argparse.Namespace, model: str, flags: dict,
             train: str, test: str) -> dict:
     import swift_dynamic_callbacks as sdc
     from swift import SftArguments, sft_main
     from swift.callbacks import callbacks_map
     from swift_dynamic_callbacks.integrations import swift as plugin
-    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
-    overrides, pack, callbacks = arm_settings(arm, args.samples, args.ga)
     name = run_name(arm, lr)
-    out = os.path.join(args.out, f'{name}-b{beta2:g}-seed{seed}')
+    out = os.path.join(args.out, run_key(name, seed, beta2))
     shutil.rmtree(out, ignore_errors=True)
     probe = make_probe()
     callbacks_map['growth_probe'] = probe
-    kwargs = offline_sft_kwargs(
-        model, train, out, max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=args.ga, learning_rate=lr,
-        lr_scheduler_type='cosine', warmup_ratio=0.1, seed=seed, data_seed=seed, max_length=args.max_length,
-        adam_beta2=beta2, val_dataset=[test], eval_strategy='no', per_device_eval_batch_size=4,
-        gradient_checkpointing=False, save_strategy='no', callbacks=[*callbacks, 'training_log', 'growth_probe'],
-        **{**flags, **overrides})
-    settings = {**pack, 'training_log': {'memory': False}}
+    kwargs, settings = sft_settings(arm, lr, seed, beta2, args, model, flags, train, out, ['growth_probe'],
+                                    val_dataset=[test], per_device_eval_batch_size=4)
     try:
         sdc.register(**settings)
         start = time.perf_counter()
@@ -233,15 +246,22 @@ def run_arm(arm: str, lr: float, seed: int, beta2: float, args: argparse.Namespa
 
 
 def step_log(train_rows: list[dict], probe: dict[int, dict]) -> dict[str, list]:
-    """Per optimizer step (logging_steps 1), column-wise: LR used, global batch (rows), rows consumed, loss, gradient
-    norm, Adam update RMS per unit LR, and the noise terms ``[|g_1|^2, tokens_1, |g|^2, tokens, rows]``."""
-    cols: dict[str, list] = {k: [] for k in ('lr', 'batch', 'rows', 'loss', 'grad_norm', 'update_rms', 'noise')}
+    """Per optimizer step (logging_steps 1), column-wise: LR used, global batch (rows), rows consumed, passes, padded
+    tokens (the pass layout a GPU clock is priced from), loss, gradient norm, Adam update RMS per unit LR, and the
+    noise terms ``[|g_1|^2, tokens_1, |g|^2, tokens, rows]``."""
+    cols: dict[str, list] = {k: [] for k in ('lr', 'batch', 'rows', 'passes', 'padded', 'loss', 'grad_norm',
+                                             'update_rms', 'noise')}
+    padded_before = 0
     for r in train_rows:
         step = int(str(r['global_step/max_steps']).split('/')[0])
         mine = probe.get(step, {})
         cols['lr'].append(float(f'{mine.get("lr", r.get("learning_rate", 0.0)):.4g}'))
         cols['batch'].append(int(r['dynamic/global_batch_size']))
         cols['rows'].append(int(r['dynamic/samples_seen']))
+        cols['passes'].append(int(r['dynamic/global_batch_size']) // int(r['dynamic/batch_size']))
+        padded = int(float(r['dynamic/padded_tokens_seen']))
+        cols['padded'].append(padded - padded_before)
+        padded_before = padded
         cols['loss'].append(round(float(r['loss']), 4))
         cols['grad_norm'].append(round(float(r['grad_norm']), 4) if r.get('grad_norm') is not None else None)
         rms = mine.get('update_rms')
@@ -267,6 +287,61 @@ def noise_scale(steps: dict[str, list]) -> float | None:
         return None
     scale = critical_batch(statistics.fmean(g for g, _ in terms), statistics.fmean(t for _, t in terms))
     return scale / (tokens / rows) if scale is not None else None
+
+
+def claim(claims: str, run: str) -> bool:
+    """Claims ``run`` for this process (a file in the folder ``claims`` holding its PID, made atomically): True when
+    this process may run it, False while another live process holds it. A claim whose process is gone (a stream
+    stopped mid-run) is taken over. Two study streams sharing ``claims`` and ``--jsonl`` never run the same run."""
+    os.makedirs(claims, exist_ok=True)
+    path = os.path.join(claims, run)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if claim_alive(path):
+                return False
+            os.remove(path)  # its process is gone: take it over
+            continue
+        with os.fdopen(fd, 'w') as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def claim_alive(path: str) -> bool:
+    """Whether the process that wrote the claim ``path`` still runs (a claim being written counts as alive)."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            pid = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return False
+    if pid == 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_for_claims(claims: str, jsonl: str, poll: float = 30.0) -> None:
+    """Waits until every live claim in ``claims`` has its line in ``jsonl``: a stream picks LRs or looks at the
+    reporting seeds only on every run that another stream has started."""
+    while os.path.isdir(claims):
+        done = {run_key(r['arm'], r['seed'], r['adam_beta2']) for r in read_jsonl([jsonl])}
+        pending = [n for n in os.listdir(claims) if n not in done and claim_alive(os.path.join(claims, n))]
+        if not pending:
+            return
+        print(f'waiting for the runs of another stream: {", ".join(sorted(pending))}', file=sys.stderr, flush=True)
+        time.sleep(poll)
+
+
+def run_key(name: str, seed: int, beta2: float) -> str:
+    """One run's name in file names (its log folder, its claim)."""
+    return f'{name}-b{beta2:g}-seed{seed}'
 
 
 def run_name(arm: str, lr: float) -> str:
@@ -420,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'bench_growth_study'))
     parser.add_argument('--jsonl', default=None, help='append every result line to this file as it comes')
     parser.add_argument('--skip-done', action='store_true', help='skip the runs (arm, LR, seed, beta2) in --jsonl')
+    parser.add_argument('--claims', default=None, metavar='DIR',
+                        help='claim each run in this folder first (two streams of the study share it); with '
+                             '--from-jsonl: wait until every run claimed there has its line')
     parser.add_argument('--prepare', action='store_true', help='train nothing: the model folder and the data files')
     parser.add_argument('--from-jsonl', nargs='+', default=None, metavar='FILE',
                         help='train nothing: the tables of these result lines (or with --pick, the study\'s choice)')
@@ -438,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_seeds and set(args.report_seeds) & set(args.tune_seeds):
         parser.error('--report-seeds and --tune-seeds must not share a seed')
     if args.from_jsonl is not None:
+        if args.claims:
+            wait_for_claims(args.claims, args.from_jsonl[0])
         results = read_jsonl(args.from_jsonl)
         if args.pick == 'beta2':
             print(pick_beta2(results, args.tune_seeds, args.lrs[0]))
@@ -460,7 +540,16 @@ def main(argv: list[str] | None = None) -> int:
             for arm in args.arms:
                 if (run_name(arm, lr), seed, args.beta2) in done:
                     continue
-                result = run_arm(arm, lr, seed, args.beta2, args, model, flags, train, test)
+                key = run_key(run_name(arm, lr), seed, args.beta2)
+                if args.claims and not claim(args.claims, key):
+                    print(f'{key}: claimed by another stream, skipped', flush=True)
+                    continue
+                try:
+                    result = run_arm(arm, lr, seed, args.beta2, args, model, flags, train, test)
+                except BaseException:
+                    if args.claims:  # failed: another try may run it
+                        os.remove(os.path.join(args.claims, key))
+                    raise
                 line = json.dumps(result)
                 print(line, flush=True)
                 if args.jsonl:

@@ -17,7 +17,9 @@
 #    paired difference against the baseline is above +1.5 % is stopped);
 # 4. the tables (bench_growth_study.py --from-jsonl), the reporting seeds apart from the tuning seeds.
 # Every run appends one JSON line to $JSONL (committed); a stopped study continues where it stopped (--skip-done):
-# run the same command again. About 11-12 minutes a run on one thread (figures in docs/benchmarks.md once measured).
+# run the same command again. Two streams (one a core): run the command twice, CORE=1 and CORE=0: each run is
+# claimed first ($CLAIMS, a folder: the other stream skips it), and a stream picks LRs or looks at the reporting
+# seeds only once every claimed run has its line. About 11-12 minutes a run on one thread (figures in docs/benchmarks.md once measured).
 # Never part of the test run (tests/test_bench_growth_study.py runs this script on the tiny model).
 # Usage: bash scripts/growth_study.sh [JSONL]     STAGE=beta2|tune|report|table (that stage only; all: every stage)
 set -euo pipefail
@@ -30,6 +32,7 @@ SAMPLES=${SAMPLES:-128}
 EVAL_ROWS=${EVAL_ROWS:-500}
 MAX_LENGTH=${MAX_LENGTH:-512}
 OUT=${OUT:-output/growth_study}
+CLAIMS=${CLAIMS:-$OUT/claims}
 CORE=${CORE-1}  # '': not pinned
 BASE_LR=${BASE_LR:-0.002}
 read -r -a TUNE <<< "${TUNE_SEEDS:-0 1}"
@@ -45,15 +48,16 @@ case $STAGE in
 esac
 mkdir -p "$(dirname "$JSONL")" "$OUT"
 S=("$PY" scripts/bench_growth_study.py --model "$MODEL" --samples "$SAMPLES" --eval-rows "$EVAL_ROWS"
-   --max-length "$MAX_LENGTH" --out "$OUT" --tune-seeds "${TUNE[@]}")
+   --max-length "$MAX_LENGTH" --out "$OUT" --tune-seeds "${TUNE[@]}" --claims "$CLAIMS")
 PIN=()
 if [ -n "$CORE" ]; then PIN=(env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE"); fi
 
-one() {  # one ARM LR SEED BETA2: a run, unless its line is in $JSONL
-  local log=$OUT/$1@$2-b$4-seed$3.log
+one() {  # one ARM LR SEED BETA2: a run, unless its line is in $JSONL or another stream claimed it
+  local log=$OUT/$1@$2-b$4-seed$3.${CORE:-all}.log
   "${PIN[@]}" "${S[@]}" --arms "$1" --lrs "$2" --seeds "$3" --beta2 "$4" --jsonl "$JSONL" --skip-done \
     < /dev/null > "$log" 2>&1 || { echo "failed: $1 at $2, beta2 $4, seed $3 (log: $log)" >&2; return 1; }
-  echo "$(date -u +%H:%M:%S) done: $1 at $2, beta2 $4, seed $3"
+  if grep -q 'claimed by another stream' "$log"; then echo "$(date -u +%H:%M:%S) another stream runs $1 at $2, seed $3"
+  else echo "$(date -u +%H:%M:%S) done: $1 at $2, beta2 $4, seed $3"; fi
 }
 
 pick() {  # pick beta2|best|extend|futility [BETA2]

@@ -38,7 +38,7 @@ def test_arm_b_is_a_batch_growth_table_at_the_rows_of_its_stages(bench):
     assert overrides == {'per_device_train_batch_size': 1} and callbacks == ['batch_growth']
     config = parse_section(pack, callbacks).callback_config('batch_growth')  # ConfigError on a bad setting
     assert config.policy == 'table' and dict(config.table) == {0: 1, 16: 2, 24: 4} and config.lr_scaling == 'sqrt'
-    for arm, micro in (('baseline', 1), ('control_a', 2)):
+    for arm, micro in (('baseline', 1), ('control_a', 2), ('fixed_4', 4), ('fixed_8', 8)):
         assert bench.arm_settings(arm, 128, 2) == ({'per_device_train_batch_size': micro}, {}, [])
     with pytest.raises(ValueError, match='not whole steps'):
         bench.rows_table({0: 1, 3: 2}, ga=2)
@@ -81,6 +81,42 @@ def test_each_arms_lr_the_next_rung_past_an_edge_and_the_futility_look(bench):
         line('growth_b@0.002', 2, 0.81), line('growth_b@0.002', 3, 0.8130)]  # +1.25 %, +1.6 %: mean 1.4 %
     assert bench.futility(report, [2, 3], 0.95, chosen) == ['control_a']
     assert bench.futility(report, [2, 3, 4], 0.95, chosen) == []  # seed 4 missing: no look yet
+
+
+def test_two_streams_never_run_the_same_run_and_a_dead_streams_claim_is_taken_over(bench, tmp_path):
+    claims, jsonl = str(tmp_path / 'claims'), str(tmp_path / 'g.jsonl')
+    key = bench.run_key('baseline@0.002', 2, 0.95)
+    assert key == 'baseline@0.002-b0.95-seed2'
+    assert bench.claim(claims, key) is True
+    assert bench.claim(claims, key) is False  # held by a live process (this one)
+    gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
+    dead = tmp_path / 'claims' / bench.run_key('growth_b@0.002', 2, 0.95)
+    dead.write_text(gone.stdout.strip(), encoding='utf-8')
+    assert bench.claim(claims, dead.name) is True and dead.read_text(encoding='utf-8') == str(os.getpid())
+    # a stream picks only when every live claim has its line: both lines there, no wait
+    with open(jsonl, 'w', encoding='utf-8') as f:
+        for arm in ('baseline@0.002', 'growth_b@0.002'):
+            f.write(json.dumps(line(arm, 2, 0.8)) + '\n')
+    bench.wait_for_claims(claims, jsonl, poll=0.01)
+    # a live claim without its line: still waiting after the poll
+    import threading
+    bench.claim(claims, bench.run_key('control_a@0.002', 2, 0.95))
+    waiter = threading.Thread(target=bench.wait_for_claims, args=(claims, jsonl), kwargs={'poll': 0.01}, daemon=True)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()
+    with open(jsonl, 'a', encoding='utf-8') as f:
+        f.write(json.dumps(line('control_a@0.002', 2, 0.8)) + '\n')
+    waiter.join(5)
+    assert not waiter.is_alive()
+
+
+def test_the_step_log_holds_each_steps_pass_layout(bench):
+    logged = [{'global_step/max_steps': f'{k}/2', 'dynamic/global_batch_size': 4, 'dynamic/batch_size': b,
+               'dynamic/samples_seen': 4 * k, 'dynamic/padded_tokens_seen': padded, 'loss': 1.0, 'grad_norm': 1.0,
+               'learning_rate': 1e-3} for k, b, padded in ((1, 2, 800), (2, 4, 1500))]
+    steps = bench.step_log(logged, {})
+    assert steps['passes'] == [2, 1] and steps['padded'] == [800, 700] and steps['batch'] == [4, 4]
 
 
 def test_the_noise_scale_in_rows_from_the_logged_terms(bench):
