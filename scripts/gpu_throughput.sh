@@ -14,6 +14,11 @@
 #   step's time and what torch compiled in the notes), the bare PEFT loop; then the OOM phase: pass_tokens 2 P with 75 %
 #   of the GPU (it runs out of memory and recovers in tokens) against a run planned from the start at the budget it
 #   recovered to, with the same memory (the "[oom]" lines: tokens/s after the recovery, goal >= 0.9 x).
+# - growth (about 2 minutes; issue 39): scripts/growth_clock.py, the growth study's arms (SmolLM2-135M shape, random
+#   weights, bf16) timed under ms-swift on seeds $GROWTH_SEEDS (default 2 3) and the cost of one pass by rows x padded
+#   length: $OUT/growth_clock.jsonl (commit it as docs/figures/growth_39_clock.jsonl). Needs the shape folder
+#   $GROWTH_SHAPE (default .gpu/smollm2-135m-shape: the study's model folder without its weights, see below).
+# MAIN_ARMS replaces phase main's arms, DEADLINE its --deadline (240).
 # - 7b (about 6 minutes, a second call): the Qwen2.5-7B shape, pass_tokens 8192 and auto against group_by_length at
 #   the largest per-device batch that fits.
 # - liger (about 2 minutes, needs liger-kernel): pass_tokens P and 2 P with ms-swift's use_liger_kernel (fused linear
@@ -24,6 +29,7 @@
 #
 # On a machine without network (../shared/gpu/README.md): bring the wheels and the data mix into the working tree
 #   bash ../shared/gpu/fetch_wheels.sh .gpu/whl && mkdir -p .gpu/data && cp -r ../shared/data/{gsm8k,alpaca-gpt4-en-demo,lima,glaive-toolcall-en-demo} .gpu/data/
+#   mkdir -p .gpu/smollm2-135m-shape && cp .cache/bench/smollm2-135m-instruct/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/smollm2-135m-shape/   # after one study run (or bench_growth_study.py --prepare)
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/whl liger-kernel==0.8.5
 # and run, each as one device call (carry [".gpu"], timeout_s 600; the wheels go to /tmp/site, PYTHONPATH):
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT bash scripts/gpu_throughput.sh                 # proof, main, OOM
@@ -58,12 +64,20 @@ if [[ " $PHASES " == *" proof "* ]]; then  # padded vs packed: loss and LoRA gra
   timeout 120 "$PY" scripts/packed_proof.py --model random:qwen2.5-1.5b --device cuda --work "$WORK" \
     --jsonl "$OUT/proof.jsonl" 2>&1 | tee "$OUT/proof.txt" || echo "proof: failed or timed out (rc $?)"
 fi
+if [[ " $PHASES " == *" growth "* ]]; then  # the growth study's clock (issue 39); every arm's cause of failure printed
+  read -r -a seeds <<< "${GROWTH_SEEDS:-2 3}"
+  timeout "${GROWTH_TIMEOUT:-240}" "$PY" scripts/growth_clock.py --device cuda \
+    --shape "${GROWTH_SHAPE:-.gpu/smollm2-135m-shape}" --seeds "${seeds[@]}" --deadline "${GROWTH_DEADLINE:-150}" \
+    --work /tmp/growth_clock --jsonl "$OUT/growth_clock.jsonl" > "$OUT/growth_clock.log" 2>&1 \
+    || echo "growth: failed or timed out (rc $?)"
+  grep -E '^\||^\[arm-skipped\]|^optimizer|^cost|^each|Error:' "$OUT/growth_clock.log" | tail -60 || true
+fi
 if [[ " $PHASES " == *" main "* ]]; then
   profile=()
   if [ -n "${PROFILE:-}" ]; then profile=(--profile-arms random group_by_length pack_passes); fi
   TORCH_LOGS=recompiles "$PY" scripts/bench_throughput.py "${common[@]}" --model random:qwen2.5-1.5b \
-    --pass-tokens "$PASS_TOKENS" --deadline 240 \
-    --arms random "$GBL" pack_passes pack_passes_auto pack_passes_padding_free bare_loop \
+    --pass-tokens "$PASS_TOKENS" --deadline "${DEADLINE:-240}" \
+    --arms ${MAIN_ARMS:-random "$GBL" pack_passes pack_passes_auto pack_passes_padding_free bare_loop} \
     --oom-fraction 0.75 --oom-pass-tokens $((2 * PASS_TOKENS)) "${profile[@]}" \
     --jsonl "$OUT/throughput.jsonl" "$@" 2>&1 | tee "$OUT/log.txt"
 fi
