@@ -481,6 +481,66 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None) -> No
             print(f'| {arm} | {beta2:g} | {len(pairs)} | {saved:.0%} | {mean:+.2%} | [{low:+.2%}, {high:+.2%}] |')
 
 
+def gpu_seconds(clock: list[dict]) -> tuple[dict[str, float], str]:
+    """``({arm: mean training seconds on the device}, device)`` from ``growth_clock.py``'s arm lines (warm-up runs
+    left out)."""
+    by: dict[str, list[float]] = {}
+    device = ''
+    for line in clock:
+        if line.get('kind') == 'arm' and not line.get('warmup'):
+            by.setdefault(line['arm'], []).append(line['train_s'])
+            device = line.get('device', device)
+    return {arm: statistics.fmean(v) for arm, v in by.items()}, device
+
+
+def frontier(results: list[dict], tune: list[int], report: list[int], clock: list[dict], png: str | None) -> None:
+    """Each arm at its best LR (chosen on the tuning seeds): steps, passes, GPU seconds (``--clock``) and mean eval
+    loss over the reporting seeds it ran; with ``png`` a figure of eval loss against optimizer steps and against GPU
+    seconds, the fixed micro-batches {1, 2, 4, 8} joined as the frontier."""
+    beta2 = pick_beta2(results, tune, 2e-3) or '0.95'
+    chosen = dict(line.split() for line in pick_lrs(results, tune, float(beta2), 'best'))
+    seconds, device = gpu_seconds(clock)
+    points = []
+    print(f'\nthe frontier (beta2 {beta2}; each arm at its LR chosen on seeds {tune}; eval loss: the mean over the '
+          f'reporting seeds it ran; GPU s: training on {device or "no GPU measured"}, scripts/growth_clock.py):')
+    print('| arm | LR | steps | passes | GPU s | reporting seeds | mean eval loss |')
+    print('|---|---:|---:|---:|---:|---:|---:|')
+    for arm in ARMS:
+        if arm not in chosen:
+            continue
+        name = run_name(arm, float(chosen[arm]))
+        runs = [r for r in results if r['arm'] == name and r['adam_beta2'] == float(beta2) and r['seed'] in report]
+        any_run = next((r for r in results if r['arm'] == name), None)
+        loss = statistics.fmean(r['eval_loss'] for r in runs) if runs else None
+        gpu = seconds.get(arm)
+        points.append((arm, any_run['optimizer_steps'], gpu, loss))
+        print(f'| {arm} | {chosen[arm]} | {any_run["optimizer_steps"]} | {any_run.get("passes", "-")} | '
+              f'{f"{gpu:.1f}" if gpu is not None else "-"} | {len(runs)} | '
+              f'{f"{loss:.5f}" if loss is not None else "-"} |')
+    if png and any(p[3] is not None for p in points):
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, k, label in ((axes[0], 1, 'optimizer steps'), (axes[1], 2, f'GPU seconds ({device})')):
+            fixed = sorted((p[k], p[3]) for p in points if p[0] in FIXED and p[3] is not None and p[k] is not None)
+            if fixed:
+                ax.plot(*zip(*fixed), 'o-', color='gray', label='fixed micro-batch 1, 2, 4, 8')
+            for arm, steps, gpu, loss in points:
+                x = steps if k == 1 else gpu
+                if loss is not None and x is not None:
+                    ax.annotate(arm, (x, loss), fontsize=8)
+                    if arm not in FIXED:
+                        ax.plot([x], [loss], 's', label=arm)
+            ax.set_xscale('log')
+            ax.set_xlabel(label)
+            ax.set_ylabel('eval loss (500 held-out rows)')
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+        print(f'figure: {png}')
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--samples', type=int, default=128, help='GSM8K train rows (one epoch), at most 500')
@@ -498,6 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--claims', default=None, metavar='DIR',
                         help='claim each run in this folder first (two streams of the study share it); with '
                              '--from-jsonl: wait until every run claimed there has its line')
+    parser.add_argument('--clock', nargs='*', default=None, metavar='FILE',
+                        help='with --from-jsonl: growth_clock.py lines (each arm\'s GPU seconds in the frontier table)')
+    parser.add_argument('--png', default=None, help='with --from-jsonl: the frontier figure (eval loss against steps '
+                                                     'and against GPU seconds)')
     parser.add_argument('--prepare', action='store_true', help='train nothing: the model folder and the data files')
     parser.add_argument('--from-jsonl', nargs='+', default=None, metavar='FILE',
                         help='train nothing: the tables of these result lines (or with --pick, the study\'s choice)')
@@ -528,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
             print('\n'.join(futility(results, args.report_seeds or [], args.beta2, chosen)))
         else:
             tables(results, args.tune_seeds, args.report_seeds)
+            if args.report_seeds or args.clock:
+                frontier(results, args.tune_seeds, args.report_seeds or [], read_jsonl(args.clock or []), args.png)
         return 0
     model, flags, train, test = prepare(args.model, args.samples, args.eval_rows, os.path.join(ROOT, '.cache', 'bench'))
     if args.prepare:

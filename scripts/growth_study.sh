@@ -15,6 +15,10 @@
 # 3. report: each arm at its best LR (mean over the tuning seeds) on the reporting seeds, seed by seed so the pairs
 #    complete together; after $FUTILITY_AT reporting seeds the futility look (stated in advance: an arm whose mean
 #    paired difference against the baseline is above +1.5 % is stopped);
+#    right after that look, the frontier stage (STAGE=frontier alone): the fixed micro-batches 4 and 8 (fixed_4,
+#    fixed_8: 16 and 8 steps, the other points of the fixed-batch frontier {1, 2, 4, 8} with the baseline and A) tuned
+#    the same way on the tuning seeds ($F4_LRS, $F8_LRS, then one more rung past an edge) and run at their best LR on
+#    the look's reporting seeds; then the remaining reporting seeds of the three arms;
 # 4. the tables (bench_growth_study.py --from-jsonl), the reporting seeds apart from the tuning seeds.
 # Every run appends one JSON line to $JSONL (committed); a stopped study continues where it stopped (--skip-done):
 # run the same command again. Two streams (one a core): run the command twice, CORE=1 and CORE=0: each run is
@@ -42,9 +46,13 @@ read -r -a A_LRS <<< "${A_LRS:-0.00283 0.002 0.004}"
 read -r -a B_LRS <<< "${B_LRS:-0.002 0.00141 0.00283}"
 read -r -a BASE_LRS <<< "${BASE_LRS-0.00283 0.00141}"  # the baseline's neighbours at the chosen beta2
 EXTEND=${EXTEND:-2}
+read -r -a F4_LRS <<< "${F4_LRS-0.00283 0.004}"  # fixed_4: the sqrt rule from the baseline's 2e-3 is 4e-3
+read -r -a F8_LRS <<< "${F8_LRS-0.004 0.00566}"  # fixed_8: 5.66e-3 by the same rule
+MAIN='^(baseline|control_a|growth_b) '
+FIXED='^(fixed_4|fixed_8) '
 case $STAGE in
-  all | beta2 | tune | report | table) ;;
-  *) echo "STAGE: all, beta2, tune, report or table, got '$STAGE'" >&2; exit 2 ;;
+  all | beta2 | tune | report | frontier | table) ;;
+  *) echo "STAGE: all, beta2, tune, report, frontier or table, got '$STAGE'" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$JSONL")" "$OUT"
 S=("$PY" scripts/bench_growth_study.py --model "$MODEL" --samples "$SAMPLES" --eval-rows "$EVAL_ROWS"
@@ -96,14 +104,40 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then
     done <<< "$more"
   done
 fi
+frontier() {  # the fixed micro-batches 4 and 8: tuned on the tuning seeds, then on the look's reporting seeds
+  local n=$(( ${#F4_LRS[@]} > ${#F8_LRS[@]} ? ${#F4_LRS[@]} : ${#F8_LRS[@]} )) i seed arm lr more
+  for ((i = 0; i < n; i++)); do
+    for seed in "${TUNE[@]}"; do
+      if [ -n "${F4_LRS[i]:-}" ]; then one fixed_4 "${F4_LRS[i]}" "$seed" "$BETA2"; fi
+      if [ -n "${F8_LRS[i]:-}" ]; then one fixed_8 "${F8_LRS[i]}" "$seed" "$BETA2"; fi
+    done
+  done
+  for ((i = 0; i < EXTEND; i++)); do
+    more=$(pick extend "$BETA2" | grep -E "$FIXED" || true)
+    [ -n "$more" ] || break
+    while read -r arm lr; do
+      for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed" "$BETA2"; done
+    done <<< "$more"
+  done
+  local best; best=$(pick best "$BETA2" | grep -E "$FIXED" || true)
+  echo "frontier arms at their LRs (chosen on seeds ${TUNE[*]}):"; echo "$best"
+  for seed in "${REPORT[@]:0:FUTILITY_AT}"; do
+    while read -r arm lr; do
+      if [ -n "$arm" ]; then one "$arm" "$lr" "$seed" "$BETA2"; fi
+    done <<< "$best"
+  done
+}
+
+if [ "$STAGE" = frontier ]; then frontier; fi
 if [ "$STAGE" = all ] || [ "$STAGE" = report ]; then
-  chosen=$(pick best "$BETA2")
+  chosen=$(pick best "$BETA2" | grep -E "$MAIN")
   echo "reported arms at their LRs (beta2 $BETA2, chosen on seeds ${TUNE[*]}):"; echo "$chosen"
   stopped=""
   for ((k = 0; k < ${#REPORT[@]}; k++)); do
     if [ "$k" -eq "$FUTILITY_AT" ]; then
       stopped=$(REPORT_DONE="${REPORT[*]:0:FUTILITY_AT}" pick futility "$BETA2" | tr '\n' ' ')
       echo "futility look after seeds ${REPORT[*]:0:FUTILITY_AT}: stopped: ${stopped:-none}"
+      if [ "$STAGE" = all ] && [ -n "${F4_LRS[*]}${F8_LRS[*]}" ]; then frontier; fi
     fi
     while read -r arm lr; do
       if [[ " $stopped " != *" $arm "* ]]; then one "$arm" "$lr" "${REPORT[k]}" "$BETA2"; fi

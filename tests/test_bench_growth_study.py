@@ -141,6 +141,22 @@ def test_the_tables_and_the_paired_comparisons(bench, tmp_path, capsys):
         bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--report-seeds', '1'])
 
 
+def test_the_frontier_table_puts_each_arm_on_both_clocks(bench, tmp_path, capsys):
+    rows = [dict(line('baseline@0.002', s, 0.80), passes=128) for s in (0, 1, 2, 3)]
+    rows += [dict(line('fixed_4@0.004', s, 0.82 + s / 100, steps=16), passes=32) for s in (0, 1, 2)]
+    rows += [dict(line('baseline@0.002', s, 0.80, beta2=0.999), passes=128) for s in (0, 1)]
+    clock = [{'kind': 'arm', 'arm': 'fixed_4', 'train_s': t, 'device': 'GPU X'} for t in (10.0, 12.0)]
+    clock += [{'kind': 'arm', 'arm': 'baseline', 'train_s': 99.0, 'warmup': True, 'device': 'GPU X'},
+              {'kind': 'arm', 'arm': 'baseline', 'train_s': 30.0, 'device': 'GPU X'}, {'kind': 'pass', 'rows': 1}]
+    assert bench.gpu_seconds(clock) == ({'fixed_4': 11.0, 'baseline': 30.0}, 'GPU X')
+    png = tmp_path / 'f.png'
+    bench.frontier(rows, [0, 1], [2, 3], clock, str(png))
+    out = capsys.readouterr().out
+    assert '| baseline | 0.002 | 64 | 128 | 30.0 | 2 | 0.80000 |' in out
+    assert '| fixed_4 | 0.004 | 16 | 32 | 11.0 | 1 | 0.84000 |' in out  # seed 3 not run: one reporting seed
+    assert 'training on GPU X' in out and png.stat().st_size > 0
+
+
 @pytest.mark.e2e
 def test_b_runs_the_baselines_lr_schedule_in_rows_and_the_eval_loss_is_token_weighted(bench, tmp_path):
     """Tiny model, 16 rows: B takes 2 + 1 + 1 steps of 2, 4, 8 rows; the LR of each of its steps is the baseline's
@@ -205,3 +221,19 @@ def test_the_study_on_the_tiny_model(tmp_path):
     assert f'beta2 {beta2:g}' in done.stdout and '| growth_b | ' in done.stdout
     again = subprocess.run(['bash', STUDY, str(jsonl)], env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and len(jsonl.read_text(encoding='utf-8').splitlines()) == len(rows)
+
+
+@pytest.mark.slow
+def test_the_frontier_stage_tunes_the_fixed_micro_batches_and_runs_them_on_the_looks_seeds(tmp_path):
+    """STAGE=frontier on the tiny model: fixed_4 and fixed_8 at one LR each on the tuning seed, then each at its
+    best on the reporting seeds of the futility look (the first one here), nothing else."""
+    jsonl = tmp_path / 'study.jsonl'
+    env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'), 'MODEL': 'tiny', 'SAMPLES': '16',
+           'EVAL_ROWS': '8', 'TUNE_SEEDS': '0', 'REPORT_SEEDS': '1 2', 'FUTILITY_AT': '1', 'F4_LRS': '0.002',
+           'F8_LRS': '0.004', 'EXTEND': '0', 'CORE': '', 'STAGE': 'frontier', 'BETA2': '0.95'}
+    done = subprocess.run(['bash', STUDY, str(jsonl)], env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(x) for x in jsonl.read_text(encoding='utf-8').splitlines()]
+    assert [(r['arm'], r['seed'], r['optimizer_steps']) for r in rows] == [
+        ('fixed_4@0.002', 0, 2), ('fixed_8@0.004', 0, 1), ('fixed_4@0.002', 1, 2), ('fixed_8@0.004', 1, 1)]
+    assert 'frontier arms at their LRs' in done.stdout
