@@ -6,6 +6,8 @@ a real swift sft run trains as the padded one does."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -460,9 +462,13 @@ def test_the_start_up_proof_script_passes_and_can_fail(tmp_path, monkeypatch, ca
     proof = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(proof)
     common = ['--model', 'tiny', '--attentions', 'sdpa', 'eager', '--work', str(tmp_path), '--lengths', '9', '40', '3']
-    assert proof.main(common) == 0
+    jsonl = tmp_path / 'proof.jsonl'
+    assert proof.main([*common, '--jsonl', str(jsonl)]) == 0
     out = capsys.readouterr().out
-    assert '| sdpa |' in out and '| eager |' in out and 'DIFFERENT' not in out
+    assert '| sdpa |' in out and '| eager |' in out and 'DIFFERENT' not in out and 'noise floor' in out
+    lines = [json.loads(x) for x in jsonl.read_text(encoding='utf-8').splitlines()]
+    # fp32: padded batches alone agree far below the tolerance, which stays the fp32 one
+    assert all(x['floor'][1] < 1e-5 and x['tolerance'] == [1e-4, 1e-3] for x in lines)
     right = padding_free.flatten_rows
 
     def one_sequence(batch, attention='sdpa'):
@@ -473,6 +479,9 @@ def test_the_start_up_proof_script_passes_and_can_fail(tmp_path, monkeypatch, ca
     monkeypatch.setattr(padding_free, 'flatten_rows', one_sequence)
     assert proof.main(common) == 1
     assert 'DIFFERENT' in capsys.readouterr().out
+    # padded batches that disagree among themselves as much (a noise floor of 100 %) leave nothing to judge by
+    monkeypatch.setattr(proof, 'noise_floor', lambda *args: (1.0, 1.0))
+    assert proof.main(common) == 0
 
 
 @pytest.mark.e2e
