@@ -12,7 +12,8 @@ backward needs CUDA (torch has none on CPU): there its gradient is not checked. 
 over the tolerance (fp32 1e-4 for the loss and 1e-3 for the gradient; bf16 1e-2 and 5e-2: bf16 kernels sum in other
 orders), 0 otherwise. The tolerance is never below twice the noise floor: the largest difference between padded
 batches alone (the reference run again, and the padded batch on eager), printed first: in bf16 on CUDA sdpa's own
-packed form differed by 17 % in the gradient (H200, 2026-11-27), below which no packed kernel can be judged. ``scripts/gpu_throughput.sh`` runs it before the arms.
+packed form differed by 17 % in the gradient (H200, 2026-11-27), below which no packed kernel can be judged.
+``scripts/gpu_throughput.sh`` runs it before the arms.
 
     python scripts/packed_proof.py --model tiny                                     # CPU: sdpa, eager, flex (loss)
     python scripts/packed_proof.py --model random:qwen2.5-1.5b --device cuda        # on a GPU, bf16
