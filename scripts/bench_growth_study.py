@@ -199,19 +199,16 @@ def sft_settings(arm: str, lr: float, seed: int, beta2: float, args: argparse.Na
     return kwargs, {**pack, 'training_log': {'memory': False}}
 
 
-def run_arm(arm: str, lr: float, seed: int, beta2: float, args: argparse.Namespace, model: str, flags: dict,
-            train: str, test: str) -> dict:
+def train_run(kwargs: dict, settings: dict, callbacks: dict) -> tuple[float, list[dict]]:
+    """One ``sft_main`` run of ``kwargs`` (its output folder emptied first) with the pack registered with ``settings``
+    and ``callbacks`` (name -> ms-swift callback factory) in ms-swift's callbacks map: (wall seconds, the training
+    log lines)."""
     import swift_dynamic_callbacks as sdc
     from swift import SftArguments, sft_main
     from swift.callbacks import callbacks_map
     from swift_dynamic_callbacks.integrations import swift as plugin
-    name = run_name(arm, lr)
-    out = os.path.join(args.out, run_key(name, seed, beta2))
-    shutil.rmtree(out, ignore_errors=True)
-    probe = make_probe()
-    callbacks_map['growth_probe'] = probe
-    kwargs, settings = sft_settings(arm, lr, seed, beta2, args, model, flags, train, out, ['growth_probe'],
-                                    val_dataset=[test], per_device_eval_batch_size=4)
+    shutil.rmtree(kwargs['output_dir'], ignore_errors=True)
+    callbacks_map.update(callbacks)
     try:
         sdc.register(**settings)
         start = time.perf_counter()
@@ -219,10 +216,21 @@ def run_arm(arm: str, lr: float, seed: int, beta2: float, args: argparse.Namespa
         wall = time.perf_counter() - start
     finally:
         plugin._configured = None
-        callbacks_map.pop('growth_probe', None)
-    with open(os.path.join(out, 'logging.jsonl'), encoding='utf-8') as f:
+        for name in callbacks:
+            callbacks_map.pop(name, None)
+    with open(os.path.join(kwargs['output_dir'], 'logging.jsonl'), encoding='utf-8') as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    train_rows = [r for r in rows if 'loss' in r and 'eval_loss' not in r]
+    return wall, [r for r in rows if 'loss' in r and 'eval_loss' not in r]
+
+
+def run_arm(arm: str, lr: float, seed: int, beta2: float, args: argparse.Namespace, model: str, flags: dict,
+            train: str, test: str) -> dict:
+    name = run_name(arm, lr)
+    out = os.path.join(args.out, run_key(name, seed, beta2))
+    probe = make_probe()
+    kwargs, settings = sft_settings(arm, lr, seed, beta2, args, model, flags, train, out, ['growth_probe'],
+                                    val_dataset=[test], per_device_eval_batch_size=4)
+    wall, train_rows = train_run(kwargs, settings, {'growth_probe': probe})
     last = train_rows[-1]
     tokens, padded = float(last['dynamic/tokens_seen']), float(last['dynamic/padded_tokens_seen'])
     recorder = probe.last

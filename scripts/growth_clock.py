@@ -143,28 +143,13 @@ def make_timer(device: str):
 
 def time_arm(arm: str, seed: int, args: argparse.Namespace, model: str, flags: dict, train: str) -> dict:
     """One arm's training under ms-swift on the device: its step times and pass layout."""
-    import swift_dynamic_callbacks as sdc
-    from swift import SftArguments, sft_main
-    from swift.callbacks import callbacks_map
-    from swift_dynamic_callbacks.integrations import swift as plugin
     out = os.path.join(args.work, 'runs', f'{arm}-seed{seed}')
-    shutil.rmtree(out, ignore_errors=True)
     timer = make_timer(args.device)
-    callbacks_map['step_timer'] = timer
     device_args = {'torch_dtype': args.dtype} if args.device != 'cpu' else {'use_cpu': True}
     kwargs, settings = study.sft_settings(arm, args.lr, seed, args.beta2, args, model, flags, train, out,
                                           ['step_timer'], **device_args)
-    try:
-        sdc.register(**settings)
-        start = time.perf_counter()
-        sft_main(SftArguments(**kwargs))
-        wall = time.perf_counter() - start
-    finally:
-        plugin._configured = None
-        callbacks_map.pop('step_timer', None)
-    with open(os.path.join(out, 'logging.jsonl'), encoding='utf-8') as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    steps = study.step_log([r for r in rows if 'loss' in r and 'eval_loss' not in r], {})
+    wall, train_rows = study.train_run(kwargs, settings, {'step_timer': timer})
+    steps = study.step_log(train_rows, {})
     t = timer.last
     return {'kind': 'arm', 'arm': arm, 'seed': seed, 'device': args.device_name, 'dtype': args.dtype,
             'train_s': round(t.total, 3), 'wall_s': round(wall, 1), 'optimizer_steps': len(t.steps),
