@@ -9,6 +9,11 @@ Arms (every arm sees the same ``--samples`` GSM8K train rows once, in the same o
 - ``fixed_4``, ``fixed_8``: fixed micro-batch 4 (8) x GA 2 (16 and 8 steps), plain ms-swift: with the baseline and
   control A the fixed-batch frontier {1, 2, 4, 8} that the growth arms are placed on (eval loss against steps and
   against GPU seconds, ``scripts/growth_clock.py``).
+- ``twin_c`` and ``seesaw_c`` (arm C, run after A and B if the futility look leaves room): a step LR schedule,
+  ``lr_schedule`` ``decay: steps`` (the LR x 1, 1/2, 1/4 over rows 0-31 / 32-63 / 64-127, after the same 10 %
+  warmup), at a fixed micro-batch 1 x GA 2 (the twin, 64 steps), and the same schedule under ``batch_growth``
+  ``policy: seesaw`` (each cut by 2 becomes a batch x 2 and an LR cut by sqrt(2): (2 rows, eta), (4, eta / sqrt 2),
+  (8, eta / 2) over the same rows, 32 steps).
 - ``growth_b``: OLMo-style batch warmup in rows: 2 rows a step for the first quarter of the rows, 4 for the second,
   8 for the second half (micro 1, 2, 4 x GA 2: 16 + 8 + 8 = 32 steps on 128 rows), the LR x sqrt(2) at each
   doubling. Pack settings only: ``batch_growth`` ``policy: table`` at the steps where those rows are reached
@@ -49,7 +54,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'scripts'))
 import bench_quality  # noqa: E402 - a sibling script: the model folder, the train rows and the paired interval
 
-ARMS = ('baseline', 'control_a', 'growth_b', 'fixed_4', 'fixed_8')
+ARMS = ('baseline', 'control_a', 'growth_b', 'fixed_4', 'fixed_8', 'twin_c', 'seesaw_c')
+#: arm C's step schedule: the LR x 1, 1/2, 1/4 over rows 0-31 / 32-63 / 64-127 of 128 (fractions of the epoch)
+STEP_SCHEDULE = {'decay': 'steps', 'steps': {0.25: 0.5, 0.5: 0.25}, 'warmup': 0.1, 'max_restarts': 0}
 #: the fixed arms' micro-batch
 FIXED = {'baseline': 1, 'control_a': 2, 'fixed_4': 4, 'fixed_8': 8}
 TEST_FILE = os.path.join(ROOT, 'scripts', 'assets', 'gsm8k-test-500.jsonl.gz')
@@ -86,6 +93,12 @@ def arm_settings(arm: str, samples: int, ga: int) -> tuple[dict, dict, list[str]
     """(ms-swift overrides, pack settings, pack callbacks) of one arm."""
     if arm in FIXED:
         return {'per_device_train_batch_size': FIXED[arm]}, {}, []
+    if arm == 'twin_c':
+        return {'per_device_train_batch_size': 1}, {'lr_schedule': dict(STEP_SCHEDULE)}, ['lr_schedule']
+    if arm == 'seesaw_c':
+        growth = {'policy': 'seesaw', 'factor': 2.0, 'initial': 1, 'maximum': 4, 'lr_scaling': 'sqrt'}
+        return ({'per_device_train_batch_size': 1}, {'batch_growth': growth, 'lr_schedule': dict(STEP_SCHEDULE)},
+                ['batch_growth', 'lr_schedule'])
     if arm == 'growth_b':
         table = rows_table(growth_stages(samples), ga)
         growth = {'policy': 'table', 'initial': 1, 'maximum': max(table.values()), 'table': table,

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     every = args.every or max(1, args.steps // 20)
     print(f'schedule: {schedule}')
     print('| step | LR | factor |\n|---:|---:|---:|')
-    marks = {r[0] for r in schedule['restarts']}
+    marks = {r[0] for r in schedule.get('restarts', ())}
     for k in range(args.steps):
         if k % every == 0 or k == args.steps - 1 or k in marks:
             print(f'| {k} | {lrs[k]:.4g} | {lrs[k] / args.lr:.4f} |' + (' restart' if k in marks else ''))
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             ax.annotate('restart', (k, max(lrs) * 0.95), color='tab:red', fontsize=8, rotation=90, va='top')
         ax.set_xlabel('optimizer step')
         ax.set_ylabel('LR')
-        ax.set_title('lr_schedule: warmup / hold / cosine' + (' with restarts' if marks else ''))
+        shape = 'warmup / step decay' if schedule.get('decay') == 'steps' else 'warmup / hold / cosine'
+        ax.set_title(f'lr_schedule: {shape}' + (' with restarts' if marks else ''))
         fig.tight_layout()
         fig.savefig(args.png, dpi=110)
         print(f'wrote {args.png}')

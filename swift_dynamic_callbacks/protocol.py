@@ -63,7 +63,8 @@ Semantics:
 - ``new_lr_schedule = {...}`` replaces the *shape* of the LR schedule (the function of the step that HF's
   ``lr_scheduler_type`` gave) by a JSON-able schedule mapping evaluated by
   :func:`~swift_dynamic_callbacks.policies.lr.schedule_factor`: ``warmup``, ``hold``, ``min_ratio``, optional
-  ``restarts`` (``[[step, peak, rewarmup], ...]``, steps are the trainer's optimizer steps) and ``guard``. The
+  ``restarts`` (``[[step, peak, rewarmup], ...]``, steps are the trainer's optimizer steps) and ``guard``; or a
+  step decay, ``decay: 'steps'`` with ``warmup``, ``steps`` (``[[start, factor], ...]``) and ``guard``. The
   integration fills in ``total`` (the schedule's horizon), puts it inside the scheduler (saved in
   ``scheduler.pt``) and sets the optimizer's LR at once; ``new_lr_scale`` still multiplies it. Each request
   replaces the previous schedule whole.
@@ -216,25 +217,43 @@ def request_lr_scale(control: Any, scale: float) -> None:
 
 
 SCHEDULE_KEYS = ('warmup', 'hold', 'min_ratio')
+STEP_SCHEDULE_KEYS = ('warmup', 'steps')
+
+
+def _steps_or_fraction(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+            isinstance(value, float) and value >= 1):
+        raise ValueError(f'control.{NEW_LR_SCHEDULE}[{key!r}] must be steps (int >= 0) or a fraction '
+                         f'(float in [0, 1)), got {value!r}')
 
 
 def check_lr_schedule(schedule: Any) -> dict[str, Any]:
     """Validate an LR schedule mapping (keys ``warmup``, ``hold``, ``min_ratio``; optional ``restarts``,
-    ``guard``); returns a plain-dict copy."""
-    if not isinstance(schedule, Mapping) or any(k not in schedule for k in SCHEDULE_KEYS):
-        raise ValueError(f'control.{NEW_LR_SCHEDULE} must be a mapping with keys {", ".join(SCHEDULE_KEYS)}, '
-                         f'got {schedule!r}')
+    ``guard``; or ``decay: 'steps'`` with ``warmup`` and ``steps``, ``[[start, factor], ...]``); returns a
+    plain-dict copy."""
+    steps = isinstance(schedule, Mapping) and schedule.get('decay', 'cosine') == 'steps'
+    keys = STEP_SCHEDULE_KEYS if steps else SCHEDULE_KEYS
+    if not isinstance(schedule, Mapping) or any(k not in schedule for k in keys) or schedule.get(
+            'decay', 'cosine') not in ('cosine', 'steps'):
+        raise ValueError(f'control.{NEW_LR_SCHEDULE} must be a mapping with keys {", ".join(SCHEDULE_KEYS)} '
+                         f'(or decay: "steps" with {", ".join(STEP_SCHEDULE_KEYS)}), got {schedule!r}')
     out = dict(schedule)
-    for key in ('warmup', 'hold'):
-        value = out[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
-                isinstance(value, float) and value >= 1):
-            raise ValueError(f'control.{NEW_LR_SCHEDULE}[{key!r}] must be steps (int >= 0) or a fraction '
-                             f'(float in [0, 1)), got {value!r}')
+    for key in ('warmup', ) if steps else ('warmup', 'hold'):
+        _steps_or_fraction(key, out[key])
+    out['guard'] = _positive_float(f'{NEW_LR_SCHEDULE}["guard"]', out.get('guard', 1.0))
+    if steps:
+        stages = []
+        for stage in out['steps']:
+            start, factor = stage
+            _steps_or_fraction('steps', start)
+            if not 0 < float(factor) <= 1:
+                raise ValueError(f'control.{NEW_LR_SCHEDULE}["steps"] factors must be in (0, 1], got {factor!r}')
+            stages.append([start, float(factor)])
+        out['steps'] = stages
+        return out
     if not 0 <= out['min_ratio'] <= 1:
         raise ValueError(f'control.{NEW_LR_SCHEDULE}["min_ratio"] must be in [0, 1], got {out["min_ratio"]!r}')
     out['restarts'] = [[int(r[0]), float(r[1]), int(r[2])] for r in out.get('restarts', ())]
-    out['guard'] = _positive_float(f'{NEW_LR_SCHEDULE}["guard"]', out.get('guard', 1.0))
     return out
 
 

@@ -46,6 +46,40 @@ def test_arm_b_is_a_batch_growth_table_at_the_rows_of_its_stages(bench):
         bench.rows_table({4: 1}, ga=2)
 
 
+@pytest.mark.parametrize('arm', ['baseline', 'control_a', 'growth_b', 'twin_c', 'seesaw_c'])
+def test_each_arms_yaml_is_the_arm_the_study_runs(bench, arm):
+    """``configs/growth_39/<arm>.yaml``, the file a user copies: its pack section and micro-batch are the study's
+    settings of that arm (``arm_settings``), and they validate."""
+    import yaml
+    with open(os.path.join(ROOT, 'configs', 'growth_39', f'{arm}.yaml'), encoding='utf-8') as f:
+        config = yaml.safe_load(f)
+    overrides, pack, callbacks = bench.arm_settings(arm, 128, 2)
+    assert config['per_device_train_batch_size'] == overrides['per_device_train_batch_size']
+    assert config['gradient_accumulation_steps'] == 2 and config['adam_beta2'] == 0.95
+    assert config['callbacks'] == [*callbacks, 'training_log']
+    section = dict(config.get('dynamic_callbacks', {}))
+    assert section.pop('training_log') == {'memory': False}
+    assert section == pack
+    parse_section(section, callbacks)  # ConfigError on a bad setting
+
+
+def test_arm_cs_step_schedule_and_seesaw_on_it(bench):
+    from swift_dynamic_callbacks.policies.growth import seesaw_cuts, seesaw_size
+    from swift_dynamic_callbacks.policies.lr import schedule_factor
+    _, pack, callbacks = bench.arm_settings('seesaw_c', 128, 2)
+    assert callbacks == ['batch_growth', 'lr_schedule'] and pack['batch_growth']['policy'] == 'seesaw'
+    config = parse_section(pack, callbacks).callback_config('lr_schedule')
+    schedule = {'decay': 'steps', 'warmup': config.warmup, 'steps': [list(x) for x in config.steps.items()],
+                'total': 64, 'guard': 1.0}
+    # the twin's 64 steps of 2 rows: warmup over 6 steps, then x1 to row 32, x1/2 to row 64, x1/4 to the end
+    factors = [schedule_factor(schedule, step) for step in range(64)]
+    assert factors[:7] == pytest.approx([0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1])
+    assert set(factors[7:16]) == {1.0} and set(factors[16:32]) == {0.5} and set(factors[32:]) == {0.25}
+    # Seesaw on it: one growth by 2 at each cut, up to 4 a pass: 1, 2, 4 (x GA 2: 2, 4, 8 rows a step)
+    assert [seesaw_size(seesaw_cuts(f, 1.0, 2.0), initial=1, factor=2.0, maximum=4) for f in (1.0, 0.5, 0.25)] == [
+        1, 2, 4]
+
+
 def line(arm: str, seed: int, loss: float, beta2: float = 0.95, steps: int = 64) -> dict:
     return {'arm': arm, 'seed': seed, 'adam_beta2': beta2, 'eval_loss': loss, 'optimizer_steps': steps}
 
@@ -199,6 +233,22 @@ def test_b_runs_the_baselines_lr_schedule_in_rows_and_the_eval_loss_is_token_wei
     [rerun] = map(json.loads, again.read_text(encoding='utf-8').splitlines())
     assert rerun['eval_tokens'] == base['eval_tokens']
     assert rerun['eval_loss'] == pytest.approx(base['eval_loss'], rel=1e-4)
+
+
+@pytest.mark.e2e
+def test_arm_c_on_the_tiny_model_runs_its_lr_and_batch_by_rows(bench, tmp_path):
+    """Tiny model, 16 rows: the twin takes 8 steps of 2 rows at eta x (warmup), 1, 1/2 from row 4, 1/4 from row 8;
+    Seesaw takes 2, 2, 4, 8 rows a step (4 steps) at eta x (warmup), 1, 1/sqrt(2), 1/2: each stage at the same rows."""
+    jsonl = tmp_path / 'c.jsonl'
+    assert bench.main(['--model', 'tiny', '--samples', '16', '--eval-rows', '8', '--lrs', '0.002', '--beta2', '0.95',
+                       '--out', str(tmp_path / 'out'), '--jsonl', str(jsonl), '--arms', 'twin_c', 'seesaw_c']) == 0
+    runs = {r['arm']: r for r in map(json.loads, jsonl.read_text(encoding='utf-8').splitlines())}
+    twin, seesaw = runs['twin_c@0.002'], runs['seesaw_c@0.002']
+    assert twin['optimizer_steps'] == 8 and twin['steps']['batch'] == [2] * 8
+    assert twin['steps']['lr'] == pytest.approx([0, 2e-3, 1e-3, 1e-3, 5e-4, 5e-4, 5e-4, 5e-4], rel=1e-3)
+    assert seesaw['optimizer_steps'] == 4 and seesaw['steps']['batch'] == [2, 2, 4, 8]
+    assert seesaw['steps']['rows'] == [2, 4, 8, 16]
+    assert seesaw['steps']['lr'] == pytest.approx([0, 2e-3, 2e-3 / math.sqrt(2), 1e-3], rel=1e-3)
 
 
 @pytest.mark.slow

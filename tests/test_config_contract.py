@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from swift_dynamic_callbacks import protocol
-from swift_dynamic_callbacks.config import (Choice, ConfigError, Flag, Int, IntTable, Number, StepsOrFraction, Text,
-                                            field_check, from_mapping, to_mapping)
+from swift_dynamic_callbacks.config import (Choice, ConfigError, Flag, Int, IntTable, Number, StageTable,
+                                            StepsOrFraction, Text, field_check, from_mapping, to_mapping)
 from swift_dynamic_callbacks.config.batch_growth import BatchGrowthConfig, FunctionRef
 from swift_dynamic_callbacks.config.integration import IntegrationConfig
 from swift_dynamic_callbacks.config.length_batching import LengthRules
@@ -40,6 +40,7 @@ COMPANIONS = {
     ('batch_growth', 'policy', 'callable'): {'function': FUNCTION},
     ('memory_backoff', 'probe', 'cpu'): {'cpu_budget_gib': 8.0},
     ('length_batching', 'split', 'passes'): {'bucketing': False},
+    ('lr_schedule', 'decay', 'steps'): {'steps': {0.5: 0.1}, 'max_restarts': 0},
     # a selector that only one policy reads: its values need that policy beside them
     ('batch_growth', 'switch_patience', 1): {'policy': 'late_switch'},
     ('batch_growth', 'switch_patience', None): {'policy': 'late_switch'},
@@ -88,6 +89,10 @@ def valid(check):
     elif isinstance(check, IntTable):
         value = st.dictionaries(st.integers(check.key_minimum, 10**6), st.integers(check.value_minimum, 10**6),
                                 min_size=1, max_size=4)
+    elif isinstance(check, StageTable):
+        factor = st.floats(0, 1, exclude_min=True, allow_nan=False)
+        value = st.one_of(st.dictionaries(st.integers(0, 10**6), factor, min_size=1, max_size=4),
+                          st.dictionaries(st.floats(0, 1, exclude_max=True), factor, min_size=1, max_size=4))
     elif isinstance(check, LengthRules):
         value = st.dictionaries(st.integers(1, 10**5), st.integers(1, 64), max_size=3).flatmap(
             lambda rest: st.integers(1, 64).map(lambda first: {0: first, **rest}))
@@ -126,6 +131,10 @@ def invalid(check):
         bad = [st.integers(), st.booleans(), text, st.lists(st.integers(), max_size=3),
                st.just({0: check.value_minimum - 1}), st.just({0: 2.5}), st.just({0: True}),
                st.just({check.key_minimum - 1: 2}), st.just({'x': 2})]
+    elif isinstance(check, StageTable):
+        bad = [st.integers(), st.booleans(), text, st.lists(st.integers(), max_size=3), st.just({0.5: 0.0}),
+               st.just({0.5: 1.5}), st.just({0.5: math.nan}), st.just({1.5: 0.5}), st.just({-1: 0.5}),
+               st.just({'x': 0.5}), st.just({0.5: 0.5, 10: 0.1}), st.just({0.5: True})]
     elif isinstance(check, LengthRules):
         bad = [st.integers(), st.booleans(), text, st.just({}), st.just({512: 4}), st.just({0: 0}),
                st.just({0: math.nan}), st.just([[0]])]

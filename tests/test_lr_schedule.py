@@ -182,6 +182,27 @@ def test_callback_restarts_on_plateau_and_round_trips_its_state():
     assert getattr(control2, 'new_lr_schedule', None) is None  # a resumed run keeps the schedule in scheduler.pt
 
 
+def test_a_step_schedule_is_requested_and_evaluated_by_stage():
+    """``decay: steps``: the callback requests a step schedule (the flag it sets), the protocol accepts it, and the
+    factor is the warmup's, then each stage's from its start (fractions of the horizon or steps)."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    cb = LRScheduleCallback(LRScheduleConfig(decay='steps', steps={0.5: 0.1, 0.25: 0.5}, warmup=4, max_restarts=0))
+    control = TrainerControl()
+    cb.on_train_begin(TrainingArguments(output_dir='unused', report_to=[]), TrainerState(max_steps=40), control)
+    requested = control.new_lr_schedule
+    assert requested == {'decay': 'steps', 'warmup': 4, 'steps': [[0.25, 0.5], [0.5, 0.1]], 'guard': 1.0}
+    assert protocol.check_lr_schedule(requested)['steps'] == [[0.25, 0.5], [0.5, 0.1]]
+    assert 'steps x0.5 from 0.25, x0.1 from 0.5' in control.dynamic_decisions[0].message
+    schedule = {**requested, 'total': 40}
+    assert [schedule_factor(schedule, k) for k in (0, 2, 4, 9, 10, 19, 20, 39)] == [0, 0.5, 1, 1, 0.5, 0.5, 0.1, 0.1]
+    steps = {'decay': 'steps', 'warmup': 0, 'steps': [[30, 0.2]], 'total': 40, 'guard': 0.5}  # in steps; the guard
+    assert [schedule_factor(steps, k) for k in (0, 29, 30)] == [0.5, 0.5, 0.1]
+    for bad in ({**requested, 'steps': [[0.5, 0.0]]}, {**requested, 'steps': [[1.5, 0.5]]},
+                {'decay': 'steps', 'warmup': 4}, {**requested, 'decay': 'linear'}):
+        with pytest.raises(ValueError, match='new_lr_schedule'):
+            protocol.check_lr_schedule(bad)
+
+
 def test_missing_monitor_names_the_metrics_seen():
     from transformers import TrainerControl
     cb = LRScheduleCallback(LRScheduleConfig(monitor='token_acc_smoothed'))

@@ -55,6 +55,9 @@ class LRScheduleCallback(DynamicCallback):
     def schedule(self) -> dict[str, Any]:
         """The schedule mapping requested through ``new_lr_schedule``."""
         c = self.config
+        if c.decay == 'steps':
+            return {'decay': 'steps', 'warmup': c.warmup, 'steps': [[at, factor] for at, factor in c.steps.items()],
+                    'guard': self.guard_scale}
         return {
             'warmup': c.warmup,
             'hold': c.hold,
@@ -72,7 +75,10 @@ class LRScheduleCallback(DynamicCallback):
         scheduler_type = getattr(args, 'lr_scheduler_type', '')
         replaced = {'lr_scheduler_type': str(getattr(scheduler_type, 'value', scheduler_type)),
                     'warmup_steps': getattr(args, 'warmup_steps', 0), 'warmup_ratio': getattr(args, 'warmup_ratio', 0)}
-        message = (f'warmup {self.config.warmup}, hold {self.config.hold}, cosine to x{self.config.min_ratio}; '
+        c = self.config
+        shape = (f'steps {", ".join(f"x{f:g} from {at}" for at, f in c.steps.items())}' if c.decay == 'steps' else
+                 f'hold {c.hold}, cosine to x{c.min_ratio}')
+        message = (f'warmup {c.warmup}, {shape}; '
                    f'replaces the shape of lr_scheduler_type={replaced["lr_scheduler_type"]}')
         if replaced['warmup_steps'] or replaced['warmup_ratio']:
             message += (f' and its warmup (warmup_steps={replaced["warmup_steps"]}, '

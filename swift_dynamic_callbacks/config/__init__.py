@@ -209,6 +209,32 @@ class IntTable(Check):
         return dict(sorted(out.items()))
 
 
+@dataclass(frozen=True)
+class StageTable(Check):
+    """A mapping ``{start: factor}``: starts all optimizer steps (ints >= 0) or all fractions of training (floats in
+    [0, 1)), factors in (0, 1] (keys may be strings, as in JSON); returned as a dict sorted by start."""
+
+    def check(self, name: str, value: Any) -> Any:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f'{name}: expected a mapping {{start: LR factor}} (start: optimizer steps or a fraction '
+                              f'of training), got {value!r} ({type(value).__name__})')
+        out: dict[int | float, float] = {}
+        for key, item in value.items():
+            if isinstance(key, str):
+                try:
+                    key = int(key) if key.strip().isdigit() else float(key)
+                except ValueError:
+                    raise ConfigError(f'{name} key {key!r}: expected optimizer steps or a fraction of '
+                                      'training') from None
+            StepsOrFraction().check(f'{name} key {key!r}', key)
+            Number(0, 1, low_open=True).check(f'{name}[{key}]', item)
+            out[key] = item
+        if len({isinstance(k, int) for k in out}) > 1:
+            raise ConfigError(f'{name}: starts must be all optimizer steps (ints) or all fractions of training '
+                              f'(floats), got {sorted(out, key=float)}')
+        return dict(sorted(out.items()))
+
+
 def setting(check: Check, default: Any = dataclasses.MISSING, *,
             default_factory: Callable[[], Any] | Any = dataclasses.MISSING) -> Any:
     """A dataclass field validated by ``check`` (read by :func:`validate`)."""

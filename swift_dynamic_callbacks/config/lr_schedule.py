@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
-from . import Choice, ConfigError, Flag, Int, Number, Reads, Settings, StepsOrFraction, Text, setting
+from . import Choice, ConfigError, Flag, Int, Number, Reads, Settings, StageTable, StepsOrFraction, Text, setting
 
 GUARD_SETTINGS = ('guard_high', 'guard_low', 'guard_patience', 'guard_down', 'guard_up', 'guard_min_scale')
 
@@ -19,6 +20,13 @@ class LRScheduleConfig(Settings):
             training (float < 1). Default 0.03.
         hold: steps (or fraction) at the full LR after warmup. Default 0.
         min_ratio: the cosine decays to ``learning_rate * min_ratio`` at the end of training. Default 0.01.
+        decay: ``cosine`` (default: hold, then a cosine to ``min_ratio``) or ``steps``: after warmup the LR is
+            ``learning_rate`` times the factor of the last stage of ``steps`` that has begun (a step schedule: the
+            fixed-batch twin of a Seesaw run, or Seesaw itself with ``batch_growth`` ``policy: seesaw``). Reads
+            ``steps``; needs ``max_restarts: 0`` (a restart has no meaning on a step schedule).
+        steps: ``{start: factor}`` (``decay: steps``): starts in optimizer steps (ints) or fractions of training
+            (floats < 1), factors in (0, 1], e.g. ``{0.25: 0.5, 0.5: 0.25}``. Under batch growth the schedule's
+            axis is stretched at every growth, so a fraction of training is a fraction of the epoch's samples.
         monitor: the metric watched for plateaus: a logged training value (``loss``, the default) or an eval
             metric (``eval_loss``, ``eval_token_acc``, ...; names starting with ``eval_``).
         mode: ``min`` (lower is better) or ``max``.
@@ -48,6 +56,8 @@ class LRScheduleConfig(Settings):
     warmup: int | float = setting(StepsOrFraction(), 0.03)
     hold: int | float = setting(StepsOrFraction(), 0)
     min_ratio: float = setting(Number(0, 1), 0.01)
+    decay: str = setting(Choice(('cosine', 'steps')), 'cosine')
+    steps: Mapping[int | float, float] = setting(StageTable(), default_factory=dict)
     monitor: str = setting(Text('loss'), 'loss')
     mode: str = setting(Choice(('min', 'max')), 'min')
     min_delta: float = setting(Number(0, math.inf, high_open=True), 0.0)
@@ -66,6 +76,7 @@ class LRScheduleConfig(Settings):
     guard_min_scale: float = setting(Number(0, 1, low_open=True), 0.1)
 
     reads = (
+        Reads('decay', {'cosine': ('hold', 'min_ratio'), 'steps': ('steps', )}),
         Reads('guard', {True: GUARD_SETTINGS, False: ()}),
         Reads('max_restarts', {'>= 1': ('restart_factor', 'rewarmup'), '0': ()},
               classify=lambda n: '>= 1' if n >= 1 else '0'),
@@ -73,6 +84,11 @@ class LRScheduleConfig(Settings):
     controls = ('lr_schedule', )
 
     def cross_checks(self) -> None:
+        if self.decay == 'steps' and not self.steps:
+            raise ConfigError('steps: decay steps needs at least one {start: factor} stage, e.g. {0.5: 0.1}, got none')
+        if self.decay == 'steps' and self.max_restarts:
+            raise ConfigError(f'max_restarts: decay steps has no cosine to restart; set max_restarts: 0, got '
+                              f'{self.max_restarts}')
         if self.guard_low >= self.guard_high:
             raise ConfigError(f'guard_low: must be below guard_high ({self.guard_high}), got {self.guard_low}')
 

@@ -5,8 +5,10 @@ A schedule is a JSON-able mapping (it travels in ``control.new_lr_schedule`` and
     {'warmup': W, 'hold': H, 'min_ratio': m, 'total': T, 'guard': g,
      'restarts': [[step, peak, rewarmup], ...]}
 
-``W``/``H`` are steps (int) or fractions of ``T`` (float < 1); ``T`` is the schedule's horizon in optimizer steps
-(filled in by the integration). :func:`schedule_factor` gives the factor on the configured LR at a step.
+or, for a step decay (``lr_schedule`` ``decay: steps``), ``{'decay': 'steps', 'warmup': W, 'steps': [[at, factor],
+...], 'total': T, 'guard': g}``. ``W``/``H``/``at`` are steps (int) or fractions of ``T`` (float < 1); ``T`` is the
+schedule's horizon in optimizer steps (filled in by the integration). :func:`schedule_factor` gives the factor on the
+configured LR at a step.
 """
 
 from __future__ import annotations
@@ -46,6 +48,20 @@ def warmup_hold_cosine(step: float, *, total: int, warmup: int, hold: int, min_r
     return cosine((step - decay_start) / (total - decay_start), 1.0, min_ratio)
 
 
+def step_decay(step: float, *, total: int, warmup: int, stages: Sequence[Sequence[Any]]) -> float:
+    """Factor on the base LR at ``step`` of a warmup then a step decay: ``step / W`` during warmup, then the factor
+    of the last stage ``[at, factor]`` that has begun (``at`` in steps or a fraction of ``total``; 1 before the
+    first). The stages' steps are on the same time axis as the cosine's, so a run whose batch grows reaches each
+    stage after the same samples (the integration stretches the axis)."""
+    if step < warmup:
+        return step / warmup
+    factor = 1.0
+    for at, value in sorted((resolve_steps(a, total), float(v)) for a, v in stages):
+        if step >= at:
+            factor = value
+    return factor
+
+
 def schedule_factor(schedule: Mapping[str, Any], step: float) -> float:
     """Factor on the configured LR at ``step`` for a schedule mapping (see the module docstring).
 
@@ -54,9 +70,12 @@ def schedule_factor(schedule: Mapping[str, Any], step: float) -> float:
     cosine from ``p`` to ``min_ratio`` at ``total``. The guard factor ``g`` multiplies everything.
     """
     total = int(schedule['total'])
+    guard = float(schedule.get('guard', 1.0))
+    if schedule.get('decay', 'cosine') == 'steps':
+        return guard * step_decay(step, total=total, warmup=resolve_steps(schedule['warmup'], total),
+                                  stages=schedule['steps'])
     m = float(schedule['min_ratio'])
     restarts = [tuple(r) for r in schedule.get('restarts', ())]
-    guard = float(schedule.get('guard', 1.0))
     return guard * _factor(step, total, resolve_steps(schedule['warmup'], total),
                            resolve_steps(schedule['hold'], total), m, restarts)
 
