@@ -443,8 +443,8 @@ def futility(results: list[dict], seeds: list[int], beta2: float, chosen: dict[s
 
 
 def tables(results: list[dict], tune: list[int], report: list[int] | None) -> None:
-    """The tuning grid per beta2, then (with reporting seeds) the paired comparisons: each arm against the baseline
-    and ``growth_b`` against ``control_a``."""
+    """The tuning grid per beta2, then (with reporting seeds) the paired comparisons: each arm against the baseline,
+    ``growth_b`` against ``control_a`` and ``seesaw_c`` against ``twin_c``."""
     for beta2 in sorted({r['adam_beta2'] for r in results}, reverse=True):
         seen: dict[str, dict[str, list[float]]] = {}
         for r in results:
@@ -483,13 +483,15 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None) -> No
     if not report:
         return
     mine = [r for r in results if r['seed'] in report]
-    for ref_arm, what in (('baseline', 'against the baseline'), ('control_a', 'growth_b against control A')):
+    only = {'control_a': 'growth_b', 'twin_c': 'seesaw_c'}  # a reference other than the baseline: its one rival
+    for ref_arm, what in (('baseline', 'against the baseline'), ('control_a', 'growth_b against control A'),
+                          ('twin_c', 'seesaw_c against its fixed-batch twin')):
         by = {(r['arm'].partition('@')[0], r['adam_beta2'], r['seed']): r for r in mine}
         print(f'\n{what}, paired by seed over the reporting seeds (relative eval loss difference, 95 % paired-t):')
         print('| arm | beta2 | seeds | steps saved | mean | 95 % interval |')
         print('|---|---:|---:|---:|---:|---:|')
         for arm, beta2 in sorted({(k[0], k[1]) for k in by}):
-            if arm == ref_arm or (ref_arm == 'control_a' and arm != 'growth_b'):
+            if arm == ref_arm or (ref_arm in only and arm != only[ref_arm]):
                 continue
             pairs = [(by[(arm, beta2, s)], by[(ref_arm, beta2, s)]) for s in report
                      if (arm, beta2, s) in by and (ref_arm, beta2, s) in by]

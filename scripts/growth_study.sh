@@ -20,6 +20,9 @@
 #    the same way on the tuning seeds ($F4_LRS, $F8_LRS, then one more rung past an edge) and run at their best LR on
 #    the look's reporting seeds; then the remaining reporting seeds of the three arms;
 # 4. the tables (bench_growth_study.py --from-jsonl), the reporting seeds apart from the tuning seeds.
+# STAGE=c (not part of "all": the issue runs it after A and B when the futility look leaves room): arm C, Seesaw on a
+# step schedule (seesaw_c) and its fixed-batch twin (twin_c), tuned the same way on the tuning seeds ($C_LRS, then one
+# more rung past an edge), then at their best LRs on every reporting seed.
 # Every run appends one JSON line to $JSONL (committed); a stopped study continues where it stopped (--skip-done):
 # run the same command again. Two streams (one a core): run the command twice, CORE=1 and CORE=0: each run is
 # claimed first ($CLAIMS, a folder: the other stream skips it), and a stream picks LRs or looks at the reporting
@@ -48,11 +51,13 @@ read -r -a BASE_LRS <<< "${BASE_LRS-0.00283 0.00141}"  # the baseline's neighbou
 EXTEND=${EXTEND:-2}
 read -r -a F4_LRS <<< "${F4_LRS-0.00283 0.004}"  # fixed_4: the sqrt rule from the baseline's 2e-3 is 4e-3
 read -r -a F8_LRS <<< "${F8_LRS-0.004 0.00566}"  # fixed_8: 5.66e-3 by the same rule
+read -r -a C_LRS <<< "${C_LRS-0.002 0.00283 0.00141}"  # eta: the twin's first stage is the baseline's LR
 MAIN='^(baseline|control_a|growth_b) '
+ARM_C='^(twin_c|seesaw_c) '
 FIXED='^(fixed_4|fixed_8) '
 case $STAGE in
-  all | beta2 | tune | report | frontier | table) ;;
-  *) echo "STAGE: all, beta2, tune, report, frontier or table, got '$STAGE'" >&2; exit 2 ;;
+  all | beta2 | tune | report | frontier | c | table) ;;
+  *) echo "STAGE: all, beta2, tune, report, frontier, c or table, got '$STAGE'" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$JSONL")" "$OUT"
 S=("$PY" scripts/bench_growth_study.py --model "$MODEL" --samples "$SAMPLES" --eval-rows "$EVAL_ROWS"
@@ -129,6 +134,25 @@ frontier() {  # the fixed micro-batches 4 and 8: tuned on the tuning seeds, then
 }
 
 if [ "$STAGE" = frontier ]; then frontier; fi
+if [ "$STAGE" = c ]; then  # arm C and its twin: tuned, then on every reporting seed
+  for lr in "${C_LRS[@]}"; do
+    for seed in "${TUNE[@]}"; do one twin_c "$lr" "$seed" "$BETA2"; one seesaw_c "$lr" "$seed" "$BETA2"; done
+  done
+  for ((i = 0; i < EXTEND; i++)); do
+    more=$(pick extend "$BETA2" | grep -E "$ARM_C" || true)
+    [ -n "$more" ] || break
+    while read -r arm lr; do
+      for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed" "$BETA2"; done
+    done <<< "$more"
+  done
+  best_c=$(pick best "$BETA2" | grep -E "$ARM_C" || true)
+  echo "arm C at its LRs (chosen on seeds ${TUNE[*]}):"; echo "$best_c"
+  for seed in "${REPORT[@]}"; do
+    while read -r arm lr; do
+      if [ -n "$arm" ]; then one "$arm" "$lr" "$seed" "$BETA2"; fi
+    done <<< "$best_c"
+  done
+fi
 if [ "$STAGE" = all ] || [ "$STAGE" = report ]; then
   chosen=$(pick best "$BETA2" | grep -E "$MAIN")
   echo "reported arms at their LRs (beta2 $BETA2, chosen on seeds ${TUNE[*]}):"; echo "$chosen"

@@ -171,6 +171,7 @@ def test_the_tables_and_the_paired_comparisons(bench, tmp_path, capsys):
     assert '| baseline | **0.8005** |' in out
     # seeds 2, 3: 0.804 / 0.802 = +0.25 %, 0.806 / 0.803 = +0.37 %
     assert '| growth_b | 0.95 | 2 | 50% | +0.31% |' in out
+    assert 'seesaw_c against its fixed-batch twin' in out
     with pytest.raises(SystemExit):
         bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--report-seeds', '1'])
 
