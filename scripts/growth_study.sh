@@ -90,6 +90,29 @@ if [ "$STAGE" != table ] && [ "$STAGE" != beta2 ]; then
   [ -n "$BETA2" ] || { echo "no beta2 yet: run STAGE=beta2 first (or set BETA2)" >&2; exit 1; }
   echo "beta2 $BETA2 (baseline at $BASE_LR, 0.95 against 0.999 on seeds ${TUNE[*]})"
 fi
+extend() {  # extend PATTERN: up to $EXTEND rounds of one more rung past the edge of each arm matching PATTERN
+  local i more arm lr seed
+  for ((i = 0; i < EXTEND; i++)); do
+    more=$(pick extend "$BETA2" | grep -E "$1" || true)
+    [ -n "$more" ] || break
+    while read -r arm lr; do
+      for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed" "$BETA2"; done
+    done <<< "$more"
+  done
+}
+
+report_best() {  # report_best WHAT PATTERN SEED...: the arms matching PATTERN at their best LRs on the seeds given
+  local what=$1 pattern=$2 best arm lr seed
+  shift 2
+  best=$(pick best "$BETA2" | grep -E "$pattern" || true)
+  echo "$what at their LRs (chosen on seeds ${TUNE[*]}):"; echo "$best"
+  for seed in "$@"; do
+    while read -r arm lr; do
+      if [ -n "$arm" ]; then one "$arm" "$lr" "$seed" "$BETA2"; fi
+    done <<< "$best"
+  done
+}
+
 if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then
   n=$(( ${#A_LRS[@]} > ${#B_LRS[@]} ? ${#A_LRS[@]} : ${#B_LRS[@]} ))
   for ((i = 0; i < n; i++)); do
@@ -101,36 +124,18 @@ if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then
   for lr in "${BASE_LRS[@]}"; do
     for seed in "${TUNE[@]}"; do one baseline "$lr" "$seed" "$BETA2"; done
   done
-  for ((round = 0; round < EXTEND; round++)); do
-    more=$(pick extend "$BETA2")
-    [ -n "$more" ] || break
-    while read -r arm lr; do
-      for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed" "$BETA2"; done
-    done <<< "$more"
-  done
+  extend .
 fi
 frontier() {  # the fixed micro-batches 4 and 8: tuned on the tuning seeds, then on the look's reporting seeds
-  local n=$(( ${#F4_LRS[@]} > ${#F8_LRS[@]} ? ${#F4_LRS[@]} : ${#F8_LRS[@]} )) i seed arm lr more
+  local n=$(( ${#F4_LRS[@]} > ${#F8_LRS[@]} ? ${#F4_LRS[@]} : ${#F8_LRS[@]} )) i seed
   for ((i = 0; i < n; i++)); do
     for seed in "${TUNE[@]}"; do
       if [ -n "${F4_LRS[i]:-}" ]; then one fixed_4 "${F4_LRS[i]}" "$seed" "$BETA2"; fi
       if [ -n "${F8_LRS[i]:-}" ]; then one fixed_8 "${F8_LRS[i]}" "$seed" "$BETA2"; fi
     done
   done
-  for ((i = 0; i < EXTEND; i++)); do
-    more=$(pick extend "$BETA2" | grep -E "$FIXED" || true)
-    [ -n "$more" ] || break
-    while read -r arm lr; do
-      for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed" "$BETA2"; done
-    done <<< "$more"
-  done
-  local best; best=$(pick best "$BETA2" | grep -E "$FIXED" || true)
-  echo "frontier arms at their LRs (chosen on seeds ${TUNE[*]}):"; echo "$best"
-  for seed in "${REPORT[@]:0:FUTILITY_AT}"; do
-    while read -r arm lr; do
-      if [ -n "$arm" ]; then one "$arm" "$lr" "$seed" "$BETA2"; fi
-    done <<< "$best"
-  done
+  extend "$FIXED"
+  report_best 'frontier arms' "$FIXED" "${REPORT[@]:0:FUTILITY_AT}"
 }
 
 if [ "$STAGE" = frontier ]; then frontier; fi
@@ -138,20 +143,8 @@ if [ "$STAGE" = c ]; then  # arm C and its twin: tuned, then on every reporting 
   for lr in "${C_LRS[@]}"; do
     for seed in "${TUNE[@]}"; do one twin_c "$lr" "$seed" "$BETA2"; one seesaw_c "$lr" "$seed" "$BETA2"; done
   done
-  for ((i = 0; i < EXTEND; i++)); do
-    more=$(pick extend "$BETA2" | grep -E "$ARM_C" || true)
-    [ -n "$more" ] || break
-    while read -r arm lr; do
-      for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed" "$BETA2"; done
-    done <<< "$more"
-  done
-  best_c=$(pick best "$BETA2" | grep -E "$ARM_C" || true)
-  echo "arm C at its LRs (chosen on seeds ${TUNE[*]}):"; echo "$best_c"
-  for seed in "${REPORT[@]}"; do
-    while read -r arm lr; do
-      if [ -n "$arm" ]; then one "$arm" "$lr" "$seed" "$BETA2"; fi
-    done <<< "$best_c"
-  done
+  extend "$ARM_C"
+  report_best 'arm C' "$ARM_C" "${REPORT[@]}"
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = report ]; then
   chosen=$(pick best "$BETA2" | grep -E "$MAIN")
