@@ -348,15 +348,23 @@ def claim_alive(path: str) -> bool:
     return True
 
 
-def wait_for_claims(claims: str, jsonl: str, poll: float = 30.0) -> None:
+def pending_claims(claims: str, jsonl: str) -> list[str]:
+    """The live claims in ``claims`` without their line in ``jsonl``: runs another stream is running now."""
+    if not os.path.isdir(claims):
+        return []
+    done = {run_key(r['arm'], r['seed'], r['adam_beta2']) for r in read_jsonl([jsonl])}
+    return sorted(n for n in os.listdir(claims) if n not in done and claim_alive(os.path.join(claims, n)))
+
+
+def wait_for_claims(claims: str, jsonl: str, poll: float = 30.0, *, unless=None) -> None:
     """Waits until every live claim in ``claims`` has its line in ``jsonl``: a stream picks LRs or looks at the
-    reporting seeds only on every run that another stream has started."""
-    while os.path.isdir(claims):
-        done = {run_key(r['arm'], r['seed'], r['adam_beta2']) for r in read_jsonl([jsonl])}
-        pending = [n for n in os.listdir(claims) if n not in done and claim_alive(os.path.join(claims, n))]
-        if not pending:
+    reporting seeds only on every run that another stream has started. ``unless(pending)``: True when the runs
+    pending cannot change what is picked (another stream runs the very runs this pick asks for): no wait."""
+    while True:
+        pending = pending_claims(claims, jsonl)
+        if not pending or (unless is not None and unless(pending)):
             return
-        print(f'waiting for the runs of another stream: {", ".join(sorted(pending))}', file=sys.stderr, flush=True)
+        print(f'waiting for the runs of another stream: {", ".join(pending)}', file=sys.stderr, flush=True)
         time.sleep(poll)
 
 
@@ -604,7 +612,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error('--report-seeds and --tune-seeds must not share a seed')
     if args.from_jsonl is not None:
         if args.claims:
-            wait_for_claims(args.claims, args.from_jsonl[0])
+            unless = None
+            if args.pick == 'extend':  # runs of this very extension, started by another stream: nothing to wait for
+                def unless(pending: list[str]) -> bool:
+                    asked = {run_key(run_name(arm, float(lr)), seed, args.beta2) for arm, lr in
+                             (x.split() for x in pick_lrs(read_jsonl(args.from_jsonl), args.tune_seeds, args.beta2,
+                                                          'extend')) for seed in args.tune_seeds}
+                    return set(pending) <= asked
+            wait_for_claims(args.claims, args.from_jsonl[0], unless=unless)
         results = read_jsonl(args.from_jsonl)
         if args.pick == 'beta2':
             print(pick_beta2(results, args.tune_seeds, args.lrs[0]))

@@ -145,6 +145,27 @@ def test_two_streams_never_run_the_same_run_and_a_dead_streams_claim_is_taken_ov
     assert not waiter.is_alive()
 
 
+def test_an_extension_pick_does_not_wait_for_the_runs_it_asks_for(bench, tmp_path, capsys):
+    """Two streams reach the same extension round: the second does not wait for the first's run of that round (it
+    runs the round's other runs), but it does wait for a run outside the round (it could change the pick)."""
+    import threading
+    claims, jsonl = str(tmp_path / 'claims'), tmp_path / 'g.jsonl'
+    runs = [line('baseline@0.002', s, 0.80) for s in (0, 1)] + [line('baseline@0.00283', s, 0.81) for s in (0, 1)]
+    jsonl.write_text(''.join(json.dumps(r) + '\n' for r in runs), encoding='utf-8')
+    argv = ['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--beta2', '0.95', '--pick', 'extend',
+            '--claims', claims]
+    assert bench.claim(claims, bench.run_key('baseline@0.00141', 0, 0.95))  # this round's run, another stream's
+    assert bench.main(argv) == 0
+    assert capsys.readouterr().out.strip() == 'baseline 0.00141'
+    assert bench.claim(claims, bench.run_key('control_a@0.002', 0, 0.95))  # not of this round: wait for it
+    waiter = threading.Thread(target=bench.main, args=(argv, ), daemon=True)
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive()
+    os.remove(os.path.join(claims, bench.run_key('control_a@0.002', 0, 0.95)))  # (as if its stream had died)
+    os.remove(os.path.join(claims, bench.run_key('baseline@0.00141', 0, 0.95)))
+
+
 def test_the_step_log_holds_each_steps_pass_layout(bench):
     logged = [{'global_step/max_steps': f'{k}/2', 'dynamic/global_batch_size': 4, 'dynamic/batch_size': b,
                'dynamic/samples_seen': 4 * k, 'dynamic/padded_tokens_seen': padded, 'loss': 1.0, 'grad_norm': 1.0,
