@@ -45,6 +45,7 @@ import gzip
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -368,6 +369,30 @@ def wait_for_claims(claims: str, jsonl: str, poll: float = 30.0, *, unless=None)
         time.sleep(poll)
 
 
+def cannot_change(pending: list[str], args: argparse.Namespace) -> bool:
+    """Whether runs another stream is running (``pending`` claims) cannot change what ``--pick`` prints, so the pick
+    need not wait for them: the beta2 rule reads only the baseline at ``--lrs[0]`` on the tuning seeds, ``best`` and
+    ``extend`` only the tuning seeds (and an extension round's own runs change nothing of it), the futility look
+    only ``--report-seeds``. The tables wait for every run."""
+    keys = [(m.group(1), float(m.group(2)), int(m.group(3))) for m in
+            (re.match(r'^(.*)-b([0-9.e+-]+)-seed(\d+)$', p) for p in pending) if m]
+    if len(keys) < len(pending):
+        return False
+    tune = set(args.tune_seeds)
+    if args.pick == 'beta2':
+        return all(name != run_name('baseline', args.lrs[0]) or seed not in tune for name, _, seed in keys)
+    if args.pick == 'best':
+        return all(seed not in tune for _, _, seed in keys)
+    if args.pick == 'extend':
+        asked = {(run_name(arm, float(lr)), seed) for arm, lr in
+                 (x.split() for x in pick_lrs(read_jsonl(args.from_jsonl), args.tune_seeds, args.beta2, 'extend'))
+                 for seed in args.tune_seeds}
+        return all(seed not in tune or (name, seed) in asked for name, _, seed in keys)
+    if args.pick == 'futility':
+        return all(seed not in set(args.report_seeds or []) for _, _, seed in keys)
+    return False
+
+
 def run_key(name: str, seed: int, beta2: float) -> str:
     """One run's name in file names (its log folder, its claim)."""
     return f'{name}-b{beta2:g}-seed{seed}'
@@ -612,14 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error('--report-seeds and --tune-seeds must not share a seed')
     if args.from_jsonl is not None:
         if args.claims:
-            unless = None
-            if args.pick == 'extend':  # runs of this very extension, started by another stream: nothing to wait for
-                def unless(pending: list[str]) -> bool:
-                    asked = {run_key(run_name(arm, float(lr)), seed, args.beta2) for arm, lr in
-                             (x.split() for x in pick_lrs(read_jsonl(args.from_jsonl), args.tune_seeds, args.beta2,
-                                                          'extend')) for seed in args.tune_seeds}
-                    return set(pending) <= asked
-            wait_for_claims(args.claims, args.from_jsonl[0], unless=unless)
+            wait_for_claims(args.claims, args.from_jsonl[0], unless=lambda pending: cannot_change(pending, args))
         results = read_jsonl(args.from_jsonl)
         if args.pick == 'beta2':
             print(pick_beta2(results, args.tune_seeds, args.lrs[0]))

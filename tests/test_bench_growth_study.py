@@ -166,6 +166,22 @@ def test_an_extension_pick_does_not_wait_for_the_runs_it_asks_for(bench, tmp_pat
     os.remove(os.path.join(claims, bench.run_key('baseline@0.00141', 0, 0.95)))
 
 
+def test_which_runs_of_another_stream_a_pick_waits_for(bench):
+    import argparse
+
+    def args(pick, report=None):
+        return argparse.Namespace(pick=pick, tune_seeds=[0, 1], report_seeds=report, lrs=[0.002], beta2=0.95,
+                                  from_jsonl=[])
+    tuning, reporting = 'control_a@0.002-b0.95-seed1', 'control_a@0.002-b0.95-seed4'
+    assert bench.cannot_change([tuning, reporting], args('beta2'))  # beta2 reads the baseline at 2e-3 only
+    assert not bench.cannot_change(['baseline@0.002-b0.999-seed0'], args('beta2'))
+    assert bench.cannot_change([reporting], args('best')) and not bench.cannot_change([tuning], args('best'))
+    assert bench.cannot_change([tuning], args('futility', [2, 3]))
+    assert not bench.cannot_change([reporting], args('futility', [2, 3, 4]))
+    assert not bench.cannot_change([reporting], args(None))  # the tables wait for every run
+    assert not bench.cannot_change(['not a run key'], args('best'))
+
+
 def test_the_step_log_holds_each_steps_pass_layout(bench):
     logged = [{'global_step/max_steps': f'{k}/2', 'dynamic/global_batch_size': 4, 'dynamic/batch_size': b,
                'dynamic/samples_seen': 4 * k, 'dynamic/padded_tokens_seen': padded, 'loss': 1.0, 'grad_norm': 1.0,
