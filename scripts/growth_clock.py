@@ -12,7 +12,9 @@ not read):
   layout is priced from;
 - ``arm`` lines: each arm's whole training under ms-swift (``bench_growth_study.sft_settings``: the same rows, order
   and settings as the study's run of that seed; bf16 on a GPU; no eval), the wall time of every optimizer step
-  (synchronised) and the run's pass layout (passes and padded tokens a step), after one unmeasured warm-up run.
+  (synchronised) and the run's pass layout (passes and padded tokens a step), after unmeasured warm-up runs
+  (``--warmup-arms``: a padded arm first, as the first padded arm of the 2026-11-27 run paid a first-time cost for
+  each new padded length).
 
 Every line is printed and appended to ``--jsonl`` as it comes; ``--deadline`` (seconds) starts no arm run after it.
 ``bench_growth_study.py --clock FILE`` reads the lines into the study's tables (GPU seconds per arm).
@@ -198,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--grid-rows', type=int, nargs='*', default=[1, 2, 4, 8, 16])
     parser.add_argument('--grid-lengths', type=int, nargs='*', default=[128, 192, 256, 384, 512])
     parser.add_argument('--repeats', type=int, default=10)
+    parser.add_argument('--warmup-arms', nargs='*', default=['control_a', 'baseline'], choices=study.ARMS,
+                        help='unmeasured runs first (on the first seed): a padded arm pays the first-time cost of '
+                             'each padded length (on the H200 control A, run first among the padded arms, took 1.6 x '
+                             'the time a pass of the others did), an unpadded one the rest')
     parser.add_argument('--deadline', type=float, default=None, help='seconds after which no arm run starts')
     parser.add_argument('--work', default=os.path.join(ROOT, 'output', 'growth_clock'))
     parser.add_argument('--jsonl', default=None)
@@ -227,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.grid_rows and args.grid_lengths:
         pass_grid(model, args.device, args.dtype, args.grid_rows, args.grid_lengths, args.repeats, emit)
     runs = [(arm, seed) for seed in args.seeds for arm in args.arms]
-    for i, (arm, seed) in enumerate([runs[0], *runs] if runs else []):
+    warmups = [(arm, args.seeds[0]) for arm in args.warmup_arms] if runs else []
+    for i, (arm, seed) in enumerate([*warmups, *runs]):
         if deadline is not None and time.time() > deadline:
             print(f'[arm-skipped] {arm} seed {seed}: past --deadline', file=sys.stderr, flush=True)
             continue
@@ -236,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - every arm's cause of failure is printed, the next one runs
             print(f'[arm-skipped] {arm} seed {seed}: failed: {type(e).__name__}: {e}', file=sys.stderr, flush=True)
             continue
-        emit({**result, 'warmup': True} if i == 0 else result)
+        emit({**result, 'warmup': True} if i < len(warmups) else result)
     summary(lines)
     return 0
 

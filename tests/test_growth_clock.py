@@ -27,6 +27,7 @@ def test_each_arm_is_timed_with_its_pass_layout_and_the_pass_grid(clock, tmp_pat
     jsonl = tmp_path / 'clock.jsonl'
     assert clock.main(['--device', 'cpu', '--shape', 'tiny', '--samples', '8', '--arms', 'baseline', 'control_a',
                        '--seeds', '2', '--grid-rows', '1', '2', '--grid-lengths', '16', '--repeats', '1',
+                       '--warmup-arms', 'baseline',
                        '--work', str(tmp_path / 'work'), '--jsonl', str(jsonl)]) == 0
     lines = [json.loads(x) for x in jsonl.read_text(encoding='utf-8').splitlines()]
     grid = [x for x in lines if x['kind'] == 'pass']
@@ -34,7 +35,7 @@ def test_each_arm_is_timed_with_its_pass_layout_and_the_pass_grid(clock, tmp_pat
     assert all(x['seconds'] > 0 for x in grid)
     assert [x['kind'] for x in lines].count('optimizer_step') == 1
     arms = [x for x in lines if x['kind'] == 'arm']
-    # one unmeasured warm-up run (the first arm), then each arm: 8 rows at GA 2, micro 1 (4 steps) and 2 (2 steps)
+    # one unmeasured warm-up run (--warmup-arms), then each arm: 8 rows at GA 2, micro 1 (4 steps) and 2 (2 steps)
     assert [(x['arm'], bool(x.get('warmup'))) for x in arms] == [
         ('baseline', True), ('baseline', False), ('control_a', False)]
     base, a = arms[1], arms[2]
