@@ -46,7 +46,7 @@ def test_arm_b_is_a_batch_growth_table_at_the_rows_of_its_stages(bench):
         bench.rows_table({4: 1}, ga=2)
 
 
-@pytest.mark.parametrize('arm', ['baseline', 'control_a', 'growth_b', 'twin_c', 'seesaw_c'])
+@pytest.mark.parametrize('arm', ['baseline', 'control_a', 'growth_b', 'fixed_4', 'fixed_8', 'twin_c', 'seesaw_c'])
 def test_each_arms_yaml_is_the_arm_the_study_runs(bench, arm):
     """``configs/growth_39/<arm>.yaml``, the file a user copies: its pack section and micro-batch are the study's
     settings of that arm (``arm_settings``), and they validate."""
