@@ -208,9 +208,21 @@ def test_the_tables_and_the_paired_comparisons(bench, tmp_path, capsys):
     assert '| baseline | **0.8005** |' in out
     # seeds 2, 3: 0.804 / 0.802 = +0.25 %, 0.806 / 0.803 = +0.37 %
     assert '| growth_b | 0.95 | 2 | 50% | +0.31% |' in out
+    growth = next(x for x in out.splitlines() if x.startswith('| growth_b | 0.95 | 2 | 50% |'))
+    # half the steps on both seeds, but two seeds leave the interval wide: past +1 %
+    assert growth.endswith('| [-0.48%, +1.10%] | not shown (interval up to +1.10%) |')
     assert 'seesaw_c against its fixed-batch twin' in out
     with pytest.raises(SystemExit):
         bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--report-seeds', '1'])
+
+
+def test_the_goal_of_a_paired_comparison(bench):
+    pairs = [({'optimizer_steps': 32}, {'optimizer_steps': 64})] * 3
+    assert bench.goal(pairs, 0.009, True, 3) == 'met'
+    assert bench.goal(pairs, 0.012, True, 12) == 'not shown (interval up to +1.20%), 3 of 12 seeds'
+    slow = pairs + [({'optimizer_steps': 40}, {'optimizer_steps': 64})]
+    assert bench.goal(slow, 0.0, True, 4) == 'not shown (fewer than 40 % of the steps saved)'
+    assert bench.goal(pairs, -0.001, False, 3) == 'met' and bench.goal(pairs, 0.001, False, 3).startswith('not')
 
 
 def test_the_frontier_table_puts_each_arm_on_both_clocks(bench, tmp_path, capsys):
