@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--threads', type=int, default=None, help='OMP threads a process (default: 2 / procs)')
     parser.add_argument('--swift', nargs='*', default=[], metavar='KEY=VALUE',
                         help='ms-swift arguments for every arm (JSON values: use_liger_kernel=true)')
+    parser.add_argument('--oom-only', action='store_true',
+                        help='with --oom-fraction: the OOM phase alone (no arms before it)')
     parser.add_argument('--deadline', type=float, default=None, help='seconds after which no arm starts')
     parser.add_argument('--profile-arms', nargs='*', default=[], choices=ARMS)
     parser.add_argument('--warmup', action='store_true',
@@ -453,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             if one['batch'] and one['batch'] * one['ga'] != args.batch * args.ga:
                 parser.error(f'--arms: {one["label"]} is {one["batch"]} x {one["ga"]} = {one["batch"] * one["ga"]} '
                              f'samples a step; every arm trains --batch x --ga = {args.batch * args.ga}')
+    if args.oom_only and args.oom_fraction is None:
+        parser.error('--oom-only: needs --oom-fraction (the OOM phase is all it runs)')
     if args.oom_fraction is not None and not 0 < args.oom_fraction < 1:
         parser.error(f'--oom-fraction: must be in (0, 1), got {args.oom_fraction}')
     if args.oom_fraction is not None and args.device != 'cuda':
@@ -510,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                 with open(args.jsonl, 'a', encoding='utf-8') as f:
                     f.write(json.dumps({**line, 'repeat': repeat}) + '\n')
 
-        for repeat in range(args.repeats):
+        for repeat in range(0 if args.oom_only else args.repeats):
             swift_groups = [g for g in groups if g['label'] != 'bare_loop']
             k = repeat % max(len(swift_groups), 1)
             order = swift_groups[k:] + swift_groups[:k] + [g for g in groups if g['label'] == 'bare_loop']

@@ -19,6 +19,10 @@
 #   length: $OUT/growth_clock.jsonl (commit it as docs/figures/growth_39_clock.jsonl). Needs the shape folder
 #   $GROWTH_SHAPE (default .gpu/smollm2-135m-shape: the study's model folder without its weights, see below).
 # MAIN_ARMS replaces phase main's arms, DEADLINE its --deadline (240).
+# - oom (about 3 minutes): phase main's OOM comparison alone, twice: as main runs it, then with
+#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the H200 run of 2026-11-27 recovered to 0.80 x the run planned
+#   at the recovered budget, with slow steps after the OOM: a fragmented caching allocator near the limit would show
+#   as the difference between the two).
 # - 7b (about 6 minutes, a second call): the Qwen2.5-7B shape, pass_tokens 8192 and auto against group_by_length at
 #   the largest per-device batch that fits.
 # - liger (about 2 minutes, needs liger-kernel): pass_tokens P and 2 P with ms-swift's use_liger_kernel (fused linear
@@ -80,6 +84,17 @@ if [[ " $PHASES " == *" main "* ]]; then
     --arms ${MAIN_ARMS:-random "$GBL" pack_passes pack_passes_auto pack_passes_padding_free bare_loop} \
     --oom-fraction 0.75 --oom-pass-tokens $((2 * PASS_TOKENS)) "${profile[@]}" \
     --jsonl "$OUT/throughput.jsonl" "$@" 2>&1 | tee "$OUT/log.txt"
+fi
+if [[ " $PHASES " == *" oom "* ]]; then
+  for conf in '' 'expandable_segments:True'; do
+    echo "[oom phase] PYTORCH_CUDA_ALLOC_CONF=${conf:-(unset)}" | tee -a "$OUT/log-oom.txt"
+    envs=(env -u PYTORCH_CUDA_ALLOC_CONF)
+    if [ -n "$conf" ]; then envs=(env PYTORCH_CUDA_ALLOC_CONF="$conf"); fi
+    "${envs[@]}" "$PY" scripts/bench_throughput.py "${common[@]}" --model random:qwen2.5-1.5b \
+      --pass-tokens "$PASS_TOKENS" --arms pack_passes --oom-only --oom-fraction 0.75 \
+      --oom-pass-tokens $((2 * PASS_TOKENS)) \
+      --jsonl "$OUT/throughput-oom.jsonl" 2>&1 | grep -E '^\[oom|^\[bench\]|^\[arm' | tee -a "$OUT/log-oom.txt" || true
+  done
 fi
 if [[ " $PHASES " == *" 7b "* ]]; then
   "$PY" scripts/bench_throughput.py "${common[@]}" --model random:qwen2.5-7b --pass-tokens 8192 --deadline 300 \

@@ -42,6 +42,12 @@ def test_a_layout_must_keep_the_global_batch(bench, capsys):
         capsys.readouterr().err)
 
 
+def test_the_oom_phase_alone_needs_its_memory_fraction(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(['--oom-only'])
+    assert '--oom-only: needs --oom-fraction' in capsys.readouterr().err
+
+
 def test_a_failing_arm_says_why_and_the_next_one_runs(bench, tmp_path, capsys):
     """Two arms in one child: both fail (the bare loop needs an ms-swift arm's lengths first); each failure is
     printed with its cause, the child goes on to the next and exits normally."""
