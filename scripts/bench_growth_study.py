@@ -565,6 +565,55 @@ def gpu_seconds(clock: list[dict]) -> tuple[dict[str, float], str]:
     return {arm: statistics.fmean(v) for arm, v in by.items()}, device
 
 
+def pass_cost(grid: dict[tuple[int, int], float], rows: float, length: float) -> float:
+    """Seconds of one pass of ``rows`` rows padded to ``length`` tokens from the measured ``{(rows, length): s}``
+    grid: the nearest measured row count (on a log scale), linear in length between the measured lengths, the
+    nearest one outside them."""
+    row = min(sorted({r for r, _ in grid}), key=lambda r: abs(math.log(r) - math.log(max(rows, 1e-9))))
+    cells = sorted((n, t) for (r, n), t in grid.items() if r == row)
+    if length <= cells[0][0]:
+        return cells[0][1]
+    for (n0, t0), (n1, t1) in zip(cells, cells[1:]):
+        if length <= n1:
+            return t0 + (t1 - t0) * (length - n0) / (n1 - n0)
+    return cells[-1][1]
+
+
+def layout_seconds(steps: dict[str, list], grid: dict[tuple[int, int], float], optimizer: float,
+                   total: tuple[int, int] | None = None) -> float:
+    """Seconds of a run's passes and optimizer steps priced from its pass layout: each step's passes at the grid's
+    cost of (rows a pass, padded tokens a row). A line without per-step passes (the runs before they were logged)
+    is priced from ``total`` = (its passes, its padded tokens), every step's rows split evenly."""
+    out = 0.0
+    batches, passes, padded = steps['batch'], steps.get('passes'), steps.get('padded')
+    if not passes or not padded:
+        n_passes, n_padded = total
+        rows = sum(batches)
+        passes = [max(1, round(n_passes * b / rows)) for b in batches]
+        padded = [n_padded * b / rows for b in batches]
+    for batch, n, tokens in zip(batches, passes, padded):
+        if n:
+            out += n * pass_cost(grid, batch / n, tokens / batch) + optimizer
+    return out
+
+
+def gpu_estimates(clock: list[dict]) -> tuple[dict[tuple[int, int], float], float, float] | None:
+    """(the pass grid, the optimizer step's seconds, the calibration factor) from ``growth_clock.py`` lines, or None
+    without a grid. The factor is the median over the measured arm runs of their measured training seconds over their
+    own layout's price: what the Trainer and ms-swift add to the bare passes."""
+    cells: dict[tuple[int, int], list[float]] = {}
+    for line in clock:
+        if line.get('kind') == 'pass' and line.get('seconds'):
+            cells.setdefault((line['rows'], line['length']), []).append(line['seconds'])
+    if not cells:
+        return None
+    grid = {k: statistics.median(v) for k, v in cells.items()}
+    optimizer = statistics.median([x['seconds'] for x in clock if x.get('kind') == 'optimizer_step'] or [0.0])
+    ratios = [line['train_s'] / layout_seconds(line, grid, optimizer) for line in clock
+              if line.get('kind') == 'arm' and not line.get('warmup') and line.get('passes')]
+    return grid, optimizer, statistics.median(ratios) if ratios else 1.0
+
+
 def frontier(results: list[dict], tune: list[int], report: list[int], clock: list[dict], png: str | None) -> None:
     """Each arm at its best LR (chosen on the tuning seeds): steps, passes, GPU seconds (``--clock``) and mean eval
     loss over the reporting seeds it ran; with ``png`` a figure of eval loss against optimizer steps and against GPU
@@ -572,11 +621,14 @@ def frontier(results: list[dict], tune: list[int], report: list[int], clock: lis
     beta2 = pick_beta2(results, tune, 2e-3) or '0.95'
     chosen = dict(line.split() for line in pick_lrs(results, tune, float(beta2), 'best'))
     seconds, device = gpu_seconds(clock)
+    estimate = gpu_estimates(clock)
     points = []
     print(f'\nthe frontier (beta2 {beta2}; each arm at its LR chosen on seeds {tune}; eval loss: the mean over the '
-          f'reporting seeds it ran; GPU s: training on {device or "no GPU measured"}, scripts/growth_clock.py):')
-    print('| arm | LR | steps | passes | GPU s | reporting seeds | mean eval loss |')
-    print('|---|---:|---:|---:|---:|---:|---:|')
+          f'reporting seeds it ran; GPU s: training on {device or "no GPU measured"}, scripts/growth_clock.py, '
+          'measured on its seeds; est.: each run of the arm priced from its own pass layout by the measured cost of '
+          f'a pass{f" x {estimate[2]:.2f} (the measured runs over their priced layouts)" if estimate else ""}):')
+    print('| arm | LR | steps | passes | GPU s | GPU s est. | reporting seeds | mean eval loss |')
+    print('|---|---:|---:|---:|---:|---:|---:|---:|')
     for arm in ARMS:
         if arm not in chosen:
             continue
@@ -584,11 +636,17 @@ def frontier(results: list[dict], tune: list[int], report: list[int], clock: lis
         runs = [r for r in results if r['arm'] == name and r['adam_beta2'] == float(beta2) and r['seed'] in report]
         any_run = next((r for r in results if r['arm'] == name), None)
         loss = statistics.fmean(r['eval_loss'] for r in runs) if runs else None
-        gpu = seconds.get(arm)
+        priced = None
+        if estimate is not None:
+            grid, optimizer, factor = estimate
+            priced = statistics.fmean(
+                factor * layout_seconds(r['steps'], grid, optimizer, (r['passes'], r['padded_tokens']))
+                for r in runs or [any_run])
+        gpu = seconds.get(arm, priced)
         points.append((arm, any_run['optimizer_steps'], gpu, loss))
         print(f'| {arm} | {chosen[arm]} | {any_run["optimizer_steps"]} | {any_run.get("passes", "-")} | '
-              f'{f"{gpu:.1f}" if gpu is not None else "-"} | {len(runs)} | '
-              f'{f"{loss:.5f}" if loss is not None else "-"} |')
+              f'{f"{seconds[arm]:.1f}" if arm in seconds else "-"} | {f"{priced:.1f}" if priced else "-"} | '
+              f'{len(runs)} | {f"{loss:.5f}" if loss is not None else "-"} |')
     if png and any(p[3] is not None for p in points):
         import matplotlib
         matplotlib.use('Agg')

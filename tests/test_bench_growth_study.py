@@ -225,6 +225,23 @@ def test_the_goal_of_a_paired_comparison(bench):
     assert bench.goal(pairs, -0.001, False, 3) == 'met' and bench.goal(pairs, 0.001, False, 3).startswith('not')
 
 
+def test_a_runs_gpu_seconds_priced_from_its_pass_layout(bench):
+    grid = {(1, 100): 0.1, (1, 300): 0.3, (4, 100): 0.2, (4, 300): 0.4}
+    assert bench.pass_cost(grid, 1, 200) == pytest.approx(0.2)  # linear in length
+    assert bench.pass_cost(grid, 3, 50) == 0.2 and bench.pass_cost(grid, 1.5, 900) == 0.3  # nearest rows, clamped
+    # two steps: 2 passes of 1 row x 100 tokens, then 2 passes of 4 rows x 300 tokens; optimizer 0.01 a step
+    steps = {'batch': [2, 8], 'passes': [2, 2], 'padded': [200, 2400]}
+    assert bench.layout_seconds(steps, grid, 0.01) == pytest.approx(2 * 0.1 + 0.01 + 2 * 0.4 + 0.01)
+    # a line from before the layout was logged: its totals spread over the steps by rows
+    assert bench.layout_seconds({'batch': [4, 4]}, grid, 0.0, total=(2, 800)) == pytest.approx(2 * 0.2)
+    clock = [{'kind': 'pass', 'rows': r, 'length': n, 'seconds': t} for (r, n), t in grid.items()]
+    clock += [{'kind': 'optimizer_step', 'seconds': 0.01},
+              {'kind': 'arm', 'train_s': 2.04, **steps}, {'kind': 'arm', 'train_s': 99.0, 'warmup': True, **steps}]
+    got, optimizer, factor = bench.gpu_estimates(clock)
+    assert got == grid and optimizer == 0.01 and factor == pytest.approx(2.0)  # measured 2.04 s, priced 1.02 s
+    assert bench.gpu_estimates([{'kind': 'arm', 'train_s': 1.0}]) is None
+
+
 def test_the_frontier_table_puts_each_arm_on_both_clocks(bench, tmp_path, capsys):
     rows = [dict(line('baseline@0.002', s, 0.80), passes=128) for s in (0, 1, 2, 3)]
     rows += [dict(line('fixed_4@0.004', s, 0.82 + s / 100, steps=16), passes=32) for s in (0, 1, 2)]
@@ -236,8 +253,8 @@ def test_the_frontier_table_puts_each_arm_on_both_clocks(bench, tmp_path, capsys
     png = tmp_path / 'f.png'
     bench.frontier(rows, [0, 1], [2, 3], clock, str(png))
     out = capsys.readouterr().out
-    assert '| baseline | 0.002 | 64 | 128 | 30.0 | 2 | 0.80000 |' in out
-    assert '| fixed_4 | 0.004 | 16 | 32 | 11.0 | 1 | 0.84000 |' in out  # seed 3 not run: one reporting seed
+    assert '| baseline | 0.002 | 64 | 128 | 30.0 | - | 2 | 0.80000 |' in out  # no pass grid: no estimate
+    assert '| fixed_4 | 0.004 | 16 | 32 | 11.0 | - | 1 | 0.84000 |' in out  # seed 3 not run: one reporting seed
     assert 'training on GPU X' in out and png.stat().st_size > 0
 
 
