@@ -137,6 +137,57 @@ def test_growth_run_exactly_once_lr_scaled_and_resumable(tmp_path, tiny_llama, g
         plugin._configured = None
 
 
+def test_a_table_by_samples_grows_at_the_samples_named_whatever_ga():
+    """``table_unit: samples``: the callback requests each size once the samples consumed (the sizes in effect x GA
+    x processes) reach its key; the same table at GA 2 and GA 4 switches at the same samples, not the same steps; the
+    count is saved and restored with the callback's state."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from swift_dynamic_callbacks.callbacks.batch_growth import BatchGrowthCallback
+    table = {0: 1, 8: 2, 16: 4}
+    for ga, switch_steps in ((2, {4: 2, 6: 4}), (4, {2: 2, 3: 4})):
+        cb = BatchGrowthCallback(BatchGrowthConfig(policy='table', table_unit='samples', table=table, maximum=4))
+        args = TrainingArguments(output_dir='unused', report_to=[], gradient_accumulation_steps=ga)
+        control = TrainerControl()
+        cb.on_train_begin(args, TrainerState(), control)
+        assert control.new_batch_size == 1
+        requested = {}
+        for step in range(1, 7):
+            control = TrainerControl()
+            cb.on_step_end(args, TrainerState(global_step=step), control)
+            if getattr(control, 'new_batch_size', None) is not None:
+                requested[step] = control.new_batch_size
+        assert {k: v for k, v in requested.items() if k in switch_steps} == switch_steps
+        assert set(requested) == set(switch_steps)  # nothing else requested
+        restored = BatchGrowthCallback(cb.config)
+        restored.load_state_dict(cb.state_dict())
+        assert restored.samples == cb.samples >= 16
+    with pytest.raises(ConfigError, match='table_unit'):
+        BatchGrowthConfig(policy='interval', table_unit='samples')  # read by the table policy only
+
+
+@pytest.mark.e2e
+def test_a_table_by_samples_trains_as_the_same_table_by_steps(tmp_path, tiny_llama, gsm8k_16):
+    """16 rows, GA 2: ``{0: 1, 4: 2, 8: 4}`` by samples is ``{0: 1, 2: 2, 3: 4}`` by steps (2 + 1 + 1 steps of 2,
+    4, 8 samples): the same batch, LR and loss at every step."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    base = {'policy': 'table', 'initial': 1, 'maximum': 4, 'lr_scaling': 'sqrt'}
+    run = dict(RUN, gradient_accumulation_steps=2, num_train_epochs=1, max_steps=-1)
+    logs = {}
+    try:
+        for name, growth in (('steps', {'table': {0: 1, 2: 2, 3: 4}}),
+                             ('samples', {'table': {0: 1, 4: 2, 8: 4}, 'table_unit': 'samples'})):
+            sdc.register(batch_growth={**base, **growth})
+            logs[name] = train_logs(run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / name), **run))
+            plugin._configured = None
+    finally:
+        plugin._configured = None
+    assert [row['dynamic/global_batch_size'] for row in logs['samples']] == [2, 2, 4, 8]
+    for key in ('dynamic/global_batch_size', 'learning_rate', 'loss', 'dynamic/samples_seen'):
+        assert [row[key] for row in logs['samples']] == [row[key] for row in logs['steps']], key
+
+
 @pytest.mark.e2e
 def test_rewarm_in_swift_the_logged_lr_ramps_to_each_growths_scale(tmp_path, tiny_llama, gsm8k_16):
     """A real run with rewarm: 2 (linear scaling, constant schedule): the LR logged at each step is the ramp the

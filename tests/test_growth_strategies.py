@@ -93,7 +93,7 @@ def test_a_checkpoint_of_the_single_class_callback_loads_into_each_strategy():
     switch.load_state_dict(old)
     assert switch.strategy.switch.plateaued and switch.target(0, 1) == 8
     assert BatchGrowthCallback(config_for('loss_variability')).state_dict().keys() == {
-        'batch_size', 'pending', 'rewarm', 'lr_scale', 'losses'}
+        'batch_size', 'pending', 'rewarm', 'lr_scale', 'samples', 'losses'}
 
 
 def test_rank_local_strategies_are_the_ones_that_read_local_values():

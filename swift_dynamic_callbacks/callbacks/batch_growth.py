@@ -29,8 +29,9 @@ class BatchGrowthCallback(DynamicCallback):
     With ``rewarm: N`` a growth's LR scale is reached in N steps (``policies.growth.rewarm_scale``): the growth
     requests the first of them, each next step the next one (an ``lr_scale`` record, reason ``rewarm``).
     State: ``batch_size`` (last requested), ``pending`` (held for the epoch end), ``rewarm`` (a re-warm under way:
-    ``before``, ``after``, ``done`` steps; else None) and the strategy's own keys; the loader's position and the LR
-    scale in effect are restored by the integration.
+    ``before``, ``after``, ``done`` steps; else None), ``samples`` (consumed by the steps done, all ranks: the sizes
+    in effect x ``GA x processes``; what a ``table_unit: samples`` table reads) and the strategy's own keys; the
+    loader's position and the LR scale in effect are restored by the integration.
     """
 
     name = 'batch_growth'
@@ -42,6 +43,7 @@ class BatchGrowthCallback(DynamicCallback):
         self.pending: int | None = None
         self.rewarm: dict[str, float] | None = None
         self.lr_scale: float | None = None  # last requested
+        self.samples = 0  # consumed by the steps done, all ranks (the sizes in effect x passes a step)
         self.strategy: GrowthStrategy = strategy_for(self.config)
 
     def target(self, step: int, current: int) -> int:
@@ -58,11 +60,12 @@ class BatchGrowthCallback(DynamicCallback):
                           reason='start')
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+        self.samples += (self.batch_size or self.config.initial) * _passes_per_step(args)
         view = StepView(step=state.global_step, max_steps=state.max_steps or 0,
                         lr=float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else None,
                         base_lr=float(args.learning_rate),
                         noise=protocol.grad_noise_sample(control) if self.strategy.measures_grad_noise else None,
-                        passes_per_step=_passes_per_step(args))
+                        passes_per_step=_passes_per_step(args), samples=self.samples)
         metrics = self.strategy.observe_step(view)
         if metrics:
             protocol.publish_metrics(control, metrics)
@@ -151,13 +154,14 @@ class BatchGrowthCallback(DynamicCallback):
     # ---- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {'batch_size': self.batch_size, 'pending': self.pending, 'rewarm': self.rewarm,
-                'lr_scale': self.lr_scale, **self.strategy.state_dict()}
+                'lr_scale': self.lr_scale, 'samples': self.samples, **self.strategy.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.batch_size = state.get('batch_size')
         self.pending = state.get('pending')
         self.rewarm = dict(state['rewarm']) if state.get('rewarm') else None
         self.lr_scale = state.get('lr_scale')
+        self.samples = int(state.get('samples', 0))
         if self.lr_scale is None and self.batch_size is not None:  # a checkpoint before re-warming: the batch's scale
             self.lr_scale = self._scale_for(self.batch_size)
         self.strategy.load_state_dict(state)

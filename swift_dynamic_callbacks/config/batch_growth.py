@@ -117,7 +117,12 @@ class BatchGrowthConfig(Settings):
             noise_scale).
         maximum: largest per-device batch size (all policies are clamped to it).
         delay: optimizer steps before the interval schedule starts (first growth at ``delay + interval``).
-        table: ``{0-based optimizer step: per-device batch size}`` (table policy).
+        table: ``{0-based optimizer step: per-device batch size}`` (table policy), or with ``table_unit: samples``
+            ``{samples consumed: per-device batch size}``.
+        table_unit: ``steps`` (default: the table's keys are optimizer steps) or ``samples``: the keys are the samples
+            consumed before the step (all ranks together; counted from the batch sizes in effect, ``batch x GA x
+            processes`` a step), so stages are written by data (``{0: 1, 32: 2, 64: 4}``: a per-device batch of 2
+            from the 33rd sample on) and stay at the same samples when GA or the process count changes at a resume.
         function: dotted path ``package.module:function`` (or the function itself, in Python). Imported and called
             once as ``function(0, initial)`` when the settings are validated; ``swift-dynamic check`` does that
             only when the module can be imported without torch (else the training process does it when the
@@ -177,6 +182,7 @@ class BatchGrowthConfig(Settings):
     maximum: int = setting(Int(1), 32)
     delay: int = setting(Int(0), 0)
     table: Mapping[int, int] = setting(IntTable(1, what='step: batch_size'), default_factory=dict)
+    table_unit: str = setting(Choice(('steps', 'samples')), 'steps')
     function: Any = setting(FunctionRef(), None)
     micro_batch_cap: int | None = setting(Int(1, optional=True), None)
     lr_scaling: str = setting(Choice(('sqrt', 'linear', 'none')), 'sqrt')
@@ -196,7 +202,7 @@ class BatchGrowthConfig(Settings):
     reads = (
         Reads('policy', {
             'interval': ('factor', 'interval', 'delay'),
-            'table': ('table', ),
+            'table': ('table', 'table_unit'),
             'callable': ('function', ),
             'loss_variability': ('factor', 'interval', 'delay', 'window', 'threshold'),
             'noise_scale': ('factor', 'interval', 'delay', 'window', 'noise_decay'),

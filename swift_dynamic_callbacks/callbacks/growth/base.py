@@ -33,6 +33,8 @@ class StepView:
         base_lr: the configured ``learning_rate``.
         noise: the step's gradient-noise measurement (``protocol.GradNoiseSample``) when one was asked for.
         passes_per_step: forward/backward passes of a step over all ranks (``GA x processes``).
+        samples: samples consumed by the steps done, all ranks together (the batch sizes in effect x
+            ``passes_per_step``, summed by the callback; saved with its state).
     """
 
     step: int
@@ -41,6 +43,7 @@ class StepView:
     base_lr: float
     noise: Any = None
     passes_per_step: int = 1
+    samples: int = 0
 
 
 class GrowthStrategy:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...config.batch_growth import BatchGrowthConfig, checked_size
 from ...policies.growth import interval_size
 from ...policies.schedule import scheduled_value
-from .base import GrowthStrategy
+from .base import GrowthStrategy, StepView
 
 
 class IntervalGrowth(GrowthStrategy):
@@ -21,12 +21,22 @@ class IntervalGrowth(GrowthStrategy):
 
 
 class TableGrowth(GrowthStrategy):
-    """The table's size at the last step it names (``initial`` before the first)."""
+    """The table's size at the last step it names (``initial`` before the first); with ``table_unit: samples`` at the
+    last number of samples consumed it names (the count of the last step seen, :class:`StepView`)."""
 
     name = 'table'
 
+    def __init__(self, config: BatchGrowthConfig) -> None:
+        super().__init__(config)
+        self.samples = 0
+
+    def observe_step(self, view: StepView) -> dict[str, float]:
+        self.samples = view.samples
+        return {}
+
     def target(self, step: int, current: int) -> int:
-        return scheduled_value(self.config.table, step) or self.config.initial
+        at = self.samples if self.config.table_unit == 'samples' else step
+        return scheduled_value(self.config.table, at) or self.config.initial
 
 
 class CallableGrowth(GrowthStrategy):
