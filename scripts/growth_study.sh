@@ -113,36 +113,33 @@ report_best() {  # report_best WHAT PATTERN SEED...: the arms matching PATTERN a
   done
 }
 
-if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then
-  n=$(( ${#A_LRS[@]} > ${#B_LRS[@]} ? ${#A_LRS[@]} : ${#B_LRS[@]} ))
+tune_pair() {  # tune_pair ARM LRS ARM LRS: two arms' LR lists (array names) rung by rung, on the tuning seeds
+  local -n first_lrs=$2 second_lrs=$4
+  local n=$(( ${#first_lrs[@]} > ${#second_lrs[@]} ? ${#first_lrs[@]} : ${#second_lrs[@]} )) i seed
   for ((i = 0; i < n; i++)); do
     for seed in "${TUNE[@]}"; do
-      if [ -n "${A_LRS[i]:-}" ]; then one control_a "${A_LRS[i]}" "$seed" "$BETA2"; fi
-      if [ -n "${B_LRS[i]:-}" ]; then one growth_b "${B_LRS[i]}" "$seed" "$BETA2"; fi
+      if [ -n "${first_lrs[i]:-}" ]; then one "$1" "${first_lrs[i]}" "$seed" "$BETA2"; fi
+      if [ -n "${second_lrs[i]:-}" ]; then one "$3" "${second_lrs[i]}" "$seed" "$BETA2"; fi
     done
   done
+}
+
+if [ "$STAGE" = all ] || [ "$STAGE" = tune ]; then
+  tune_pair control_a A_LRS growth_b B_LRS
   for lr in "${BASE_LRS[@]}"; do
     for seed in "${TUNE[@]}"; do one baseline "$lr" "$seed" "$BETA2"; done
   done
   extend .
 fi
 frontier() {  # the fixed micro-batches 4 and 8: tuned on the tuning seeds, then on the look's reporting seeds
-  local n=$(( ${#F4_LRS[@]} > ${#F8_LRS[@]} ? ${#F4_LRS[@]} : ${#F8_LRS[@]} )) i seed
-  for ((i = 0; i < n; i++)); do
-    for seed in "${TUNE[@]}"; do
-      if [ -n "${F4_LRS[i]:-}" ]; then one fixed_4 "${F4_LRS[i]}" "$seed" "$BETA2"; fi
-      if [ -n "${F8_LRS[i]:-}" ]; then one fixed_8 "${F8_LRS[i]}" "$seed" "$BETA2"; fi
-    done
-  done
+  tune_pair fixed_4 F4_LRS fixed_8 F8_LRS
   extend "$FIXED"
   report_best 'frontier arms' "$FIXED" "${REPORT[@]:0:FUTILITY_AT}"
 }
 
 if [ "$STAGE" = frontier ]; then frontier; fi
 if [ "$STAGE" = c ]; then  # arm C and its twin: tuned, then on every reporting seed
-  for lr in "${C_LRS[@]}"; do
-    for seed in "${TUNE[@]}"; do one twin_c "$lr" "$seed" "$BETA2"; one seesaw_c "$lr" "$seed" "$BETA2"; done
-  done
+  tune_pair twin_c C_LRS seesaw_c C_LRS
   extend "$ARM_C"
   report_best 'arm C' "$ARM_C" "${REPORT[@]}"
 fi
