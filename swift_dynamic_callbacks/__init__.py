@@ -38,6 +38,7 @@ _LAZY = {
     'IntegrationConfig': '.config.integration',
     'PackConfig': '.config.pack',
     'install': '.integrations.hooks',
+    'mark_token_sum_loss': '.config.rules',
     'DecisionRecord': '.records',
 }
 

@@ -471,3 +471,19 @@ def test_function_importing_torch_is_checked_in_the_training_process(tmp_path):
         assert BatchGrowthConfig(policy='callable', function='heavy_sizes:size').resolved_function()(3, 2) == 2
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_which_python_loss_functions_count_as_custom():
+    """ms-swift's own causal-LM loss (``loss_type: cross_entropy``) and a declared token sum pass; anything else is
+    named in the refusal."""
+    from swift.loss.causal_lm import CustomCrossEntropyLoss
+
+    from swift_dynamic_callbacks.config.rules import custom_loss_name, mark_token_sum_loss
+
+    def mean_loss(outputs, labels, num_items_in_batch=None):
+        return outputs.loss
+
+    assert custom_loss_name(None) is None
+    assert custom_loss_name(CustomCrossEntropyLoss(None, None)) is None
+    assert custom_loss_name(mean_loss).endswith('mean_loss')
+    assert custom_loss_name(mark_token_sum_loss(mean_loss)) is None

@@ -68,15 +68,13 @@ def _trainer(tiny_llama, gsm8k_16, output_dir, callbacks, **args):
         AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(r=4, target_modules=['q_proj', 'v_proj']))
     targs = TrainingArguments(
         output_dir=output_dir,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=1,
+        **{'per_device_train_batch_size': 2, 'gradient_accumulation_steps': 1, **args},
         learning_rate=1e-3,
         logging_steps=1,
         save_strategy='no',
         report_to=[],
         use_cpu=True,
-        dataloader_num_workers=0,
-        **args)
+        dataloader_num_workers=0)
     trainer = Trainer(model=model, args=targs, train_dataset=_Rows(rows),
                       data_collator=_collate(tokenizer.pad_token_id))
     for cb in callbacks:
@@ -105,3 +103,41 @@ def test_flags_without_integration_warn_once(tmp_path, tiny_llama, gsm8k_16, mon
     with pytest.warns(RuntimeWarning, match='not honoured') as caught:
         trainer.train()
     assert sum('not honoured' in str(w.message) for w in caught) == 1
+
+
+def _token_losses(outputs, labels):
+    logits = outputs.logits[:, :-1].float()
+    targets = labels[:, 1:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             ignore_index=-100, reduction='none'), (targets != -100).sum()
+
+
+def test_a_python_loss_function_under_pass_tokens_is_refused_unless_declared(tmp_path, tiny_llama, gsm8k_16):
+    """HF's ``compute_loss_func`` set in Python: passes cut by tokens keep the gradient only under a token-sum loss,
+    which the pack cannot see in a function; a per-pass mean is refused at train start, a declared sum runs."""
+    def mean_loss(outputs, labels, num_items_in_batch=None):
+        losses, tokens = _token_losses(outputs, labels)
+        return losses.sum() / tokens
+
+    calls = []
+
+    @sdc.mark_token_sum_loss
+    def sum_loss(outputs, labels, num_items_in_batch=None):
+        calls.append(num_items_in_batch)
+        return _token_losses(outputs, labels)[0].sum() / num_items_in_batch
+
+    def run(loss_func, name):
+        callback = sdc.LengthBatchingCallback(sdc.LengthBatchingConfig(mode='balanced', pass_tokens=1200))
+        trainer = _trainer(tiny_llama, gsm8k_16, str(tmp_path / name), [callback], max_steps=2,
+                           gradient_accumulation_steps=2)
+        trainer.compute_loss_func = loss_func
+        sdc.install(trainer)
+        trainer.train()
+        return trainer
+
+    with pytest.raises(sdc.ConfigError, match='compute_loss_func: .*mean_loss cannot be combined with '
+                                              'dynamic_callbacks.length_batching.pass_tokens'):
+        run(mean_loss, 'mean')
+    trainer = run(sum_loss, 'sum')
+    assert trainer.state.global_step == 2
+    assert calls and all(n is not None for n in calls)

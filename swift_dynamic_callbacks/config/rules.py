@@ -34,6 +34,9 @@ class RunFacts:
             (:func:`pass_splitters`; empty: none).
         task_type: ms-swift's ``task_type`` (``None``: its default, ``causal_lm``).
         loss_type: ms-swift's ``loss_type`` (``None``: the model's own loss).
+        compute_loss_func: the name of a loss function the trainer calls instead of the model's loss (HF's
+            ``compute_loss_func``, set in Python) that is neither ms-swift's causal-LM loss nor marked a token sum
+            (:func:`mark_token_sum_loss`); ``None``: none such.
         label_smoothing_factor: HF's ``label_smoothing_factor``.
         router_aux_loss_coef: ms-swift's ``router_aux_loss_coef`` (MoE).
         world_size: processes of the run.
@@ -49,6 +52,7 @@ class RunFacts:
     splitters: tuple[str, ...] = ()
     task_type: str | None = None
     loss_type: str | None = None
+    compute_loss_func: str | None = None
     label_smoothing_factor: float = 0.0
     router_aux_loss_coef: float = 0.0
     world_size: int = 1
@@ -111,6 +115,11 @@ def token_sum_loss(facts: RunFacts) -> str | None:
     if facts.loss_type not in (None, 'cross_entropy'):
         return (f'loss_type: {facts.loss_type} cannot be combined with {what}: {TOKEN_SUM_WHY}allowed: the model\'s '
                 'own loss or cross_entropy (or remove the setting)')
+    if facts.compute_loss_func is not None:
+        return (f'compute_loss_func: {facts.compute_loss_func} cannot be combined with {what}: {TOKEN_SUM_WHY}the '
+                'pack cannot tell whether a Python loss function is one; allowed: no compute_loss_func (the '
+                'model\'s loss), loss_type cross_entropy, or a function that returns sum(token losses) / '
+                'num_items_in_batch, declared with swift_dynamic_callbacks.mark_token_sum_loss(fn)')
     if facts.label_smoothing_factor > 0:
         return (f'label_smoothing_factor: {facts.label_smoothing_factor:g} cannot be combined with {what}: '
                 f'{TOKEN_SUM_WHY}HF\'s label smoother returns each pass\'s mean; allowed: 0 (or remove the setting)')
@@ -123,6 +132,30 @@ def token_sum_loss(facts: RunFacts) -> str | None:
                 'processes: each rank would normalise by its own label tokens, so ranks whose passes hold fewer '
                 'tokens weigh more (and a rank without samples scales the step down); allowed: true (HF\'s default)')
     return None
+
+
+#: the attribute :func:`mark_token_sum_loss` sets on a loss function
+TOKEN_SUM_MARK = '__swift_dynamic_token_sum__'
+
+
+def mark_token_sum_loss(loss_func: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare that ``loss_func`` (a trainer's ``compute_loss_func``) returns the sum of its token losses divided by
+    ``num_items_in_batch``, so that pass splits (``pass_tokens``, ``split: passes``, ``memory_backoff``) may run with
+    it; returns ``loss_func`` (usable as a decorator). The pack takes the declaration on trust."""
+    setattr(loss_func, TOKEN_SUM_MARK, True)
+    return loss_func
+
+
+def custom_loss_name(loss_func: Any) -> str | None:
+    """The :attr:`RunFacts.compute_loss_func` of a trainer whose ``compute_loss_func`` is ``loss_func``: ``None`` when
+    there is none, when it is ms-swift's causal-LM loss (``loss_type: cross_entropy``) or when it is marked with
+    :func:`mark_token_sum_loss`; else its name."""
+    if loss_func is None or getattr(loss_func, TOKEN_SUM_MARK, False):
+        return None
+    kind = type(loss_func)
+    if kind.__name__ == 'CustomCrossEntropyLoss' and kind.__module__.startswith('swift.'):
+        return None
+    return getattr(loss_func, '__qualname__', None) or kind.__qualname__
 
 
 #: the rules both checks run on :class:`RunFacts`, in order

@@ -21,7 +21,7 @@ from .. import distributed
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
 from ..config.launch import group_by_length_error
-from ..config.rules import RunFacts, check_facts, pass_splitters
+from ..config.rules import RunFacts, check_facts, custom_loss_name, pass_splitters
 from ..data.length_estimates import cache_dir, estimate_lengths, is_lazy, mean_ratio
 from ..data.elastic import ElasticDataLoader
 from ..policies.balance import work_coefficient
@@ -53,6 +53,7 @@ def check_supported(trainer: Any, config: IntegrationConfig | None = None, *, st
                          splitters=tuple(pass_splitters(listed)),
                          task_type=getattr(trainer, 'task_type', None) or getattr(template, 'task_type', None),
                          loss_type=getattr(args, 'loss_type', None),
+                         compute_loss_func=custom_loss_name(getattr(trainer, 'compute_loss_func', None)),
                          label_smoothing_factor=float(getattr(args, 'label_smoothing_factor', 0) or 0),
                          router_aux_loss_coef=float(getattr(args, 'router_aux_loss_coef', 0) or 0),
                          world_size=distributed.world_size(),
