@@ -27,6 +27,8 @@
 # run the same command again. Two streams (one a core): run the command twice, CORE=1 and CORE=0: each run is
 # claimed first ($CLAIMS, a folder: the other stream skips it), and a stream picks LRs or looks at the reporting
 # seeds only once every claimed run has its line. About 11-12 minutes a run on one thread (figures in docs/benchmarks.md once measured).
+# To stop both streams without losing a run: touch $OUT/stop ($STOP): each stream exits before its next run (remove the
+# file to continue later).
 # Never part of the test run (tests/test_bench_growth_study.py runs this script on the tiny model).
 # Usage: bash scripts/growth_study.sh [JSONL]     STAGE=beta2|tune|report|table (that stage only; all: every stage)
 set -euo pipefail
@@ -40,6 +42,7 @@ EVAL_ROWS=${EVAL_ROWS:-500}
 MAX_LENGTH=${MAX_LENGTH:-512}
 OUT=${OUT:-output/growth_study}
 CLAIMS=${CLAIMS:-$OUT/claims}
+STOP=${STOP:-$OUT/stop}
 CORE=${CORE-1}  # '': not pinned
 BASE_LR=${BASE_LR:-0.002}
 read -r -a TUNE <<< "${TUNE_SEEDS:-0 1}"
@@ -67,6 +70,7 @@ if [ -n "$CORE" ]; then PIN=(env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c 
 
 one() {  # one ARM LR SEED BETA2: a run, unless its line is in $JSONL or another stream claimed it
   local log=$OUT/$1@$2-b$4-seed$3.${CORE:-all}.log
+  if [ -e "$STOP" ]; then echo "$(date -u +%H:%M:%S) $STOP exists: stopped before $1 at $2, seed $3"; exit 0; fi
   "${PIN[@]}" "${S[@]}" --arms "$1" --lrs "$2" --seeds "$3" --beta2 "$4" --jsonl "$JSONL" --skip-done \
     < /dev/null > "$log" 2>&1 || { echo "failed: $1 at $2, beta2 $4, seed $3 (log: $log)" >&2; return 1; }
   if grep -q 'claimed by another stream' "$log"; then echo "$(date -u +%H:%M:%S) another stream runs $1 at $2, seed $3"

@@ -354,3 +354,17 @@ def test_the_frontier_stage_tunes_the_fixed_micro_batches_and_runs_them_on_the_l
     assert [(r['arm'], r['seed'], r['optimizer_steps']) for r in rows] == [
         ('fixed_4@0.002', 0, 2), ('fixed_8@0.004', 0, 1), ('fixed_4@0.002', 1, 2), ('fixed_8@0.004', 1, 1)]
     assert 'frontier arms at their LRs' in done.stdout
+
+
+def test_a_stop_file_ends_a_stream_before_its_next_run(tmp_path):
+    """``touch $OUT/stop``: the stream exits cleanly before starting a run, so nothing is half-written."""
+    out = tmp_path / 'out'
+    out.mkdir()
+    (out / 'stop').touch()
+    jsonl = tmp_path / 'study.jsonl'
+    env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(out), 'MODEL': 'tiny', 'SAMPLES': '16',
+           'EVAL_ROWS': '8', 'TUNE_SEEDS': '0', 'REPORT_SEEDS': '1', 'CORE': '', 'STAGE': 'beta2'}
+    done = subprocess.run(['bash', STUDY, str(jsonl)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert 'exists: stopped before baseline at 0.002, seed 0' in done.stdout
+    assert not jsonl.exists() or not jsonl.read_text(encoding='utf-8').strip()
