@@ -51,6 +51,11 @@ def test_requested_features_read_the_pack_section():
         'oom_recovery': 'dynamic_callbacks.integration.oom_recovery'}
     assert requested_features(pack, []) == {'oom_recovery': 'dynamic_callbacks.integration.oom_recovery'}
     assert requested_features({'integration': {'oom_recovery': 'auto'}}, []) == {}
+    log = {'training_log': {'noise_scale': True}}
+    assert requested_features(log, ['training_log']) == {'noise_scale': 'dynamic_callbacks.training_log.noise_scale'}
+    assert requested_features(log, []) == {}
+    with pytest.raises(ConfigError, match='dynamic_callbacks.training_log.noise_scale'):
+        check_engine('deepspeed', log, ['training_log'])
 
 
 @pytest.mark.parametrize('engine', ['fsdp2', 'deepspeed'])

@@ -158,3 +158,83 @@ def test_noise_scale_run(tmp_path, tiny_llama, gsm8k_16):
         assert sorted(by_epoch[0]) == sorted(by_epoch[1]) == list(range(16))
     finally:
         plugin._configured = None
+
+
+def test_the_training_log_measures_the_noise_scale_on_request():
+    """``training_log: {noise_scale: true}``: a standing gradient-noise request at train start, B_simple (samples,
+    all ranks) published after each measured step, nothing on a single-pass step, the EMAs kept across a resume."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from swift_dynamic_callbacks.callbacks.training_log import TrainingLogCallback
+    from swift_dynamic_callbacks.config.training_log import TrainingLogConfig
+    args = TrainingArguments(output_dir='unused', gradient_accumulation_steps=2, report_to=[])
+    off = TrainerControl()
+    TrainingLogCallback(TrainingLogConfig(memory=False)).on_train_begin(args, TrainerState(), off)
+    assert not protocol.grad_noise_requested(off)
+    config = TrainingLogConfig(memory=False, noise_scale=True, noise_decay=0.5)
+    cb, control = TrainingLogCallback(config), TrainerControl()
+    cb.on_train_begin(args, TrainerState(), control)
+    assert protocol.grad_noise_requested(control)
+    cb.on_step_end(args, TrainerState(global_step=1), control)  # a step of one pass: no sample, no figure
+    assert 'dynamic/b_simple' not in (getattr(control, 'dynamic_metrics', None) or {})
+    # |G|^2 = 1, tr = 60 tokens, 10 tokens a sample -> B_simple 6 samples
+    control.grad_noise_sample = protocol.GradNoiseSample(1 + 60 / 10, 10, 1 + 60 / 20, 20, 2)
+    cb.on_step_end(args, TrainerState(global_step=2), control)
+    assert control.dynamic_metrics['dynamic/b_simple'] == pytest.approx(6.0)
+    restored = TrainingLogCallback(config)
+    restored.load_state_dict(cb.state_dict())
+    assert restored.noise == cb.noise and restored.noise.count == 1
+
+
+def test_the_training_log_noise_scale_needs_two_passes_at_launch_and_at_start():
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from swift_dynamic_callbacks.callbacks.training_log import TrainingLogCallback
+    from swift_dynamic_callbacks.config.launch import check_run
+    from swift_dynamic_callbacks.config.pack import parse_section
+    from swift_dynamic_callbacks.config.training_log import TrainingLogConfig
+
+    def launch(settings, section):
+        listed = [name for name in section if name != 'integration']
+        with pytest.raises(ConfigError) as e:
+            check_run(parse_section(section, listed), {'model': 'm', 'callbacks': listed, **settings})
+        return str(e.value)
+
+    log = {'training_log': {'noise_scale': True}}
+    at_launch = launch({'gradient_accumulation_steps': 1}, log)
+    assert at_launch.startswith('dynamic_callbacks.training_log.noise_scale needs at least two forward/backward')
+    with pytest.raises(ConfigError) as e:
+        TrainingLogCallback(TrainingLogConfig(noise_scale=True)).on_train_begin(
+            TrainingArguments(output_dir='unused', gradient_accumulation_steps=1, report_to=[]), TrainerState(),
+            TrainerControl())
+    assert str(e.value) == at_launch
+    merged = launch({'gradient_accumulation_steps': 2},
+                    {**log, 'length_batching': {'mode': 'balanced', 'pass_tokens': 4096}})
+    assert merged.startswith('dynamic_callbacks.length_batching.pass_tokens cannot be combined with '
+                             'dynamic_callbacks.training_log.noise_scale')
+    assert launch({'gradient_accumulation_steps': 2}, {'training_log': {'noise_decay': 0.9}}).startswith(
+        'dynamic_callbacks.training_log.noise_decay: only read by noise_scale: true')
+
+
+@pytest.mark.e2e
+def test_the_noise_scale_in_a_real_runs_logs(tmp_path, tiny_llama, gsm8k_16):
+    """A real swift run with ``training_log: {noise_scale: true}`` and GA 2: B_simple in every training log line
+    after the first measured step, in logging.jsonl and in the training log's step lines; the batch is untouched."""
+    import json
+    import os
+
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    try:
+        sdc.register(training_log={'noise_scale': True, 'noise_decay': 0.5, 'memory': False})
+        out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['training_log'],
+                      max_steps=6, per_device_train_batch_size=1, gradient_accumulation_steps=2, learning_rate=1e-3)
+        logs = train_logs(out)
+        estimates = [row.get('dynamic/b_simple') for row in logs]
+        assert len(estimates) == 6 and all(e is not None and math.isfinite(e) and e > 0 for e in estimates[1:])
+        with open(os.path.join(out, 'dynamic_training_log.jsonl'), encoding='utf-8') as f:
+            steps = [json.loads(line) for line in f if '"type": "step"' in line]
+        assert [s['dynamic'].get('dynamic/b_simple') for s in steps][1:] == estimates[1:]
+        assert {row['dynamic/batch_size'] for row in logs} == {1}
+    finally:
+        plugin._configured = None

@@ -26,11 +26,15 @@ import os
 import resource
 import sys
 import time
+from dataclasses import asdict
 from typing import Any, Mapping
 
 from .. import protocol
+from ..config import ConfigError
+from ..config.rules import noise_scale_passes
 from ..config.training_log import LOG_FILE, TrainingLogConfig  # noqa: F401 - LOG_FILE re-exported
 from ..device_memory import GIB
+from ..policies.growth import NoiseState, critical_samples, fold_noise
 from .base import DynamicCallback
 
 _STEP_KEYS = ('loss', 'grad_norm', 'learning_rate')
@@ -88,12 +92,15 @@ def _number(value: Any) -> float | None:
 class TrainingLogCallback(DynamicCallback):
     """Writes step metrics, device memory and epoch summaries to a JSON Lines file (rank 0 only).
 
-    Hooks: ``on_train_begin`` (throughput reference point), ``on_step_end`` (memory probe, published),
-    ``on_log`` (a step line every ``every``-th training log event; losses for the epoch summary),
-    ``on_epoch_end`` (the epoch summary line).
-    Flags set: ``dynamic_metrics`` (``dynamic/memory_*``, when ``memory`` is on). No request flags, no decisions.
+    Hooks: ``on_train_begin`` (throughput reference point; the gradient-noise request), ``on_step_end`` (memory
+    probe and the step's gradient-noise sample, published), ``on_log`` (a step line every ``every``-th training log
+    event; losses for the epoch summary), ``on_epoch_end`` (the epoch summary line).
+    Flags set: ``dynamic_metrics`` (``dynamic/memory_*`` when ``memory`` is on, ``dynamic/b_simple`` when
+    ``noise_scale`` is), ``measure_grad_noise`` (when ``noise_scale`` is on: a standing request for each step's
+    gradient norms, :class:`..protocol.GradNoiseSample`). No batch or LR requests, no decisions.
     State: ``events`` (training log events so far), ``epoch`` (the running epoch's first step, samples at its start,
-    loss sum and count), so ``every`` and the epoch summary continue across a resume.
+    loss sum and count), so ``every`` and the epoch summary continue across a resume; ``noise`` (the noise scale's
+    EMAs, :class:`..policies.growth.NoiseState`).
     Reads ``dynamic/*`` values (the integration's batch size and samples seen) from the logs, and
     ``samples_seen`` from the integration's loader when a summary falls between log events; without the
     integration, samples are estimated as steps x per-device batch x accumulation x world size.
@@ -113,6 +120,7 @@ class TrainingLogCallback(DynamicCallback):
         self._last_samples: tuple[int, int] | None = None  # (step, dynamic/samples_seen) of the last log event
         self._mark: tuple[float, int, int | None] | None = None  # (time, samples, tokens) of the last step line
         self._epoch_time: float | None = None
+        self.noise = NoiseState()
 
     # ---- helpers ---------------------------------------------------------------------------------------
     def path(self, args: Any) -> str:
@@ -139,6 +147,11 @@ class TrainingLogCallback(DynamicCallback):
 
     # ---- hooks -----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        if self.config.noise_scale:
+            message = noise_scale_passes('dynamic_callbacks.training_log.noise_scale', args.gradient_accumulation_steps)
+            if message is not None:
+                raise ConfigError(message)
+            protocol.request_grad_noise(control)
         now = time.time()
         # with the integration, tokens are its count (restored on resume): the first line takes its own rate
         hf_tokens = None if getattr(control, '_sdc_integration', False) else int(
@@ -154,6 +167,13 @@ class TrainingLogCallback(DynamicCallback):
         if self.config.memory:
             self.memory = memory_figures()
             protocol.publish_metrics(control, self.memory)
+        sample = protocol.grad_noise_sample(control) if self.config.noise_scale else None
+        if sample is not None:
+            self.noise = fold_noise(self.noise, sample.small_sqnorm, sample.small_tokens, sample.big_sqnorm,
+                                    sample.big_tokens, sample.samples, self.config.noise_decay)
+            b_simple = critical_samples(self.noise)
+            if b_simple is not None:
+                protocol.publish_metrics(control, {'dynamic/b_simple': round(b_simple, 3)})
 
     def on_log(self, args, state, control, logs=None, train_dataloader=None, **kwargs):
         logs = logs or {}
@@ -226,6 +246,7 @@ class TrainingLogCallback(DynamicCallback):
                 'loss_sum': self.epoch_loss_sum,
                 'loss_count': self.epoch_loss_count,
             },
+            'noise': asdict(self.noise),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -236,3 +257,4 @@ class TrainingLogCallback(DynamicCallback):
         self.epoch_start_samples = None if start_samples is None else int(start_samples)
         self.epoch_loss_sum = float(epoch.get('loss_sum', 0.0))
         self.epoch_loss_count = int(epoch.get('loss_count', 0))
+        self.noise = NoiseState(**{**asdict(NoiseState()), **(state.get('noise') or {})})

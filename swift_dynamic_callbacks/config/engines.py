@@ -95,6 +95,8 @@ def requested_features(pack: Mapping[str, Any], listed: Iterable[str]) -> dict[s
             features['pieces'] = 'dynamic_callbacks.batch_growth.micro_batch_cap'
         if growth.get('policy') == 'noise_scale':
             features['noise_scale'] = 'dynamic_callbacks.batch_growth.policy'
+    if 'training_log' in listed and (pack.get('training_log') or {}).get('noise_scale'):
+        features.setdefault('noise_scale', 'dynamic_callbacks.training_log.noise_scale')
     if 'memory_backoff' in listed:
         features['pass_limit'] = 'callbacks: memory_backoff'
     if 'length_batching' in listed and (pack.get('length_batching') or {}).get('split') == 'passes':

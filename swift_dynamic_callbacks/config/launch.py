@@ -294,17 +294,29 @@ def _lambda_scheduler(run: LaunchRun) -> None:
 SWIFT_GLOBAL_BATCH = 16
 
 
+def _noise_asks(run: LaunchRun) -> list[tuple[str, int | None, int]]:
+    """The settings that ask for the gradient-noise probe: ``(name, micro_batch_cap, maximum)`` each."""
+    growth, log = run.configs.get('batch_growth'), run.configs.get('training_log')
+    asks = []
+    if growth is not None and growth.policy == 'noise_scale':
+        asks.append((f'{SECTION}.batch_growth.policy: noise_scale', growth.micro_batch_cap, growth.maximum))
+    if log is not None and log.noise_scale:
+        asks.append((f'{SECTION}.training_log.noise_scale', None, 1))
+    return asks
+
+
 def _noise_scale(run: LaunchRun) -> None:
-    growth = run.configs.get('batch_growth')
-    if growth is None or growth.policy != 'noise_scale':
-        return
+    """The gradient-noise probe needs two passes a step (:func:`_noise_asks` names who asks for it)."""
     accumulation = run.number('gradient_accumulation_steps')
     if accumulation is None:
         batch = run.number('per_device_train_batch_size', 1) or 1
         accumulation = max(1, math.ceil(SWIFT_GLOBAL_BATCH / batch / _world_size()))  # ms-swift's default
-    message = noise_scale_passes(accumulation, growth.micro_batch_cap, growth.maximum)
-    if message is not None:
-        raise ConfigError(message)
+    batching = run.configs.get('length_batching')
+    for setting, cap, maximum in _noise_asks(run):
+        message = noise_scale_passes(setting, accumulation, cap, maximum,
+                                     pass_tokens=batching is not None and batching.pass_tokens is not None)
+        if message is not None:
+            raise ConfigError(message)
 
 
 def _optimizer_scaling(run: LaunchRun) -> None:

@@ -191,11 +191,19 @@ def check_facts(facts: RunFacts, rules: tuple[Callable[[RunFacts], str | None], 
             raise ConfigError(message)
 
 
-def noise_scale_passes(gradient_accumulation_steps: float, micro_batch_cap: int | None, maximum: int) -> str | None:
-    """``batch_growth`` ``policy: noise_scale`` compares a step's first pass with the whole step: it needs two."""
+def noise_scale_passes(setting: str, gradient_accumulation_steps: float, micro_batch_cap: int | None = None,
+                       maximum: int = 1, *, pass_tokens: bool = False) -> str | None:
+    """The gradient-noise probe (``batch_growth`` ``policy: noise_scale``, ``training_log`` ``noise_scale``) compares
+    a step's first pass with the whole step: it needs two passes a step. ``setting``: the setting asking for it, as
+    the message names it."""
+    if pass_tokens:
+        return (f'{SECTION}.length_batching.pass_tokens cannot be combined with {setting}: the noise scale compares a '
+                'step\'s first forward/backward pass with the whole step, and pass_tokens runs a step in as few passes '
+                'as fit its budget (often one); allowed: remove pass_tokens (or the noise-scale setting)')
     if gradient_accumulation_steps < 2 and not (micro_batch_cap is not None and micro_batch_cap < maximum):
-        return (f'{SECTION}.batch_growth.policy: noise_scale needs at least two forward/backward passes per optimizer '
-                f'step to compare gradients, but gradient_accumulation_steps is {gradient_accumulation_steps:g} and '
-                f'micro_batch_cap is {micro_batch_cap}; set gradient_accumulation_steps >= 2 (or a micro_batch_cap '
-                'below maximum)')
+        cap = '' if micro_batch_cap is None and maximum <= 1 else f' and micro_batch_cap is {micro_batch_cap}'
+        remedy = '' if not cap else ' (or a micro_batch_cap below maximum)'
+        return (f'{setting} needs at least two forward/backward passes per optimizer step to compare gradients, but '
+                f'gradient_accumulation_steps is {gradient_accumulation_steps:g}{cap}; set '
+                f'gradient_accumulation_steps >= 2{remedy}')
     return None

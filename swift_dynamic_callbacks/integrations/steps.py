@@ -211,7 +211,8 @@ class StepRunner:
         """The gradient-noise probe of this step when a callback asked for one (``control.measure_grad_noise``)."""
         if not protocol.grad_noise_requested(self.trainer.control):
             return None
-        self.engine.refuse('noise_scale', 'control.measure_grad_noise (batch_growth policy: noise_scale)')
+        self.engine.refuse('noise_scale', 'control.measure_grad_noise (batch_growth policy: noise_scale, '
+                           'training_log noise_scale)')
         return GradNoiseProbe(
             sum(len(indices) for indices, _ in pairs), world=distributed.world_size(),
             tokens_averaged=bool(getattr(self.trainer.args, 'average_tokens_across_devices', False)),

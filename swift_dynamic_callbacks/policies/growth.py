@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 
@@ -186,6 +187,35 @@ def critical_batch(g2: float, trace: float) -> float | None:
     if g2 <= 0 or trace <= 0 or not math.isfinite(g2) or not math.isfinite(trace):
         return None
     return trace / g2
+
+
+@dataclass(frozen=True)
+class NoiseState:
+    """EMAs of ``|G|^2`` and ``tr(Sigma)`` (token units) and of tokens per sample, and how many steps were measured."""
+
+    g2: float | None = None
+    trace: float | None = None
+    tokens_per_sample: float | None = None
+    count: int = 0
+
+
+def fold_noise(state: NoiseState, small_sqnorm: float, small_tokens: float, big_sqnorm: float, big_tokens: float,
+               samples: float, decay: float) -> NoiseState:
+    """``state`` with one optimizer step's mean-gradient norms folded in (a step whose first pass is not a strict
+    part of it, or without samples, leaves it unchanged)."""
+    if not (0 < small_tokens < big_tokens and samples > 0):
+        return state
+    g2, trace = noise_scale_terms(small_sqnorm, small_tokens, big_sqnorm, big_tokens)
+    return replace(state, g2=ema(state.g2, g2, decay), trace=ema(state.trace, trace, decay),
+                   tokens_per_sample=ema(state.tokens_per_sample, big_tokens / samples, decay), count=state.count + 1)
+
+
+def critical_samples(state: NoiseState) -> float | None:
+    """B_simple in samples (:func:`critical_batch` in tokens over the tokens a sample); ``None`` while not positive."""
+    if state.g2 is None or state.trace is None or not state.tokens_per_sample:
+        return None
+    tokens = critical_batch(state.g2, state.trace)
+    return None if tokens is None else tokens / state.tokens_per_sample
 
 
 def noise_scale_size(critical_per_device: float | None, current: int, *, factor: float, maximum: int) -> int:

@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Mapping
 
 from ...config import ConfigError
 from ...config.rules import noise_scale_passes
-from ...policies.growth import critical_batch, ema, noise_scale_size, noise_scale_terms
+from ...policies.growth import NoiseState, critical_samples, fold_noise, noise_scale_size
 from .base import GrowthStrategy, StepView
-
-
-@dataclass
-class NoiseState:
-    """EMAs of ``|G|^2`` and ``tr(Sigma)`` (token units), of tokens per sample, and how many steps were measured."""
-
-    g2: float | None = None
-    trace: float | None = None
-    tokens_per_sample: float | None = None
-    count: int = 0
 
 
 class NoiseScaleGrowth(GrowthStrategy):
@@ -42,7 +32,8 @@ class NoiseScaleGrowth(GrowthStrategy):
         return True
 
     def begin(self, gradient_accumulation_steps: int) -> None:
-        message = noise_scale_passes(gradient_accumulation_steps, self.config.micro_batch_cap, self.config.maximum)
+        message = noise_scale_passes('dynamic_callbacks.batch_growth.policy: noise_scale', gradient_accumulation_steps,
+                                     self.config.micro_batch_cap, self.config.maximum)
         if message is not None:
             raise ConfigError(message)
 
@@ -54,20 +45,10 @@ class NoiseScaleGrowth(GrowthStrategy):
 
     def observe_noise(self, sample: Any, passes_per_step: int) -> float | None:
         """Fold one step's gradient norms into the EMAs; returns the critical global batch in samples."""
-        c, n = self.config, self.noise
-        if sample.small_tokens > 0 and sample.big_tokens > sample.small_tokens and sample.samples > 0:
-            g2, trace = noise_scale_terms(sample.small_sqnorm, sample.small_tokens, sample.big_sqnorm,
-                                          sample.big_tokens)
-            n.g2 = ema(n.g2, g2, c.noise_decay)
-            n.trace = ema(n.trace, trace, c.noise_decay)
-            n.tokens_per_sample = ema(n.tokens_per_sample, sample.big_tokens / sample.samples, c.noise_decay)
-            n.count += 1
-        tokens = critical_batch(n.g2, n.trace) if n.g2 is not None else None
-        if tokens is None or not n.tokens_per_sample:
-            self.critical_per_device = None
-            return None
-        samples = tokens / n.tokens_per_sample
-        self.critical_per_device = samples / passes_per_step
+        self.noise = fold_noise(self.noise, sample.small_sqnorm, sample.small_tokens, sample.big_sqnorm,
+                                sample.big_tokens, sample.samples, self.config.noise_decay)
+        samples = critical_samples(self.noise)
+        self.critical_per_device = None if samples is None else samples / passes_per_step
         return samples
 
     def target(self, step: int, current: int) -> int:
