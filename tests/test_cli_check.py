@@ -96,6 +96,11 @@ BAD = [
     ('noise_scale_accumulation', case(['batch_growth'], {'batch_growth': {'policy': 'noise_scale'}},
                                       gradient_accumulation_steps=1), [],
      ['dynamic_callbacks.batch_growth.policy: noise_scale needs at least two', 'gradient_accumulation_steps is 1']),
+    ('noise_scale_pass_tokens', case(['batch_growth', 'length_batching'],
+                                     {'batch_growth': {'policy': 'noise_scale'}, **PASS_TOKENS},
+                                     gradient_accumulation_steps=2), [],
+     ['dynamic_callbacks.length_batching.pass_tokens cannot be combined with dynamic_callbacks.batch_growth.policy: '
+      'noise_scale']),
     ('cpu_without_budget', case(['memory_backoff'], {}, use_cpu=True), [],
      ['dynamic_callbacks.memory_backoff.cpu_budget_gib: use_cpu: true']),
     ('cpu_probe_without_budget', case(['memory_backoff'], {'memory_backoff': {'probe': 'cpu'}}), [],
