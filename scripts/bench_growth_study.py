@@ -475,9 +475,28 @@ def futility(results: list[dict], seeds: list[int], beta2: float, chosen: dict[s
     return out
 
 
-def tables(results: list[dict], tune: list[int], report: list[int] | None) -> None:
+def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *, limit: float = 0.015) -> dict:
+    """``{(arm, beta2): mean}``: the arms the futility look stopped (every one of the first ``futility_at`` reporting
+    seeds paired with the baseline, the mean relative difference above ``limit``, and no run on a later reporting
+    seed), with that mean."""
+    look, later = report[:futility_at], set(report[futility_at:])
+    if len(look) < futility_at:
+        return {}
+    by = {(r['arm'].partition('@')[0], r['adam_beta2'], r['seed']): r['eval_loss'] for r in results}
+    out = {}
+    for arm, beta2 in {(k[0], k[1]) for k in by if k[0] != 'baseline'}:
+        deltas = [by[(arm, beta2, s)] / by[('baseline', beta2, s)] - 1 for s in look
+                  if (arm, beta2, s) in by and ('baseline', beta2, s) in by]
+        ran_later = any((arm, beta2, s) in by for s in later)
+        if len(deltas) == futility_at and not ran_later and statistics.fmean(deltas) > limit:
+            out[(arm, beta2)] = statistics.fmean(deltas)
+    return out
+
+
+def tables(results: list[dict], tune: list[int], report: list[int] | None, futility_at: int = 6) -> None:
     """The tuning grid per beta2, then (with reporting seeds) the paired comparisons: each arm against the baseline,
-    ``growth_b`` against ``control_a`` and ``seesaw_c`` against ``twin_c``."""
+    ``growth_b`` against ``control_a`` and ``seesaw_c`` against ``twin_c``; an arm the futility look stopped
+    (after the first ``futility_at`` reporting seeds) is marked so, its verdict final."""
     for beta2 in sorted({r['adam_beta2'] for r in results}, reverse=True):
         seen: dict[str, dict[str, list[float]]] = {}
         for r in results:
@@ -516,6 +535,7 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None) -> No
     if not report:
         return
     mine = [r for r in results if r['seed'] in report]
+    stopped = stopped_at_look(mine, report, futility_at)
     only = {'control_a': 'growth_b', 'twin_c': 'seesaw_c'}  # a reference other than the baseline: its one rival
     for ref_arm, what in (('baseline', 'against the baseline'), ('control_a', 'growth_b against control A'),
                           ('twin_c', 'seesaw_c against its fixed-batch twin')):
@@ -536,8 +556,12 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None) -> No
             saved = 1 - statistics.fmean(m['optimizer_steps'] for m, _ in pairs) / statistics.fmean(
                 t['optimizer_steps'] for _, t in pairs)
             mean, low, high = bench_quality.paired_interval(deltas)
+            verdict = goal(pairs, high, ref_arm == 'baseline', len(report))
+            if (arm, beta2) in stopped:
+                verdict = (f'not shown: stopped at the futility look after {futility_at} seeds (mean '
+                           f'{stopped[(arm, beta2)]:+.2%} against the baseline, above +1.5 %)')
             print(f'| {arm} | {beta2:g} | {len(pairs)} | {saved:.0%} | {mean:+.2%} | [{low:+.2%}, {high:+.2%}] | '
-                  f'{goal(pairs, high, ref_arm == "baseline", len(report))} |')
+                  f'{verdict} |')
 
 
 def goal(pairs: list[tuple[dict, dict]], high: float, against_baseline: bool, seeds: int) -> str:
@@ -697,6 +721,8 @@ def main(argv: list[str] | None = None) -> int:
                         help='train nothing: the tables of these result lines (or with --pick, the study\'s choice)')
     parser.add_argument('--tune-seeds', type=int, nargs='+', default=[0, 1])
     parser.add_argument('--report-seeds', type=int, nargs='+', default=None)
+    parser.add_argument('--futility-at', type=int, default=6,
+                        help='with --from-jsonl: the reporting seeds of the futility look (an arm it stopped: marked)')
     parser.add_argument('--pick', choices=('beta2', 'best', 'extend', 'futility'), default=None,
                         help='with --from-jsonl: beta2 (the rule on the baseline at --lrs[0]), best / extend ("arm '
                         'lr" lines at --beta2), futility (the arms to stop, on --report-seeds, at the LRs of best)')
@@ -721,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
             chosen = dict(line.split() for line in pick_lrs(results, args.tune_seeds, args.beta2, 'best'))
             print('\n'.join(futility(results, args.report_seeds or [], args.beta2, chosen)))
         else:
-            tables(results, args.tune_seeds, args.report_seeds)
+            tables(results, args.tune_seeds, args.report_seeds, args.futility_at)
             if args.report_seeds or args.clock:
                 frontier(results, args.tune_seeds, args.report_seeds or [], read_jsonl(args.clock or []), args.png)
         return 0

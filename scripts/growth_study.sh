@@ -162,4 +162,4 @@ if [ "$STAGE" = all ] || [ "$STAGE" = report ]; then
     done <<< "$chosen"
   done
 fi
-"${S[@]}" --from-jsonl "$JSONL" --report-seeds "${REPORT[@]}"
+"${S[@]}" --from-jsonl "$JSONL" --report-seeds "${REPORT[@]}" --futility-at "$FUTILITY_AT"

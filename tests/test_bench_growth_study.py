@@ -216,6 +216,19 @@ def test_the_tables_and_the_paired_comparisons(bench, tmp_path, capsys):
         bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--report-seeds', '1'])
 
 
+def test_an_arm_the_futility_look_stopped_is_marked_final(bench):
+    """Above +1.5 % on the mean of the look's seeds and no later run: stopped; a later run (the look let it go on),
+    a missing look seed or a mean at +1.5 % or below: not."""
+    look = [2, 3, 4]
+    base = [line('baseline@0.001', s, 0.80) for s in look]
+    slow = [line('growth_b@0.001', s, 0.80 * 1.02, steps=32) for s in look]
+    close = [line('control_a@0.002', s, 0.80 * 1.01, steps=32) for s in look]
+    stopped = bench.stopped_at_look(base + slow + close, look + [5, 6], 3)
+    assert list(stopped) == [('growth_b', 0.95)] and stopped[('growth_b', 0.95)] == pytest.approx(0.02)
+    assert bench.stopped_at_look(base + slow + [line('growth_b@0.001', 5, 0.9, steps=32)], look + [5], 3) == {}
+    assert bench.stopped_at_look(base + slow[:2], look + [5], 3) == {}
+
+
 def test_the_goal_of_a_paired_comparison(bench):
     pairs = [({'optimizer_steps': 32}, {'optimizer_steps': 64})] * 3
     assert bench.goal(pairs, 0.009, True, 3) == 'met'
