@@ -36,6 +36,7 @@ from ..config import ConfigError
 from ..config.integration import IntegrationConfig
 from ..data.elastic import ElasticDataLoader
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
+from ..data.slots import EmptyMicroBatch, PassGroup, slot_batches
 from ..data.stream import StreamLoader
 from .trainer import Integration, logger
 
@@ -108,6 +109,20 @@ class DynamicTrainerMixin:
     def create_scheduler(self, num_training_steps, *args, **kwargs):
         steps = self.dynamic_integration.schedule_length(num_training_steps)
         return self.dynamic_integration.lr.wrap(super().create_scheduler(steps, *args, **kwargs))
+
+    # HF counts FLOPs and input tokens per micro-batch slot from its ``input_ids``; a slot of several passes
+    # (``PassGroup``) or none (``EmptyMicroBatch``) holds none: count the passes it ran, one by one.
+    def floating_point_ops(self, inputs):
+        if isinstance(inputs, (PassGroup, EmptyMicroBatch)):
+            return sum(super(DynamicTrainerMixin, self).floating_point_ops(part) for part in slot_batches(inputs))
+        return super().floating_point_ops(inputs)
+
+    def _track_num_input_tokens(self, inputs):  # transformers >= 5 (4.57 counts inline: it warns and skips them)
+        if isinstance(inputs, (PassGroup, EmptyMicroBatch)):
+            for part in slot_batches(inputs):
+                super(DynamicTrainerMixin, self)._track_num_input_tokens(part)
+            return None
+        return super()._track_num_input_tokens(inputs)
 
     def log(self, logs, *args, **kwargs):
         self.dynamic_integration.update_logs(logs, self.control)
