@@ -4,6 +4,7 @@ ranks, every step the global batch, the ranks' work spread logged, the engine DD
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def _two_processes(tmp_path, name, model, data, length_batching):
                         per_device_train_batch_size=2, gradient_accumulation_steps=2, lora_dropout=0.0,
                         learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0)
     config.update(report_to='none', use_cpu=True, ddp_backend='gloo', callbacks=['length_batching'],
+                  include_num_input_tokens_seen=True,  # HF's collective a slot, while the ranks' slots differ
                   dynamic_callbacks={'length_batching': length_batching, 'integration': {'record_samples': True}})
     path = tmp_path / f'{name}.yaml'
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -98,3 +100,11 @@ def test_two_processes_passes_by_tokens_train_the_same_steps(tmp_path, tiny_qwen
             slots = [row['passes'] for row in sample_trace(out, rank)]
             assert min(map(sum, slots)) < 2 < max(map(sum, slots)) and min(map(min, slots)) == 0, slots
     assert {sum(row['passes']) for row in sample_trace(runs[0], 0)} == {2}  # gradient_accumulation_steps
+
+    def tokens_seen(out):  # HF's count over both ranks (one gather a slot on every rank, whatever the slot holds)
+        [ckpt] = [d for d in os.listdir(out) if d.startswith('checkpoint-')]
+        with open(os.path.join(out, ckpt, 'trainer_state.json'), encoding='utf-8') as f:
+            return json.load(f)['num_input_tokens_seen']
+
+    for out in runs[:2]:  # every position of every pass, as the pack counts padded tokens
+        assert tokens_seen(out) == int(logged(out, 'dynamic/padded_tokens_seen')[-1]) > 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Mapping
 
+import torch
 from transformers import TrainerCallback
 
 from .. import protocol
@@ -117,12 +118,16 @@ class DynamicTrainerMixin:
             return sum(super(DynamicTrainerMixin, self).floating_point_ops(part) for part in slot_batches(inputs))
         return super().floating_point_ops(inputs)
 
-    def _track_num_input_tokens(self, inputs):  # transformers >= 5 (4.57 counts inline: it warns and skips them)
-        if isinstance(inputs, (PassGroup, EmptyMicroBatch)):
-            for part in slot_batches(inputs):
-                super(DynamicTrainerMixin, self)._track_num_input_tokens(part)
+    def _track_num_input_tokens(self, inputs):  # transformers >= 5 (4.57 counts inline; see config.rules)
+        if not isinstance(inputs, (PassGroup, EmptyMicroBatch)):
+            return super()._track_num_input_tokens(inputs)
+        if self.args.include_num_input_tokens_seen in ('no', False):
             return None
-        return super()._track_num_input_tokens(inputs)
+        # one gather a slot on every rank, as HF makes for a micro-batch: ranks' slots may differ in kind
+        tokens = sum((_hf_input_tokens(self, part) for part in slot_batches(inputs)), 0)
+        tokens = torch.as_tensor(tokens, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(tokens).sum().item()
+        return None
 
     def log(self, logs, *args, **kwargs):
         self.dynamic_integration.update_logs(logs, self.control)
@@ -137,6 +142,22 @@ class DynamicTrainerMixin:
 
 
 _MIXED_CLASSES: dict[type, type] = {}
+
+
+def _hf_input_tokens(trainer: Any, batch: Mapping[str, Any]) -> Any:
+    """The input tokens HF's ``_track_num_input_tokens`` counts for one collated micro-batch (a tensor or an int,
+    not gathered): ``non_padding``: the attention mask's ones, else the tokens that are not the pad token; else
+    every position."""
+    main = getattr(trainer.model, 'main_input_name', 'input_ids')
+    if main not in batch:
+        return 0
+    if trainer.args.include_num_input_tokens_seen == 'non_padding':
+        if 'attention_mask' in batch:
+            return batch['attention_mask'].sum()
+        pad = getattr(getattr(trainer, 'processing_class', None), 'pad_token_id', None)
+        if pad is not None:
+            return (batch[main] != pad).sum()
+    return batch[main].numel()
 
 
 def _add_integration_callback(trainer: Any, integration: Integration) -> None:
