@@ -67,3 +67,26 @@ def test_check_run_is_a_list_of_small_named_rules():
     assert len(LAUNCH_RULES) >= 10 and all(rule.__name__.startswith('_') for rule in LAUNCH_RULES)
     import inspect
     assert all(len(inspect.getsource(rule).splitlines()) <= 20 for rule in LAUNCH_RULES)
+
+
+def test_hfs_token_counter_under_several_processes_needs_transformers_5_alike(monkeypatch):
+    """transformers before 5 counts input tokens inline (one gather a non-empty slot): refused under several
+    processes, at launch and at start alike; transformers 5 (the pack's per-slot count), one process or the counter
+    off run."""
+    import transformers
+
+    from swift_dynamic_callbacks import distributed
+    from swift_dynamic_callbacks.config import launch
+    monkeypatch.setenv('NPROC_PER_NODE', '2')
+    monkeypatch.setattr(launch, '_transformers_major', lambda: 4)
+    monkeypatch.setattr(distributed, 'world_size', lambda: 2)
+    monkeypatch.delattr(transformers.Trainer, '_track_num_input_tokens', raising=False)
+    at_launch = launch_message({'include_num_input_tokens_seen': True})
+    assert at_launch.startswith('include_num_input_tokens_seen: on under 2 processes needs transformers >= 5')
+    assert start_message({'include_num_input_tokens_seen': 'all'}) == at_launch
+    monkeypatch.setattr(launch, '_transformers_major', lambda: 5)
+    pack = parse_section({'batch_schedule': {'schedule': {0: 2}}}, ['batch_schedule'])
+    check_run(pack, {'model': 'm', 'callbacks': ['batch_schedule'], 'include_num_input_tokens_seen': True})
+    monkeypatch.setenv('NPROC_PER_NODE', '1')
+    monkeypatch.setattr(launch, '_transformers_major', lambda: 4)
+    check_run(pack, {'model': 'm', 'callbacks': ['batch_schedule'], 'include_num_input_tokens_seen': True})

@@ -11,6 +11,7 @@ named rule (:data:`LAUNCH_RULES`); the ones the training process checks again at
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -143,6 +144,14 @@ def _world_size() -> int:
         return 1
 
 
+def _transformers_major() -> int:
+    """The installed transformers' major version, read from its metadata (no import); 5 when unknown."""
+    try:
+        return int(importlib.metadata.version('transformers').split('.')[0])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return 5
+
+
 @dataclass(frozen=True)
 class LaunchRun:
     """What a launch rule reads: the pack, the ms-swift settings, the pack callbacks listed (their settings), and
@@ -172,7 +181,10 @@ class LaunchRun:
                         label_smoothing_factor=self.number('label_smoothing_factor', 0) or 0.0,
                         router_aux_loss_coef=self.number('router_aux_loss_coef', 0) or 0.0, world_size=_world_size(),
                         average_tokens_across_devices=(self.flag('average_tokens_across_devices')
-                                                       if 'average_tokens_across_devices' in self.settings else True))
+                                                       if 'average_tokens_across_devices' in self.settings else True),
+                        include_num_input_tokens_seen=str(self.settings.get('include_num_input_tokens_seen', 'no'))
+                        .strip().lower() not in ('no', 'false', '0', 'none', 'n', 'f'),
+                        tokens_counted_per_slot=_transformers_major() >= 5)
 
 
 def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str] | None = None) -> list[str]:

@@ -41,6 +41,9 @@ class RunFacts:
         router_aux_loss_coef: ms-swift's ``router_aux_loss_coef`` (MoE).
         world_size: processes of the run.
         average_tokens_across_devices: HF's ``average_tokens_across_devices``.
+        include_num_input_tokens_seen: HF's ``include_num_input_tokens_seen`` is on (any value but ``no``).
+        tokens_counted_per_slot: the installed transformers counts input tokens in ``Trainer._track_num_input_tokens``
+            (transformers >= 5), which the pack's trainer mixin overrides; older ones count inline.
     """
 
     sequence_parallel_size: float = 1
@@ -57,6 +60,8 @@ class RunFacts:
     router_aux_loss_coef: float = 0.0
     world_size: int = 1
     average_tokens_across_devices: bool = True
+    include_num_input_tokens_seen: bool = False
+    tokens_counted_per_slot: bool = True
 
 
 def sequence_parallel(facts: RunFacts) -> str | None:
@@ -134,6 +139,18 @@ def token_sum_loss(facts: RunFacts) -> str | None:
     return None
 
 
+def token_counter(facts: RunFacts) -> str | None:
+    """HF's input-token counter gathers across ranks once per micro-batch slot; transformers before 5 counts inline
+    and skips a slot without ``input_ids`` (the pack's empty and several-pass slots) on that rank only."""
+    if facts.include_num_input_tokens_seen and facts.world_size > 1 and not facts.tokens_counted_per_slot:
+        return (f'include_num_input_tokens_seen: on under {facts.world_size} processes needs transformers >= 5 with '
+                'swift-dynamic-callbacks: this transformers counts input tokens inline, one collective per '
+                'micro-batch, and skips the pack\'s empty and several-pass micro-batch slots on the rank that has '
+                'them, so the ranks\' collectives would not match (a hang); allowed: false (the pack counts tokens '
+                'itself: dynamic/tokens_seen), one process, or transformers >= 5')
+    return None
+
+
 #: the attribute :func:`mark_token_sum_loss` sets on a loss function
 TOKEN_SUM_MARK = '__swift_dynamic_token_sum__'
 
@@ -160,7 +177,8 @@ def custom_loss_name(loss_func: Any) -> str | None:
 
 #: the rules both checks run on :class:`RunFacts`, in order
 RUN_RULES: tuple[Callable[[RunFacts], str | None], ...] = (sequence_parallel, drop_last, auto_batch_size,
-                                                           stream_steps, stream_unit, token_sum_loss)
+                                                           stream_steps, stream_unit, token_sum_loss,
+                                                           token_counter)
 
 
 def pass_splitters(configs: Mapping[str, Any]) -> list[str]:

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable
 
 import torch
+import transformers
 
 from .. import distributed
 from ..config import ConfigError
@@ -57,7 +58,10 @@ def check_supported(trainer: Any, config: IntegrationConfig | None = None, *, st
                          label_smoothing_factor=float(getattr(args, 'label_smoothing_factor', 0) or 0),
                          router_aux_loss_coef=float(getattr(args, 'router_aux_loss_coef', 0) or 0),
                          world_size=distributed.world_size(),
-                         average_tokens_across_devices=bool(getattr(args, 'average_tokens_across_devices', True))))
+                         average_tokens_across_devices=bool(getattr(args, 'average_tokens_across_devices', True)),
+                         include_num_input_tokens_seen=getattr(args, 'include_num_input_tokens_seen', 'no') not in (
+                             'no', False, None),
+                         tokens_counted_per_slot=hasattr(transformers.Trainer, '_track_num_input_tokens')))
 
 
 def length_key(trainer: Any) -> tuple[Any, ...]:
