@@ -41,6 +41,8 @@ Usage (needs the demo extra, see ``scripts/main_job.sh``; ``scripts/growth_study
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gzip
 import json
 import math
@@ -309,6 +311,31 @@ def noise_scale(steps: dict[str, list]) -> float | None:
         return None
     scale = critical_batch(statistics.fmean(g for g, _ in terms), statistics.fmean(t for _, t in terms))
     return scale / (tokens / rows) if scale is not None else None
+
+
+#: arms whose runs need the most memory (fixed_8: about 13 GB at its peak on one thread, fixed_4 about 8 GB)
+HEAVY_ARMS = frozenset({'fixed_8'})
+
+
+@contextlib.contextmanager
+def heavy_run(folder: str, arm: str):
+    """Hold the study's memory lock (``folder/memory.lock``, an exclusive ``flock``) while a run of a heavy arm runs;
+    other arms run free. Two streams never run two heavy runs at once (two fixed_8 runs need about 26 GB: the OOM
+    killer ends one, and its stream with it); the second waits."""
+    if arm not in HEAVY_ARMS:
+        yield
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, 'memory.lock'), 'w', encoding='utf-8') as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f'{arm}: waiting for another stream\'s heavy run (memory)', flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def claim(claims: str, run: str) -> bool:
@@ -767,7 +794,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f'{key}: claimed by another stream, skipped', flush=True)
                     continue
                 try:
-                    result = run_arm(arm, lr, seed, args.beta2, args, model, flags, train, test)
+                    with heavy_run(args.out, arm):
+                        result = run_arm(arm, lr, seed, args.beta2, args, model, flags, train, test)
                 except BaseException:
                     if args.claims:  # failed: another try may run it
                         os.remove(os.path.join(args.claims, key))

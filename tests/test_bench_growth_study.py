@@ -381,3 +381,23 @@ def test_a_stop_file_ends_a_stream_before_its_next_run(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert 'exists: stopped before baseline at 0.002, seed 0' in done.stdout
     assert not jsonl.exists() or not jsonl.read_text(encoding='utf-8').strip()
+
+
+def test_two_heavy_runs_never_run_at_once(bench, tmp_path):
+    """A fixed_8 run holds the study's memory lock: another heavy run waits for it, a lighter arm does not."""
+    import fcntl
+
+    def held():
+        with open(tmp_path / 'memory.lock', 'w', encoding='utf-8') as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
+    with bench.heavy_run(str(tmp_path), 'fixed_8'):
+        assert held()
+    assert not held()
+    with bench.heavy_run(str(tmp_path), 'fixed_4'):
+        assert not held()
