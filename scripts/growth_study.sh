@@ -27,6 +27,8 @@
 # run the same command again. Two streams (one a core): run the command twice, CORE=1 and CORE=0: each run is
 # claimed first ($CLAIMS, a folder: the other stream skips it), and a stream picks LRs or looks at the reporting
 # seeds only once every claimed run has its line. About 11-12 minutes a run on one thread (figures in docs/benchmarks.md once measured).
+# Memory (one thread a run): about 6-8 GB a run, fixed_8 about 13 GB at its peak; two fixed_8 runs never run at once
+# (bench_growth_study.py holds $OUT/memory.lock for them), so two streams need about 21 GB at most.
 # To stop both streams without losing a run: touch $OUT/stop ($STOP): each stream exits before its next run (remove the
 # file to continue later).
 # Never part of the test run (tests/test_bench_growth_study.py runs this script on the tiny model).
