@@ -417,7 +417,7 @@ def cannot_change(pending: list[str], args: argparse.Namespace) -> bool:
         return all(seed not in tune or (name, seed) in asked for name, _, seed in keys)
     if args.pick == 'futility':
         return all(seed not in set(args.report_seeds or []) for _, _, seed in keys)
-    return False
+    return args.pick == 'incomplete'  # a list of runs to claim: never waits
 
 
 def run_key(name: str, seed: int, beta2: float) -> str:
@@ -462,6 +462,18 @@ def tuning_grid(results: list[dict], seeds: list[int], beta2: float) -> dict[str
             grid.setdefault(arm, {}).setdefault(lr, {})[r['seed']] = r['eval_loss']
     return {arm: {lr: statistics.fmean(by.values()) for lr, by in lrs.items() if len(by) == len(seeds)}
             for arm, lrs in grid.items()}
+
+
+def incomplete_rungs(results: list[dict], seeds: list[int], beta2: float) -> list[str]:
+    """``"arm lr"`` lines: the LRs run at ``beta2`` on some of the tuning seeds ``seeds`` but not all (a rung another
+    stream has not finished, or not even claimed yet). A stream runs them before it picks (``best`` and ``extend``
+    read only complete rungs), so a pick never misses a rung the study started."""
+    ran: dict[tuple[str, str], set[int]] = {}
+    for r in results:
+        if r['adam_beta2'] == beta2 and r['seed'] in seeds:
+            arm, _, lr = r['arm'].partition('@')
+            ran.setdefault((arm, lr), set()).add(r['seed'])
+    return [f'{arm} {lr}' for (arm, lr), done in sorted(ran.items()) if done != set(seeds)]
 
 
 def pick_lrs(results: list[dict], seeds: list[int], beta2: float, what: str) -> list[str]:
@@ -750,9 +762,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--report-seeds', type=int, nargs='+', default=None)
     parser.add_argument('--futility-at', type=int, default=6,
                         help='with --from-jsonl: the reporting seeds of the futility look (an arm it stopped: marked)')
-    parser.add_argument('--pick', choices=('beta2', 'best', 'extend', 'futility'), default=None,
-                        help='with --from-jsonl: beta2 (the rule on the baseline at --lrs[0]), best / extend ("arm '
-                        'lr" lines at --beta2), futility (the arms to stop, on --report-seeds, at the LRs of best)')
+    parser.add_argument('--pick', choices=('beta2', 'best', 'extend', 'incomplete', 'futility'), default=None,
+                        help='with --from-jsonl: beta2 (the rule on the baseline at --lrs[0]), best / extend / '
+                        'incomplete ("arm lr" lines at --beta2), futility (the arms to stop, on --report-seeds, at '
+                        'the LRs of best)')
     args = parser.parse_args(argv)
     if not 1 <= args.samples <= 500:
         parser.error(f'--samples: between 1 and 500, got {args.samples}')
@@ -770,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
             print(pick_beta2(results, args.tune_seeds, args.lrs[0]))
         elif args.pick in ('best', 'extend'):
             print('\n'.join(pick_lrs(results, args.tune_seeds, args.beta2, args.pick)))
+        elif args.pick == 'incomplete':
+            print('\n'.join(incomplete_rungs(results, args.tune_seeds, args.beta2)))
         elif args.pick == 'futility':
             chosen = dict(line.split() for line in pick_lrs(results, args.tune_seeds, args.beta2, 'best'))
             print('\n'.join(futility(results, args.report_seeds or [], args.beta2, chosen)))

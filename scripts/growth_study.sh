@@ -29,6 +29,8 @@
 # seeds only once every claimed run has its line. About 11-12 minutes a run on one thread (figures in docs/benchmarks.md once measured).
 # Memory (one thread a run): about 6-8 GB a run, fixed_8 about 13 GB at its peak; two fixed_8 runs never run at once
 # (bench_growth_study.py holds $OUT/memory.lock for them), so two streams need about 21 GB at most.
+# Before every pick of LRs a stream first runs (or finds claimed) every rung the study started on some tuning seeds
+# only (complete: the other stream may have finished one seed of it and not yet claimed the next).
 # To stop both streams without losing a run: touch $OUT/stop ($STOP): each stream exits before its next run (remove the
 # file to continue later).
 # Never part of the test run (tests/test_bench_growth_study.py runs this script on the tiny model).
@@ -96,9 +98,18 @@ if [ "$STAGE" != table ] && [ "$STAGE" != beta2 ]; then
   [ -n "$BETA2" ] || { echo "no beta2 yet: run STAGE=beta2 first (or set BETA2)" >&2; exit 1; }
   echo "beta2 $BETA2 (baseline at $BASE_LR, 0.95 against 0.999 on seeds ${TUNE[*]})"
 fi
+complete() {  # complete PATTERN: the LRs of the arms matching PATTERN run on some tuning seeds only, on the others
+  local more arm lr seed
+  more=$(pick incomplete "$BETA2" | grep -E "$1" || true)
+  while read -r arm lr; do
+    if [ -n "$arm" ]; then for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed" "$BETA2"; done; fi
+  done <<< "$more"
+}
+
 extend() {  # extend PATTERN: up to $EXTEND rounds of one more rung past the edge of each arm matching PATTERN
   local i more arm lr seed
   for ((i = 0; i < EXTEND; i++)); do
+    complete "$1"  # a rung the other stream started but has not claimed every seed of yet: before the pick
     more=$(pick extend "$BETA2" | grep -E "$1" || true)
     [ -n "$more" ] || break
     while read -r arm lr; do
@@ -110,6 +121,7 @@ extend() {  # extend PATTERN: up to $EXTEND rounds of one more rung past the edg
 report_best() {  # report_best WHAT PATTERN SEED...: the arms matching PATTERN at their best LRs on the seeds given
   local what=$1 pattern=$2 best arm lr seed
   shift 2
+  complete "$pattern"
   best=$(pick best "$BETA2" | grep -E "$pattern" || true)
   echo "$what at their LRs (chosen on seeds ${TUNE[*]}):"; echo "$best"
   for seed in "$@"; do
@@ -150,6 +162,7 @@ if [ "$STAGE" = c ]; then  # arm C and its twin: tuned, then on every reporting 
   report_best 'arm C' "$ARM_C" "${REPORT[@]}"
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = report ]; then
+  complete "$MAIN"
   chosen=$(pick best "$BETA2" | grep -E "$MAIN")
   echo "reported arms at their LRs (beta2 $BETA2, chosen on seeds ${TUNE[*]}):"; echo "$chosen"
   stopped=""

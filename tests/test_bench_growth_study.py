@@ -401,3 +401,21 @@ def test_two_heavy_runs_never_run_at_once(bench, tmp_path):
     assert not held()
     with bench.heavy_run(str(tmp_path), 'fixed_4'):
         assert not held()
+
+
+def test_a_rung_run_on_some_tuning_seeds_is_completed_before_a_pick(bench, tmp_path, capsys):
+    """The race this closes: one stream finished seed 0 of a new rung and has not claimed seed 1 yet; the other
+    stream's ``best`` pick (complete rungs only) would miss the rung. ``--pick incomplete`` lists it (never waits)."""
+    runs = [line('fixed_8@0.00283', 0, 0.903, steps=8), line('fixed_8@0.00283', 1, 0.904, steps=8),
+            line('fixed_8@0.002', 0, 0.890, steps=8), line('fixed_4@0.00283', 0, 0.87, steps=16),
+            line('fixed_4@0.00283', 1, 0.86, steps=16), line('fixed_8@0.002', 0, 0.8, 0.999, steps=8)]
+    assert bench.incomplete_rungs(runs, [0, 1], 0.95) == ['fixed_8 0.002']
+    assert bench.pick_lrs(runs, [0, 1], 0.95, 'best') == ['fixed_4 0.00283', 'fixed_8 0.00283']
+    jsonl = tmp_path / 'g.jsonl'
+    jsonl.write_text(''.join(json.dumps(r) + '\n' for r in runs), encoding='utf-8')
+    claims = tmp_path / 'claims'
+    claims.mkdir()
+    (claims / 'fixed_8@0.002-b0.95-seed1').write_text(str(os.getpid()), encoding='utf-8')  # alive: no wait
+    assert bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--pick', 'incomplete', '--beta2',
+                       '0.95', '--claims', str(claims)]) == 0
+    assert capsys.readouterr().out.split('\n')[0] == 'fixed_8 0.002'
