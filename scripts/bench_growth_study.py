@@ -499,36 +499,49 @@ def pick_lrs(results: list[dict], seeds: list[int], beta2: float, what: str) -> 
     return out
 
 
-def futility(results: list[dict], seeds: list[int], beta2: float, chosen: dict[str, str], *,
-             limit: float = 0.015) -> list[str]:
-    """The futility look (stated in advance): the arms whose mean paired eval loss difference against the baseline
-    over ``seeds`` is above ``limit`` (+1.5 %): the study stops running them."""
+#: the futility look's limit, stated in advance: an arm whose mean paired difference is above it is stopped
+FUTILITY_LIMIT = 0.015
+
+
+def look_means(results: list[dict], seeds: list[int], beta2: float, chosen: dict[str, str]) -> dict[str, float]:
+    """``{arm: mean}``: each arm of ``chosen`` (``arm -> lr``, the baseline's LR among them) run on every one of
+    ``seeds``, with its mean paired relative eval loss difference against the baseline over them."""
     by = {(r['arm'], r['seed']): r['eval_loss'] for r in results if r['adam_beta2'] == beta2}
     ref = run_name('baseline', float(chosen['baseline']))
-    out = []
+    out = {}
     for arm, lr in chosen.items():
         name = run_name(arm, float(lr))
         deltas = [by[(name, s)] / by[(ref, s)] - 1 for s in seeds if (name, s) in by and (ref, s) in by]
-        if arm != 'baseline' and len(deltas) == len(seeds) and statistics.fmean(deltas) > limit:
-            out.append(arm)
+        if arm != 'baseline' and len(deltas) == len(seeds):
+            out[arm] = statistics.fmean(deltas)
     return out
 
 
-def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *, limit: float = 0.015) -> dict:
-    """``{(arm, beta2): mean}``: the arms the futility look stopped (every one of the first ``futility_at`` reporting
-    seeds paired with the baseline, the mean relative difference above ``limit``, and no run on a later reporting
-    seed), with that mean."""
+def futility(results: list[dict], seeds: list[int], beta2: float, chosen: dict[str, str], *,
+             limit: float = FUTILITY_LIMIT) -> list[str]:
+    """The futility look (stated in advance): the arms whose mean paired eval loss difference against the baseline
+    over ``seeds`` is above ``limit`` (+1.5 %): the study stops running them."""
+    return [arm for arm, mean in look_means(results, seeds, beta2, chosen).items() if mean > limit]
+
+
+def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *,
+                    limit: float = FUTILITY_LIMIT) -> dict:
+    """``{(arm, beta2): mean}``: the arms the futility look stopped (:func:`look_means` over the first ``futility_at``
+    reporting seeds, each arm at the LR it ran there, above ``limit``, and no run on a later reporting seed), with
+    that mean."""
     look, later = report[:futility_at], set(report[futility_at:])
     if len(look) < futility_at:
         return {}
-    by = {(r['arm'].partition('@')[0], r['adam_beta2'], r['seed']): r['eval_loss'] for r in results}
     out = {}
-    for arm, beta2 in {(k[0], k[1]) for k in by if k[0] != 'baseline'}:
-        deltas = [by[(arm, beta2, s)] / by[('baseline', beta2, s)] - 1 for s in look
-                  if (arm, beta2, s) in by and ('baseline', beta2, s) in by]
-        ran_later = any((arm, beta2, s) in by for s in later)
-        if len(deltas) == futility_at and not ran_later and statistics.fmean(deltas) > limit:
-            out[(arm, beta2)] = statistics.fmean(deltas)
+    for beta2 in {r['adam_beta2'] for r in results}:
+        mine = [r for r in results if r['adam_beta2'] == beta2]
+        chosen = dict(r['arm'].split('@') for r in mine if r['seed'] in look)
+        if 'baseline' not in chosen:
+            continue
+        ran_later = {r['arm'].partition('@')[0] for r in mine if r['seed'] in later}
+        for arm, mean in look_means(mine, look, beta2, chosen).items():
+            if mean > limit and arm not in ran_later:
+                out[(arm, beta2)] = mean
     return out
 
 
