@@ -186,36 +186,6 @@ def test_the_training_log_measures_the_noise_scale_on_request():
     assert restored.noise == cb.noise and restored.noise.count == 1
 
 
-def test_the_training_log_noise_scale_needs_two_passes_at_launch_and_at_start():
-    from transformers import TrainerControl, TrainerState, TrainingArguments
-
-    from swift_dynamic_callbacks.callbacks.training_log import TrainingLogCallback
-    from swift_dynamic_callbacks.config.launch import check_run
-    from swift_dynamic_callbacks.config.pack import parse_section
-    from swift_dynamic_callbacks.config.training_log import TrainingLogConfig
-
-    def launch(settings, section):
-        listed = [name for name in section if name != 'integration']
-        with pytest.raises(ConfigError) as e:
-            check_run(parse_section(section, listed), {'model': 'm', 'callbacks': listed, **settings})
-        return str(e.value)
-
-    log = {'training_log': {'noise_scale': True}}
-    at_launch = launch({'gradient_accumulation_steps': 1}, log)
-    assert at_launch.startswith('dynamic_callbacks.training_log.noise_scale needs at least two forward/backward')
-    with pytest.raises(ConfigError) as e:
-        TrainingLogCallback(TrainingLogConfig(noise_scale=True)).on_train_begin(
-            TrainingArguments(output_dir='unused', gradient_accumulation_steps=1, report_to=[]), TrainerState(),
-            TrainerControl())
-    assert str(e.value) == at_launch
-    merged = launch({'gradient_accumulation_steps': 2},
-                    {**log, 'length_batching': {'mode': 'balanced', 'pass_tokens': 4096}})
-    assert merged.startswith('dynamic_callbacks.length_batching.pass_tokens cannot be combined with '
-                             'dynamic_callbacks.training_log.noise_scale')
-    assert launch({'gradient_accumulation_steps': 2}, {'training_log': {'noise_decay': 0.9}}).startswith(
-        'dynamic_callbacks.training_log.noise_decay: only read by noise_scale: true')
-
-
 @pytest.mark.e2e
 def test_the_noise_scale_in_a_real_runs_logs(tmp_path, tiny_llama, gsm8k_16):
     """A real swift run with ``training_log: {noise_scale: true}`` and GA 2: B_simple in every training log line

@@ -63,6 +63,30 @@ def test_noise_scale_needs_two_passes_alike():
     assert str(e.value) == at_launch
 
 
+def test_the_training_log_noise_scale_needs_two_passes_alike():
+    """``training_log: {noise_scale: true}`` reads the same probe as the growth policy: two passes a step, not with
+    pass_tokens; its decay only with it."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from swift_dynamic_callbacks.callbacks.training_log import TrainingLogCallback
+    from swift_dynamic_callbacks.config.training_log import TrainingLogConfig
+    log = {'training_log': {'noise_scale': True}}
+    at_launch = launch_message({'gradient_accumulation_steps': 1}, log)
+    assert at_launch.startswith('dynamic_callbacks.training_log.noise_scale needs at least two forward/backward')
+    with pytest.raises(ConfigError) as e:
+        TrainingLogCallback(TrainingLogConfig(noise_scale=True)).on_train_begin(
+            TrainingArguments(output_dir='unused', gradient_accumulation_steps=1, report_to=[]), TrainerState(),
+            TrainerControl())
+    assert str(e.value) == at_launch
+    merged = launch_message({'gradient_accumulation_steps': 2},
+                            {**log, 'length_batching': {'mode': 'balanced', 'pass_tokens': 4096}})
+    assert merged.startswith('dynamic_callbacks.length_batching.pass_tokens cannot be combined with '
+                             'dynamic_callbacks.training_log.noise_scale')
+    with pytest.raises(ConfigError) as e:
+        parse_section({'training_log': {'noise_decay': 0.9}}, ['training_log'])
+    assert str(e.value).startswith('dynamic_callbacks.training_log.noise_decay: only read by noise_scale: true')
+
+
 def test_check_run_is_a_list_of_small_named_rules():
     assert len(LAUNCH_RULES) >= 10 and all(rule.__name__.startswith('_') for rule in LAUNCH_RULES)
     import inspect
