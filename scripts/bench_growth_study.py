@@ -692,24 +692,27 @@ def gpu_estimates(clock: list[dict]) -> tuple[dict[tuple[int, int], float], floa
 
 def frontier(results: list[dict], tune: list[int], report: list[int], clock: list[dict], png: str | None) -> None:
     """Each arm at its best LR (chosen on the tuning seeds): steps, passes, GPU seconds (``--clock``) and mean eval
-    loss over the reporting seeds it ran; with ``png`` a figure of eval loss against optimizer steps and against GPU
+    loss over the reporting seeds every arm shown ran (so the points compare on the same seeds; an arm that ran
+    none is shown without a loss); with ``png`` a figure of eval loss against optimizer steps and against GPU
     seconds, the fixed micro-batches {1, 2, 4, 8} joined as the frontier."""
     beta2 = pick_beta2(results, tune, 2e-3) or '0.95'
     chosen = dict(line.split() for line in pick_lrs(results, tune, float(beta2), 'best'))
     seconds, device = gpu_seconds(clock)
     estimate = gpu_estimates(clock)
+    names = {arm: run_name(arm, float(chosen[arm])) for arm in ARMS if arm in chosen}
+    ran = [{r['seed'] for r in results if r['arm'] == name and r['adam_beta2'] == float(beta2) and r['seed'] in report}
+           for name in names.values()]
+    common = sorted(set.intersection(*[s for s in ran if s])) if any(ran) else []
     points = []
     print(f'\nthe frontier (beta2 {beta2}; each arm at its LR chosen on seeds {tune}; eval loss: the mean over the '
-          f'reporting seeds it ran; GPU s: training on {device or "no GPU measured"}, scripts/growth_clock.py, '
+          f'reporting seeds every arm ran, {common}; GPU s: training on {device or "no GPU measured"}, '
+          'scripts/growth_clock.py, '
           'measured on its seeds; est.: each run of the arm priced from its own pass layout by the measured cost of '
           f'a pass{f" x {estimate[2]:.2f} (the measured runs over their priced layouts)" if estimate else ""}):')
     print('| arm | LR | steps | passes | GPU s | GPU s est. | reporting seeds | mean eval loss |')
     print('|---|---:|---:|---:|---:|---:|---:|---:|')
-    for arm in ARMS:
-        if arm not in chosen:
-            continue
-        name = run_name(arm, float(chosen[arm]))
-        runs = [r for r in results if r['arm'] == name and r['adam_beta2'] == float(beta2) and r['seed'] in report]
+    for arm, name in names.items():
+        runs = [r for r in results if r['arm'] == name and r['adam_beta2'] == float(beta2) and r['seed'] in common]
         any_run = next((r for r in results if r['arm'] == name), None)
         loss = statistics.fmean(r['eval_loss'] for r in runs) if runs else None
         priced = None
