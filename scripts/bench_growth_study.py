@@ -62,6 +62,8 @@ ARMS = ('baseline', 'control_a', 'growth_b', 'fixed_4', 'fixed_8', 'twin_c', 'se
 STEP_SCHEDULE = {'decay': 'steps', 'steps': {0.25: 0.5, 0.5: 0.25}, 'warmup': 0.1, 'max_restarts': 0}
 #: the fixed arms' micro-batch
 FIXED = {'baseline': 1, 'control_a': 2, 'fixed_4': 4, 'fixed_8': 8}
+#: the frontier's own arms: run on the futility look's reporting seeds only
+FRONTIER_ARMS = ('fixed_4', 'fixed_8')
 TEST_FILE = os.path.join(ROOT, 'scripts', 'assets', 'gsm8k-test-500.jsonl.gz')
 TEST_ROWS = 500
 #: the study's LR ladder: 2e-3 (the last study's tuned baseline) times powers of sqrt(2), as the run names write them
@@ -548,7 +550,8 @@ def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *,
 def tables(results: list[dict], tune: list[int], report: list[int] | None, futility_at: int = 6) -> None:
     """The tuning grid per beta2, then (with reporting seeds) the paired comparisons: each arm against the baseline,
     ``growth_b`` against ``control_a`` and ``seesaw_c`` against ``twin_c``; an arm the futility look stopped
-    (after the first ``futility_at`` reporting seeds) is marked so, its verdict final."""
+    (after the first ``futility_at`` reporting seeds) is marked so, its verdict final; the frontier arms count
+    their seeds against the look's (the seeds they run)."""
     for beta2 in sorted({r['adam_beta2'] for r in results}, reverse=True):
         seen: dict[str, dict[str, list[float]]] = {}
         for r in results:
@@ -608,7 +611,8 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None, futil
             saved = 1 - statistics.fmean(m['optimizer_steps'] for m, _ in pairs) / statistics.fmean(
                 t['optimizer_steps'] for _, t in pairs)
             mean, low, high = bench_quality.paired_interval(deltas)
-            verdict = goal(pairs, high, ref_arm == 'baseline', len(report))
+            planned = min(futility_at, len(report)) if arm in FRONTIER_ARMS else len(report)
+            verdict = goal(pairs, high, ref_arm == 'baseline', planned)
             if (arm, beta2) in stopped:
                 verdict = (f'not shown: stopped at the futility look after {futility_at} seeds (mean '
                            f'{stopped[(arm, beta2)]:+.2%} against the baseline, above +1.5 %)')

@@ -214,6 +214,7 @@ def test_the_tables_and_the_paired_comparisons(bench, tmp_path, capsys):
     rows = [dict(line('baseline@0.002', s, 0.80 + s / 1000), train_loss=1.0, wall_s=600.0) for s in (0, 1, 2, 3)]
     rows += [dict(line('growth_b@0.002', s, 0.80 + s / 500, steps=32), train_loss=1.0, wall_s=500.0)
              for s in (0, 1, 2, 3)]
+    rows += [dict(line('fixed_4@0.002', s, 0.84, steps=16), train_loss=1.0, wall_s=500.0) for s in (0, 1, 2)]
     jsonl.write_text(''.join(json.dumps(r) + '\n' for r in rows), encoding='utf-8')
     assert bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--report-seeds', '2', '3']) == 0
     out = capsys.readouterr().out
@@ -224,6 +225,9 @@ def test_the_tables_and_the_paired_comparisons(bench, tmp_path, capsys):
     # half the steps on both seeds, but two seeds leave the interval wide: past +1 %
     assert growth.endswith('| [-0.48%, +1.10%] | not shown (interval up to +1.10%) |')
     assert 'seesaw_c against its fixed-batch twin' in out
+    # a frontier arm runs on the look's seeds (the first 6 reporting seeds; here both): 1 of 2 run
+    frontier = next(x for x in out.splitlines() if x.startswith('| fixed_4 | 0.95 | 1 | 75% |'))
+    assert frontier.endswith(', 1 of 2 seeds |')
     with pytest.raises(SystemExit):
         bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--report-seeds', '1'])
 
