@@ -530,7 +530,7 @@ def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *,
                     limit: float = FUTILITY_LIMIT) -> dict:
     """``{(arm, beta2): mean}``: the arms the futility look stopped (:func:`look_means` over the first ``futility_at``
     reporting seeds, each arm at the LR it ran there, above ``limit``, and no run on a later reporting seed), with
-    that mean."""
+    that mean. The frontier arms, which run on the look's seeds only, are never marked."""
     look, later = report[:futility_at], set(report[futility_at:])
     if len(look) < futility_at:
         return {}
@@ -542,7 +542,7 @@ def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *,
             continue
         ran_later = {r['arm'].partition('@')[0] for r in mine if r['seed'] in later}
         for arm, mean in look_means(mine, look, beta2, chosen).items():
-            if mean > limit and arm not in ran_later:
+            if mean > limit and arm not in ran_later and arm not in FRONTIER_ARMS:
                 out[(arm, beta2)] = mean
     return out
 

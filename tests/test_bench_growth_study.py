@@ -234,12 +234,13 @@ def test_the_tables_and_the_paired_comparisons(bench, tmp_path, capsys):
 
 def test_an_arm_the_futility_look_stopped_is_marked_final(bench):
     """Above +1.5 % on the mean of the look's seeds and no later run: stopped; a later run (the look let it go on),
-    a missing look seed or a mean at +1.5 % or below: not."""
+    a missing look seed, a mean at +1.5 % or below, or a frontier arm (run on the look's seeds only): not."""
     look = [2, 3, 4]
     base = [line('baseline@0.001', s, 0.80) for s in look]
     slow = [line('growth_b@0.001', s, 0.80 * 1.02, steps=32) for s in look]
     close = [line('control_a@0.002', s, 0.80 * 1.01, steps=32) for s in look]
-    stopped = bench.stopped_at_look(base + slow + close, look + [5, 6], 3)
+    frontier = [line('fixed_8@0.002', s, 0.80 * 1.09, steps=8) for s in look]  # the look's seeds only, by design
+    stopped = bench.stopped_at_look(base + slow + close + frontier, look + [5, 6], 3)
     assert list(stopped) == [('growth_b', 0.95)] and stopped[('growth_b', 0.95)] == pytest.approx(0.02)
     assert bench.stopped_at_look(base + slow + [line('growth_b@0.001', 5, 0.9, steps=32)], look + [5], 3) == {}
     assert bench.stopped_at_look(base + slow[:2], look + [5], 3) == {}
