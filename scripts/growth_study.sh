@@ -22,7 +22,8 @@
 # 4. the tables (bench_growth_study.py --from-jsonl), the reporting seeds apart from the tuning seeds.
 # STAGE=c (not part of "all": the issue runs it after A and B when the futility look leaves room): arm C, Seesaw on a
 # step schedule (seesaw_c) and its fixed-batch twin (twin_c), tuned the same way on the tuning seeds ($C_LRS, then one
-# more rung past an edge), then at their best LRs on every reporting seed.
+# more rung past an edge), then at their best LRs on the look's reporting seeds; the same futility look (Seesaw's
+# mean paired difference against the baseline above +1.5 %) stops both there, else they run the remaining seeds.
 # Every run appends one JSON line to $JSONL (committed); a stopped study continues where it stopped (--skip-done):
 # run the same command again. Two streams (one a core): run the command twice, CORE=1 and CORE=0: each run is
 # claimed first ($CLAIMS, a folder: the other stream skips it), and a stream picks LRs or looks at the reporting
@@ -156,10 +157,14 @@ frontier() {  # the fixed micro-batches 4 and 8: tuned on the tuning seeds, then
 }
 
 if [ "$STAGE" = frontier ]; then frontier; fi
-if [ "$STAGE" = c ]; then  # arm C and its twin: tuned, then on every reporting seed
+if [ "$STAGE" = c ]; then  # arm C and its twin: tuned, then on the look's seeds, then the rest unless the look stops C
   tune_pair twin_c C_LRS seesaw_c C_LRS
   extend "$ARM_C"
-  report_best 'arm C' "$ARM_C" "${REPORT[@]}"
+  report_best 'arm C' "$ARM_C" "${REPORT[@]:0:FUTILITY_AT}"
+  stopped=$(REPORT_DONE="${REPORT[*]:0:FUTILITY_AT}" pick futility "$BETA2" | grep -x seesaw_c || true)
+  said=${stopped:+seesaw_c and its twin}
+  echo "futility look for arm C after seeds ${REPORT[*]:0:FUTILITY_AT}: stopped: ${said:-none}"
+  if [ -z "$stopped" ]; then report_best 'arm C' "$ARM_C" "${REPORT[@]:FUTILITY_AT}"; fi
 fi
 if [ "$STAGE" = all ] || [ "$STAGE" = report ]; then
   complete "$MAIN"

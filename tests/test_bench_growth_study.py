@@ -388,6 +388,25 @@ def test_the_frontier_stage_tunes_the_fixed_micro_batches_and_runs_them_on_the_l
     assert 'frontier arms at their LRs' in done.stdout
 
 
+@pytest.mark.slow
+def test_the_futility_look_stops_arm_c_and_its_twin(tmp_path):
+    """STAGE=c on the tiny model: the twin and Seesaw tuned at one LR on the tuning seed, run on the look's seed (the
+    first reporting seed), and, with Seesaw far above +1.5 % against the baseline there, not on the later seed."""
+    jsonl = tmp_path / 'study.jsonl'
+    baseline = [{'arm': 'baseline@0.002', 'seed': s, 'adam_beta2': 0.95, 'eval_loss': 1e-3, 'optimizer_steps': 8,
+                 'train_loss': 1.0, 'wall_s': 1.0} for s in (0, 1, 2)]  # far below any tiny run's loss
+    jsonl.write_text(''.join(json.dumps(r) + '\n' for r in baseline), encoding='utf-8')
+    env = {**os.environ, 'PYTHON': sys.executable, 'OUT': str(tmp_path / 'out'), 'MODEL': 'tiny', 'SAMPLES': '16',
+           'EVAL_ROWS': '8', 'TUNE_SEEDS': '0', 'REPORT_SEEDS': '1 2', 'FUTILITY_AT': '1', 'C_LRS': '0.002',
+           'EXTEND': '0', 'CORE': '', 'STAGE': 'c', 'BETA2': '0.95'}
+    done = subprocess.run(['bash', STUDY, str(jsonl)], env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(x) for x in jsonl.read_text(encoding='utf-8').splitlines()][len(baseline):]
+    assert sorted((r['arm'], r['seed']) for r in rows) == [
+        ('seesaw_c@0.002', 0), ('seesaw_c@0.002', 1), ('twin_c@0.002', 0), ('twin_c@0.002', 1)]
+    assert 'futility look for arm C after seeds 1: stopped: seesaw_c and its twin' in done.stdout
+
+
 def test_a_stop_file_ends_a_stream_before_its_next_run(tmp_path):
     """``touch $OUT/stop``: the stream exits cleanly before starting a run, so nothing is half-written."""
     out = tmp_path / 'out'
