@@ -735,6 +735,7 @@ def frontier(results: list[dict], tune: list[int], report: list[int], clock: lis
         import matplotlib
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullFormatter
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         priced_note = ', priced from the passes of each run' if estimate else ''
         clock_label = f'GPU seconds ({device}{priced_note})'
@@ -751,7 +752,7 @@ def frontier(results: list[dict], tune: list[int], report: list[int], clock: lis
             ax.set_xscale('log')
             ticks = [x for x, _ in fixed]  # the frontier's points (a growth arm's may sit on one of them)
             ax.set_xticks(ticks, [f'{t:.3g}' for t in ticks])
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel(label)
             ax.set_ylabel('eval loss (500 held-out rows)')
             ax.legend(fontsize=8)
