@@ -59,7 +59,7 @@ read -r -a BASE_LRS <<< "${BASE_LRS-0.00283 0.00141}"  # the baseline's neighbou
 EXTEND=${EXTEND:-2}
 read -r -a F4_LRS <<< "${F4_LRS-0.00283 0.004}"  # fixed_4: the sqrt rule from the baseline's 2e-3 is 4e-3
 read -r -a F8_LRS <<< "${F8_LRS-0.004 0.00566}"  # fixed_8: 5.66e-3 by the same rule
-read -r -a C_LRS <<< "${C_LRS-0.002 0.00283 0.00141}"  # eta: the twin's first stage is the baseline's LR
+read -r -a C_LRS <<< "${C_LRS-0.00141 0.002 0.001}"  # eta: the tuned baseline's LR first (both schedules average eta/2)
 MAIN='^(baseline|control_a|growth_b) '
 ARM_C='^(twin_c|seesaw_c) '
 FIXED='^(fixed_4|fixed_8) '
