@@ -526,11 +526,17 @@ def futility(results: list[dict], seeds: list[int], beta2: float, chosen: dict[s
     return [arm for arm, mean in look_means(results, seeds, beta2, chosen).items() if mean > limit]
 
 
+def planned_seeds(arm: str, report: list[int], futility_at: int) -> list[int]:
+    """The reporting seeds ``arm`` is run on: the futility look's (the first ``futility_at``) for the frontier arms,
+    every one for the others."""
+    return report[:futility_at] if arm in FRONTIER_ARMS else report
+
+
 def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *,
                     limit: float = FUTILITY_LIMIT) -> dict:
     """``{(arm, beta2): mean}``: the arms the futility look stopped (:func:`look_means` over the first ``futility_at``
-    reporting seeds, each arm at the LR it ran there, above ``limit``, and no run on a later reporting seed), with
-    that mean. The frontier arms, which run on the look's seeds only, are never marked."""
+    reporting seeds, each arm at the LR it ran there, above ``limit``, and no run on a later reporting seed it was
+    planned to run: :func:`planned_seeds`), with that mean."""
     look, later = report[:futility_at], set(report[futility_at:])
     if len(look) < futility_at:
         return {}
@@ -542,7 +548,8 @@ def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *,
             continue
         ran_later = {r['arm'].partition('@')[0] for r in mine if r['seed'] in later}
         for arm, mean in look_means(mine, look, beta2, chosen).items():
-            if mean > limit and arm not in ran_later and arm not in FRONTIER_ARMS:
+            planned_later = len(planned_seeds(arm, report, futility_at)) > len(look)
+            if mean > limit and planned_later and arm not in ran_later:
                 out[(arm, beta2)] = mean
     return out
 
@@ -551,7 +558,7 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None, futil
     """The tuning grid per beta2, then (with reporting seeds) the paired comparisons: each arm against the baseline,
     ``growth_b`` against ``control_a`` and ``seesaw_c`` against ``twin_c``; an arm the futility look stopped
     (after the first ``futility_at`` reporting seeds) is marked so, its verdict final; the frontier arms count
-    their seeds against the look's (the seeds they run)."""
+    their seeds against the look's (:func:`planned_seeds`)."""
     for beta2 in sorted({r['adam_beta2'] for r in results}, reverse=True):
         seen: dict[str, dict[str, list[float]]] = {}
         for r in results:
@@ -611,8 +618,7 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None, futil
             saved = 1 - statistics.fmean(m['optimizer_steps'] for m, _ in pairs) / statistics.fmean(
                 t['optimizer_steps'] for _, t in pairs)
             mean, low, high = bench_quality.paired_interval(deltas)
-            planned = min(futility_at, len(report)) if arm in FRONTIER_ARMS else len(report)
-            verdict = goal(pairs, high, ref_arm == 'baseline', planned)
+            verdict = goal(pairs, high, ref_arm == 'baseline', len(planned_seeds(arm, report, futility_at)))
             if (arm, beta2) in stopped:
                 verdict = (f'not shown: stopped at the futility look after {futility_at} seeds (mean '
                            f'{stopped[(arm, beta2)]:+.2%} against the baseline, above +1.5 %)')
@@ -705,9 +711,10 @@ def frontier(results: list[dict], tune: list[int], report: list[int], clock: lis
     seconds, device = gpu_seconds(clock)
     estimate = gpu_estimates(clock)
     names = {arm: run_name(arm, float(chosen[arm])) for arm in ARMS if arm in chosen}
-    ran = [{r['seed'] for r in results if r['arm'] == name and r['adam_beta2'] == float(beta2) and r['seed'] in report}
-           for name in names.values()]
-    common = sorted(set.intersection(*[s for s in ran if s])) if any(ran) else []
+    reported = {name: [r for r in results if r['arm'] == name and r['adam_beta2'] == float(beta2)
+                       and r['seed'] in report] for name in names.values()}
+    ran = [{r['seed'] for r in runs} for runs in reported.values() if runs]
+    common = sorted(set.intersection(*ran)) if ran else []
     points = []
     print(f'\nthe frontier (beta2 {beta2}; each arm at its LR chosen on seeds {tune}; eval loss: the mean over the '
           f'reporting seeds every arm ran, {common}; GPU s: training on {device or "no GPU measured"}, '
@@ -717,7 +724,7 @@ def frontier(results: list[dict], tune: list[int], report: list[int], clock: lis
     print('| arm | LR | steps | passes | GPU s | GPU s est. | reporting seeds | mean eval loss |')
     print('|---|---:|---:|---:|---:|---:|---:|---:|')
     for arm, name in names.items():
-        runs = [r for r in results if r['arm'] == name and r['adam_beta2'] == float(beta2) and r['seed'] in common]
+        runs = [r for r in reported[name] if r['seed'] in common]
         any_run = next((r for r in results if r['arm'] == name), None)
         loss = statistics.fmean(r['eval_loss'] for r in runs) if runs else None
         priced = None
