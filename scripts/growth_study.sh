@@ -119,6 +119,10 @@ extend() {  # extend PATTERN: up to $EXTEND rounds of one more rung past the edg
   done
 }
 
+look() {  # look: the arms the futility look stops, after the first $FUTILITY_AT reporting seeds
+  REPORT_DONE="${REPORT[*]:0:FUTILITY_AT}" pick futility "$BETA2"
+}
+
 report_best() {  # report_best WHAT PATTERN SEED...: the arms matching PATTERN at their best LRs on the seeds given
   local what=$1 pattern=$2 best arm lr seed
   shift 2
@@ -161,7 +165,7 @@ if [ "$STAGE" = c ]; then  # arm C and its twin: tuned, then on the look's seeds
   tune_pair twin_c C_LRS seesaw_c C_LRS
   extend "$ARM_C"
   report_best 'arm C' "$ARM_C" "${REPORT[@]:0:FUTILITY_AT}"
-  stopped=$(REPORT_DONE="${REPORT[*]:0:FUTILITY_AT}" pick futility "$BETA2" | grep -x seesaw_c || true)
+  stopped=$(look | grep -x seesaw_c || true)
   said=${stopped:+seesaw_c and its twin}
   echo "futility look for arm C after seeds ${REPORT[*]:0:FUTILITY_AT}: stopped: ${said:-none}"
   if [ -z "$stopped" ]; then report_best 'arm C' "$ARM_C" "${REPORT[@]:FUTILITY_AT}"; fi
@@ -173,7 +177,7 @@ if [ "$STAGE" = all ] || [ "$STAGE" = report ]; then
   stopped=""
   for ((k = 0; k < ${#REPORT[@]}; k++)); do
     if [ "$k" -eq "$FUTILITY_AT" ]; then
-      stopped=$(REPORT_DONE="${REPORT[*]:0:FUTILITY_AT}" pick futility "$BETA2" | tr '\n' ' ')
+      stopped=$(look | tr '\n' ' ')
       echo "futility look after seeds ${REPORT[*]:0:FUTILITY_AT}: stopped: ${stopped:-none}"
       if [ "$STAGE" = all ] && [ -n "${F4_LRS[*]}${F8_LRS[*]}" ]; then frontier; fi
     fi
