@@ -556,7 +556,8 @@ def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *,
 
 def tables(results: list[dict], tune: list[int], report: list[int] | None, futility_at: int = 6) -> None:
     """The tuning grid per beta2, then (with reporting seeds) the paired comparisons: each arm against the baseline,
-    ``growth_b`` against ``control_a`` and ``seesaw_c`` against ``twin_c``; an arm the futility look stopped
+    the growth arms (``growth_b``, ``seesaw_c``) against ``control_a`` (the issue's goal: lower loss than A at the
+    same steps) and ``seesaw_c`` against ``twin_c``; an arm the futility look stopped
     (after the first ``futility_at`` reporting seeds) is marked so, its verdict final; the frontier arms count
     their seeds against the look's (:func:`planned_seeds`)."""
     for beta2 in sorted({r['adam_beta2'] for r in results}, reverse=True):
@@ -598,8 +599,9 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None, futil
         return
     mine = [r for r in results if r['seed'] in report]
     stopped = stopped_at_look(mine, report, futility_at)
-    only = {'control_a': 'growth_b', 'twin_c': 'seesaw_c'}  # a reference other than the baseline: its one rival
-    for ref_arm, what in (('baseline', 'against the baseline'), ('control_a', 'growth_b against control A'),
+    # a reference other than the baseline: the growth arms it is the same-steps control of
+    only = {'control_a': ('growth_b', 'seesaw_c'), 'twin_c': ('seesaw_c',)}
+    for ref_arm, what in (('baseline', 'against the baseline'), ('control_a', 'the growth arms against control A'),
                           ('twin_c', 'seesaw_c against its fixed-batch twin')):
         by = {(r['arm'].partition('@')[0], r['adam_beta2'], r['seed']): r for r in mine}
         print(f'\n{what}, paired by seed over the reporting seeds (relative eval loss difference, 95 % paired-t; '
@@ -608,7 +610,7 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None, futil
         print('| arm | beta2 | seeds | steps saved | mean | 95 % interval | goal |')
         print('|---|---:|---:|---:|---:|---:|---|')
         for arm, beta2 in sorted({(k[0], k[1]) for k in by}):
-            if arm == ref_arm or (ref_arm in only and arm != only[ref_arm]):
+            if arm == ref_arm or (ref_arm in only and arm not in only[ref_arm]):
                 continue
             pairs = [(by[(arm, beta2, s)], by[(ref_arm, beta2, s)]) for s in report
                      if (arm, beta2, s) in by and (ref_arm, beta2, s) in by]

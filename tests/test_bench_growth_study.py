@@ -235,6 +235,27 @@ def test_the_tables_and_the_paired_comparisons(bench, tmp_path, capsys):
         bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--report-seeds', '1'])
 
 
+def test_seesaw_is_compared_with_control_a_at_the_same_steps_and_with_its_twin(bench, tmp_path, capsys):
+    """The issue's goal for a growth arm: lower loss than control A at the same steps. Both growth arms are paired
+    with A; only Seesaw with its twin (the twin is no growth arm, so it is not paired with A)."""
+    jsonl = tmp_path / 'g.jsonl'
+    arms = {'baseline@0.001': (0.80, 64), 'control_a@0.002': (0.81, 32), 'growth_b@0.001': (0.82, 32),
+            'twin_c@0.001': (0.79, 64), 'seesaw_c@0.001': (0.805, 32)}
+    rows = [dict(line(arm, s, loss + s / 1000, steps=steps), train_loss=1.0, wall_s=1.0)
+            for arm, (loss, steps) in arms.items() for s in (0, 1, 2, 3)]
+    jsonl.write_text(''.join(json.dumps(r) + '\n' for r in rows), encoding='utf-8')
+    assert bench.main(['--from-jsonl', str(jsonl), '--tune-seeds', '0', '1', '--report-seeds', '2', '3']) == 0
+    out = capsys.readouterr().out
+    against_a = out.split('the growth arms against control A')[1].split('\n\n')[0]
+    assert [x.split(' | ')[0] for x in against_a.splitlines() if x.startswith('| ') and '---' not in x][1:] == [
+        '| growth_b', '| seesaw_c']
+    seesaw = next(x for x in against_a.splitlines() if x.startswith('| seesaw_c'))
+    assert '| 0% | -0.62% |' in seesaw  # (0.807 / 0.812 + 0.808 / 0.813) / 2 - 1: at the same 32 steps
+    against_twin = out.split('seesaw_c against its fixed-batch twin')[1].split('\n\n')[0]
+    assert [x for x in against_twin.splitlines() if x.startswith('| ') and '---' not in x][1].startswith(
+        '| seesaw_c | 0.95 | 2 | 50% | +1.89% |')  # 0.807 / 0.792, 0.808 / 0.793
+
+
 def test_an_arm_the_futility_look_stopped_is_marked_final(bench):
     """Above +1.5 % on the mean of the look's seeds and no later run: stopped; a later run (the look let it go on),
     a missing look seed, a mean at +1.5 % or below, or a frontier arm (run on the look's seeds only): not."""
