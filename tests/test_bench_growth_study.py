@@ -72,7 +72,7 @@ def test_each_tuned_arms_yaml_has_the_lr_the_study_chose(bench):
     chosen = dict(line.split() for line in bench.pick_lrs(results, [0, 1], 0.95, 'best'))
     open_edges = {line.split()[0] for line in bench.pick_lrs(results, [0, 1], 0.95, 'extend')}
     tuned = {arm: lr for arm, lr in chosen.items() if arm not in open_edges}
-    assert {'baseline', 'control_a', 'growth_b', 'fixed_4', 'fixed_8'} <= set(tuned)
+    assert {'baseline', 'control_a', 'growth_b', 'fixed_4', 'fixed_8', 'twin_c', 'seesaw_c'} <= set(tuned)
     for arm, lr in tuned.items():
         with open(os.path.join(ROOT, 'configs', 'growth_39', f'{arm}.yaml'), encoding='utf-8') as f:
             assert float(yaml.safe_load(f)['learning_rate']) == pytest.approx(float(lr)), arm
