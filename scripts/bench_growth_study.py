@@ -503,6 +503,8 @@ def pick_lrs(results: list[dict], seeds: list[int], beta2: float, what: str) -> 
 
 #: the futility look's limit, stated in advance: an arm whose mean paired difference is above it is stopped
 FUTILITY_LIMIT = 0.015
+#: an arm run only as another arm's control: the look that stops the other stops it too (growth_study.sh, STAGE=c)
+CONTROL_OF = {'twin_c': 'seesaw_c'}
 
 
 def look_means(results: list[dict], seeds: list[int], beta2: float, chosen: dict[str, str]) -> dict[str, float]:
@@ -536,7 +538,8 @@ def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *,
                     limit: float = FUTILITY_LIMIT) -> dict:
     """``{(arm, beta2): mean}``: the arms the futility look stopped (:func:`look_means` over the first ``futility_at``
     reporting seeds, each arm at the LR it ran there, above ``limit``, and no run on a later reporting seed it was
-    planned to run: :func:`planned_seeds`), with that mean."""
+    planned to run: :func:`planned_seeds`), with that mean; a control (:data:`CONTROL_OF`) run on the look's seeds
+    and no later one is stopped with the arm it controls, with that arm's mean."""
     look, later = report[:futility_at], set(report[futility_at:])
     if len(look) < futility_at:
         return {}
@@ -547,10 +550,14 @@ def stopped_at_look(results: list[dict], report: list[int], futility_at: int, *,
         if 'baseline' not in chosen:
             continue
         ran_later = {r['arm'].partition('@')[0] for r in mine if r['seed'] in later}
-        for arm, mean in look_means(mine, look, beta2, chosen).items():
+        means = look_means(mine, look, beta2, chosen)
+        for arm, mean in means.items():
             planned_later = len(planned_seeds(arm, report, futility_at)) > len(look)
             if mean > limit and planned_later and arm not in ran_later:
                 out[(arm, beta2)] = mean
+        for control, arm in CONTROL_OF.items():
+            if (arm, beta2) in out and control in means and control not in ran_later:
+                out[(control, beta2)] = out[(arm, beta2)]
     return out
 
 
@@ -622,8 +629,10 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None, futil
             mean, low, high = bench_quality.paired_interval(deltas)
             verdict = goal(pairs, high, ref_arm == 'baseline', len(planned_seeds(arm, report, futility_at)))
             if (arm, beta2) in stopped:
-                verdict = (f'not shown: stopped at the futility look after {futility_at} seeds (mean '
-                           f'{stopped[(arm, beta2)]:+.2%} against the baseline, above +1.5 %)')
+                whose = f'{CONTROL_OF[arm]}\'s mean' if arm in CONTROL_OF else 'mean'
+                verdict = (f'not shown: stopped at the futility look after {futility_at} seeds'
+                           + (f' with {CONTROL_OF[arm]}, whose control it is' if arm in CONTROL_OF else '')
+                           + f' ({whose} {stopped[(arm, beta2)]:+.2%} against the baseline, above +1.5 %)')
             print(f'| {arm} | {beta2:g} | {len(pairs)} | {saved:.0%} | {mean:+.2%} | [{low:+.2%}, {high:+.2%}] | '
                   f'{verdict} |')
 

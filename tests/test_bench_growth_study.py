@@ -267,6 +267,12 @@ def test_an_arm_the_futility_look_stopped_is_marked_final(bench):
     stopped = bench.stopped_at_look(base + slow + close + frontier, look + [5, 6], 3)
     assert list(stopped) == [('growth_b', 0.95)] and stopped[('growth_b', 0.95)] == pytest.approx(0.02)
     assert bench.stopped_at_look(base + slow + [line('growth_b@0.001', 5, 0.9, steps=32)], look + [5], 3) == {}
+    # arm C: Seesaw above the limit stops its twin too (the twin's own mean is far below it), with Seesaw's mean
+    seesaw = [line('seesaw_c@0.002', s, 0.80 * 1.02, steps=32) for s in look]
+    twin = [line('twin_c@0.002', s, 0.80 * 0.99) for s in look]
+    stopped_c = bench.stopped_at_look(base + seesaw + twin, look + [5], 3)
+    assert stopped_c == {('seesaw_c', 0.95): pytest.approx(0.02), ('twin_c', 0.95): pytest.approx(0.02)}
+    assert bench.stopped_at_look(base + twin, look + [5], 3) == {}  # a twin alone: nothing stops it
     assert bench.stopped_at_look(base + slow[:2], look + [5], 3) == {}
 
 
