@@ -160,10 +160,13 @@ def test_two_streams_never_run_the_same_run_and_a_dead_streams_claim_is_taken_ov
     assert not waiter.is_alive()
 
 
-def test_an_extension_pick_does_not_wait_for_the_runs_it_asks_for(bench, tmp_path, capsys):
+def test_an_extension_pick_does_not_wait_for_the_runs_it_asks_for(bench, tmp_path, capsys, monkeypatch):
     """Two streams reach the same extension round: the second does not wait for the first's run of that round (it
     runs the round's other runs), but it does wait for a run outside the round (it could change the pick)."""
+    import functools
     import threading
+    # a fast poll, so the waiting pick ends inside this test (a thread left polling prints into a later test's output)
+    monkeypatch.setattr(bench, 'wait_for_claims', functools.partial(bench.wait_for_claims, poll=0.01))
     claims, jsonl = str(tmp_path / 'claims'), tmp_path / 'g.jsonl'
     runs = [line('baseline@0.002', s, 0.80) for s in (0, 1)] + [line('baseline@0.00283', s, 0.81) for s in (0, 1)]
     jsonl.write_text(''.join(json.dumps(r) + '\n' for r in runs), encoding='utf-8')
@@ -179,6 +182,8 @@ def test_an_extension_pick_does_not_wait_for_the_runs_it_asks_for(bench, tmp_pat
     assert waiter.is_alive()
     os.remove(os.path.join(claims, bench.run_key('control_a@0.002', 0, 0.95)))  # (as if its stream had died)
     os.remove(os.path.join(claims, bench.run_key('baseline@0.00141', 0, 0.95)))
+    waiter.join(10)
+    assert not waiter.is_alive() and capsys.readouterr().out.strip() == 'baseline 0.00141'  # no claim left: it picks
 
 
 def test_which_runs_of_another_stream_a_pick_waits_for(bench):
