@@ -629,10 +629,10 @@ def tables(results: list[dict], tune: list[int], report: list[int] | None, futil
             mean, low, high = bench_quality.paired_interval(deltas)
             verdict = goal(pairs, high, ref_arm == 'baseline', len(planned_seeds(arm, report, futility_at)))
             if (arm, beta2) in stopped:
-                whose = f'{CONTROL_OF[arm]}\'s mean' if arm in CONTROL_OF else 'mean'
+                rival = CONTROL_OF.get(arm)
                 verdict = (f'not shown: stopped at the futility look after {futility_at} seeds'
-                           + (f' with {CONTROL_OF[arm]}, whose control it is' if arm in CONTROL_OF else '')
-                           + f' ({whose} {stopped[(arm, beta2)]:+.2%} against the baseline, above +1.5 %)')
+                           + (f' with {rival}, whose control it is ({rival}\'s mean' if rival else ' (mean')
+                           + f' {stopped[(arm, beta2)]:+.2%} against the baseline, above +1.5 %)')
             print(f'| {arm} | {beta2:g} | {len(pairs)} | {saved:.0%} | {mean:+.2%} | [{low:+.2%}, {high:+.2%}] | '
                   f'{verdict} |')
 
