@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The LR schedule study (issue 49; scripts/bench_lr_study.py: the arms, the plan, the tables). One run at a time, pinned
+# to one core with one thread ($CORE, default 1: the study runs beside other work); every run appends one JSON line to
+# $JSONL (committed); a stopped study continues where it stopped (run the same command again). touch $OUT/stop to stop
+# it before its next run. The stages, in order (the plan in bench_lr_study.py's docstring):
+# 0. the reproduction check (the baseline at 1.41e-3 on seed 2, against issue 39's line);
+# 1. tuning on the tuning seeds: step_late, wsd, whc rung by rung, one more rung past an edge (up to 2 rounds), then
+#    wsd_linear at wsd's best LR;
+# 2. the reported arms (bench_lr_study.py --pick report) on the look's seeds, the futility look, the rest of the seeds
+#    for the arms it leaves;
+# 3. the tables.
+# Usage: bash scripts/lr_study.sh [JSONL]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+JSONL=${1:-docs/figures/lr_49.jsonl}
+REUSE=${REUSE:-docs/figures/growth_39.jsonl}
+OUT=${OUT:-output/lr_study}
+STOP=${STOP:-$OUT/stop}
+CORE=${CORE-1}
+read -r -a TUNE <<< "${TUNE_SEEDS:-0 1}"
+read -r -a REPORT <<< "${REPORT_SEEDS:-2 3 4 5 6 7 8 9}"
+LOOK_AT=${LOOK_AT:-4}
+read -r -a LRS <<< "${LRS:-0.00141 0.002 0.001}"
+EXTEND=${EXTEND:-2}
+mkdir -p "$(dirname "$JSONL")" "$OUT"
+S=("$PY" scripts/bench_lr_study.py --out "$OUT" --tune-seeds "${TUNE[@]}" --report-seeds "${REPORT[@]}"
+   --model "${MODEL:-smollm2}" --samples "${SAMPLES:-128}" --eval-rows "${EVAL_ROWS:-500}")
+PIN=()
+if [ -n "$CORE" ]; then PIN=(env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE"); fi
+
+one() {  # one ARM LR SEED: a run, unless its line is in $JSONL
+  local log=$OUT/$1@$2-seed$3.log
+  if [ -e "$STOP" ]; then echo "$(date -u +%H:%M:%S) $STOP exists: stopped before $1 at $2, seed $3"; exit 0; fi
+  "${PIN[@]}" "${S[@]}" --arms "$1" --lrs "$2" --seeds "$3" --jsonl "$JSONL" --reuse "$REUSE" \
+    --skip-done < /dev/null > "$log" 2>&1 \
+    || { echo "failed: $1 at $2, seed $3 (log: $log)" >&2; return 1; }
+  echo "$(date -u +%H:%M:%S) done: $1 at $2, seed $3"
+}
+pick() { "${S[@]}" --from-jsonl "$JSONL" --reuse "$REUSE" --look-at "$LOOK_AT" --pick "$1"; }
+
+"${PIN[@]}" "${S[@]}" --prepare
+one baseline 0.00141 2
+for lr in "${LRS[@]}"; do
+  for arm in step_late wsd whc; do
+    for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed"; done
+  done
+done
+for ((i = 0; i < EXTEND; i++)); do
+  more=$(pick extend | grep -E '^(step_late|wsd|whc) ' || true)
+  [ -n "$more" ] || break
+  while read -r arm lr; do for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed"; done; done <<< "$more"
+done
+wsd_lr=$(pick best | awk '$1 == "wsd" {print $2}')
+for seed in "${TUNE[@]}"; do one wsd_linear "$wsd_lr" "$seed"; done
+reported=$(pick report)
+echo "reported arms at their LRs (chosen on seeds ${TUNE[*]}):"; echo "$reported"
+for seed in "${REPORT[@]:0:LOOK_AT}"; do
+  while read -r arm lr; do one "$arm" "$lr" "$seed"; done <<< "$reported"
+done
+stopped=$(pick look | tr '\n' ' ')
+echo "futility look after seeds ${REPORT[*]:0:LOOK_AT}: stopped: ${stopped:-none}"
+for seed in "${REPORT[@]:LOOK_AT}"; do
+  while read -r arm lr; do
+    if [[ " $stopped " != *" $arm "* ]]; then one "$arm" "$lr" "$seed"; fi
+  done <<< "$reported"
+done
+"${S[@]}" --from-jsonl "$JSONL" --reuse "$REUSE" --look-at "$LOOK_AT"
