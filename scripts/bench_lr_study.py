@@ -174,8 +174,8 @@ def look(results: list[dict], seeds: list[int], beta2: float, chosen: dict[str, 
 
 def tables(results: list[dict], tune: list[int], report: list[int], beta2: float, look_at: int) -> None:
     """The tuning grid, the picks, and each reported arm against the baseline paired by seed."""
+    check = reproduction(results)  # before the dedupe: it compares this study's line with the reused one
     results = dedupe(results)
-    check = reproduction(results)
     grid = growth.tuning_grid(results, tune, beta2)
     lrs = sorted({lr for by in grid.values() for lr in by}, key=float)
     print(f'tuning: mean eval loss over seeds {tune} (bold: the arm\'s best)')

@@ -29,10 +29,11 @@ S=("$PY" scripts/bench_lr_study.py --out "$OUT" --tune-seeds "${TUNE[@]}" --repo
 PIN=()
 if [ -n "$CORE" ]; then PIN=(env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE"); fi
 
-one() {  # one ARM LR SEED: a run, unless its line is in $JSONL
-  local log=$OUT/$1@$2-seed$3.log
+one() {  # one ARM LR SEED [fresh]: a run, unless its line is in $JSONL (or, without "fresh", among the reused lines)
+  local log=$OUT/$1@$2-seed$3.log reuse=("$REUSE")
   if [ -e "$STOP" ]; then echo "$(date -u +%H:%M:%S) $STOP exists: stopped before $1 at $2, seed $3"; exit 0; fi
-  "${PIN[@]}" "${S[@]}" --arms "$1" --lrs "$2" --seeds "$3" --jsonl "$JSONL" --reuse "$REUSE" \
+  if [ "${4:-}" = fresh ]; then reuse=(); fi
+  "${PIN[@]}" "${S[@]}" --arms "$1" --lrs "$2" --seeds "$3" --jsonl "$JSONL" --reuse "${reuse[@]}" \
     --skip-done < /dev/null > "$log" 2>&1 \
     || { echo "failed: $1 at $2, seed $3 (log: $log)" >&2; return 1; }
   echo "$(date -u +%H:%M:%S) done: $1 at $2, seed $3"
@@ -40,7 +41,7 @@ one() {  # one ARM LR SEED: a run, unless its line is in $JSONL
 pick() { "${S[@]}" --from-jsonl "$JSONL" --reuse "$REUSE" --look-at "$LOOK_AT" --pick "$1"; }
 
 "${PIN[@]}" "${S[@]}" --prepare
-one baseline 0.00141 2
+one baseline 0.00141 2 fresh  # the reproduction check: run even though issue 39 has its line
 for lr in "${LRS[@]}"; do
   for arm in step_late wsd whc; do
     for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed"; done
