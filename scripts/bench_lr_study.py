@@ -39,8 +39,10 @@ Usage (``scripts/lr_study.sh`` runs the study; the demo extra is needed, see ``s
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import random
 import statistics
 import sys
 
@@ -64,6 +66,46 @@ PACK = {
 WSD = {'wsd': ('1-sqrt', 0.2), 'wsd_linear': ('linear', 0.2)}
 #: the futility look's limit, stated in advance: an arm whose mean paired difference is above it is stopped
 LOOK_LIMIT = 0.005
+ALPACA_FILE = os.path.join(ROOT, 'scripts', 'assets', 'alpaca-gpt4-en-demo.json.gz')
+#: the second data set's held-out rows (the last of a fixed permutation; the train rows are its first ``--samples``)
+ALPACA_TEST_ROWS = 400
+#: the data sets: default held-out rows and max_length (Alpaca's answers run to 560 tokens: none is cut or dropped)
+DATA = {'gsm8k': {'eval_rows': growth.TEST_ROWS, 'max_length': 512},
+        'alpaca': {'eval_rows': ALPACA_TEST_ROWS, 'max_length': 1024}}
+
+
+def alpaca_rows() -> list[dict]:
+    """The 999 Alpaca-GPT4 rows as ``messages`` (user: the instruction, then the input after a blank line when there
+    is one; assistant: the output), in a fixed permutation (seed 0): train rows from its start, held-out rows from
+    its end."""
+    with gzip.open(ALPACA_FILE, 'rt', encoding='utf-8') as f:
+        items = json.load(f)
+    rows = [{'messages': [{'role': 'user', 'content': r['instruction'] + (f'\n\n{r["input"]}' if r['input'] else '')},
+                          {'role': 'assistant', 'content': r['output']}]} for r in items]
+    random.Random(0).shuffle(rows)
+    return rows
+
+
+def prepare(data: str, model: str, samples: int, eval_rows: int, root: str) -> tuple[str, dict, str, str]:
+    """The model folder, its flags, the train rows and the held-out rows of data set ``data``."""
+    if data == 'gsm8k':
+        return growth.prepare(model, samples, eval_rows, root)
+    model_dir, flags, _, _ = growth.prepare(model, 1, 1, root)
+    rows = alpaca_rows()
+    if samples + eval_rows > len(rows):
+        raise ValueError(f'--samples + --eval-rows: at most {len(rows)} Alpaca rows, got {samples} + {eval_rows}')
+    test_rows = rows[-eval_rows:]
+    test_rows.sort(key=lambda r: sum(len(m['content']) for m in r['messages']))  # shortest first (less padding)
+    paths = []
+    parts = ((f'alpaca-train-{samples}.jsonl', rows[:samples]), (f'alpaca-test-{eval_rows}.jsonl', test_rows))
+    for name, part in parts:
+        path = os.path.join(root, name)
+        tmp = f'{path}.{os.getpid()}.tmp'  # whole, then renamed: a run of another stream may be reading it
+        with open(tmp, 'w', encoding='utf-8') as f:
+            f.writelines(json.dumps(r) + '\n' for r in part)
+        os.replace(tmp, path)
+        paths.append(path)
+    return model_dir, flags, paths[0], paths[1]
 
 
 def arm_settings(arm: str, steps: int) -> tuple[dict, dict, list[str]]:
@@ -105,6 +147,7 @@ def run_arm(arm: str, lr: float, seed: int, beta2: float, args: argparse.Namespa
         'eval_loss': round(recorder.eval['eval_loss'], 5),
         'eval_tokens': recorder.eval['eval_tokens'],
         'eval_rows': args.eval_rows,
+        'eval_rows_seen': recorder.eval['eval_rows_seen'],
         'wall_s': round(wall, 1),
         'eval_s': round(recorder.eval['eval_s'], 1),
         'lr_restarts': restarts,
@@ -216,16 +259,16 @@ def tables(results: list[dict], tune: list[int], report: list[int], beta2: float
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--data', choices=('gsm8k', ), default='gsm8k')
+    parser.add_argument('--data', choices=tuple(DATA), default='gsm8k')
     parser.add_argument('--samples', type=int, default=128)
-    parser.add_argument('--eval-rows', type=int, default=growth.TEST_ROWS)
+    parser.add_argument('--eval-rows', type=int, default=None, help='held-out rows (default: 500 GSM8K, 400 Alpaca)')
     parser.add_argument('--seeds', type=int, nargs='+', default=[0])
     parser.add_argument('--arms', nargs='+', default=['baseline'], choices=ARMS)
     parser.add_argument('--lrs', type=float, nargs='+', default=[1.41e-3])
     parser.add_argument('--beta2', type=float, default=0.95)
     parser.add_argument('--model', choices=('smollm2', 'tiny'), default='smollm2')
     parser.add_argument('--ga', type=int, default=2)
-    parser.add_argument('--max-length', type=int, default=512)
+    parser.add_argument('--max-length', type=int, default=None, help='default: 512 GSM8K, 1024 Alpaca')
     parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'bench_lr_study'))
     parser.add_argument('--jsonl', default=None)
     parser.add_argument('--skip-done', action='store_true')
@@ -238,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--look-at', type=int, default=4)
     parser.add_argument('--pick', choices=('best', 'extend', 'incomplete', 'report', 'look', 'winners'), default=None)
     args = parser.parse_args(argv)
+    args.eval_rows = args.eval_rows or DATA[args.data]['eval_rows']
+    args.max_length = args.max_length or DATA[args.data]['max_length']
     if set(args.report_seeds) & set(args.tune_seeds):
         parser.error('--report-seeds and --tune-seeds must not share a seed')
     if args.from_jsonl is not None:
@@ -258,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             tables(results, args.tune_seeds, args.report_seeds, args.beta2, args.look_at)
         return 0
-    model, flags, train, test = growth.prepare(args.model, args.samples, args.eval_rows,
-                                               os.path.join(ROOT, '.cache', 'bench'))
+    model, flags, train, test = prepare(args.data, args.model, args.samples, args.eval_rows,
+                                        os.path.join(ROOT, '.cache', 'bench'))
     if args.prepare:
         return 0
     done = set()

@@ -55,6 +55,20 @@ def sum_ints(values: Sequence[int]) -> list[int]:
     return [int(v) for v in tensor.tolist()]
 
 
+def max_ints(values: Sequence[int]) -> list[int]:
+    """Element-wise maxima of ``values`` over ranks, in one small tensor all-reduce (:func:`sum_ints`'s twin)."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return [int(v) for v in values]
+    import torch
+    device = torch.device('cpu')
+    if dist.get_backend() == 'nccl':
+        device = torch.device('cuda', torch.cuda.current_device())
+    tensor = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
 def broadcast_from_main(value: T) -> T:
     """Rank 0's ``value`` on every rank."""
     dist = _dist()

@@ -167,7 +167,7 @@ def main(spec_path: str) -> None:
                 'step': self.trainer.state.global_step + 1,
                 'batch_size': self.loader.batch_size,
                 'num_pieces': self.loader.num_pieces,
-                'pass_limit': self.runner.pass_limit,
+                'pass_limit': self.runner.effective_pass_limit(),  # the requested limit and the OOM budget
                 'lr': self.step_lr,
                 'epoch': self.loader.epoch,
                 'samples': sum(len(i) for i in self.runner.indices),

@@ -130,6 +130,13 @@ BAD = [
      ['dynamic_callbacks.integration.oom_single_sample_retries: only read by oom_recovery: auto | true']),
     ('pass_tokens_not_auto', case(['length_batching'], {'length_batching': {'mode': 'balanced', 'pass_tokens': 'big'}}),
      [], ["dynamic_callbacks.length_batching.pass_tokens: expected an integer >= 1, auto or null, got 'big'"]),
+    ('recovery_true_infonce', case(['batch_growth'], {**GROWTH, 'integration': {'oom_recovery': True}},
+                                   loss_type='infonce'), [],
+     ['dynamic_callbacks.integration.oom_recovery: true cannot be combined with loss_type: infonce',
+      'allowed: auto']),
+    ('recovery_true_embedding', case(['batch_growth'], {**GROWTH, 'integration': {'oom_recovery': True}},
+                                     task_type='embedding'), [],
+     ['oom_recovery: true cannot be combined with task_type: embedding']),
     ('pass_tokens_label_smoothing', case(['length_batching'], PASS_TOKENS, label_smoothing_factor=0.1), [],
      ['label_smoothing_factor: 0.1 cannot be combined with dynamic_callbacks.length_batching.pass_tokens',
       'allowed: 0']),
@@ -190,6 +197,8 @@ GOOD = [
     ('pass_tokens_causal_lm', case(['length_batching'], PASS_TOKENS, task_type='causal_lm', label_smoothing_factor=0),
      []),
     ('seq_cls_without_splits', case(['batch_growth'], GROWTH, task_type='seq_cls', label_smoothing_factor=0.1), []),
+    ('recovery_true_label_smoothing', case(['batch_growth'], {**GROWTH, 'integration': {'oom_recovery': True}},
+                                           label_smoothing_factor=0.1), []),  # a mean the pack weights piece by piece
 ]
 
 

@@ -125,17 +125,23 @@ def test_callback_follows_the_thresholds_exactly():
     assert restored.state == cb.state and restored.started
 
 
-def test_callback_follows_an_oom_backoff():
+def test_after_an_oom_the_callback_requests_nothing_and_counts_again():
+    """The integration lowers (and grows back) its own pass budget after an OOM: the callback does not copy the cap
+    (two controllers of one cap would grow it back twice); its count of clean steps restarts."""
     from transformers import TrainerControl, TrainerState
-    cb = MemoryBackoffCallback(MemoryBackoffConfig(clean_steps=1), probe=FakeProbe([0.3, 0.3]))
+    cb = MemoryBackoffCallback(MemoryBackoffConfig(clean_steps=2), probe=FakeProbe([0.3, 0.3, 0.3]))
     control, args = TrainerControl(), _args()
     cb.on_train_begin(args, TrainerState(), control)
+    cb.state = PressureState(cap=2, clean=1, unlimited=4)
     control.pass_size = 2
     control.oom_event = protocol.OomEvent(pass_size=4, new_cap=2, retries=1, memory={})
     cb.on_step_end(args, TrainerState(global_step=1), control)
     assert cb.state == PressureState(cap=2, clean=0, unlimited=4)
+    assert getattr(control, 'new_pass_limit', None) is None
     control.oom_event = None
     cb.on_step_end(args, TrainerState(global_step=2), control)
+    assert getattr(control, 'new_pass_limit', None) is None and cb.state.clean == 1  # one clean step of two
+    cb.on_step_end(args, TrainerState(global_step=3), control)
     assert control.new_pass_limit['samples'] == 4 or control.new_pass_limit['samples'] is None
 
 

@@ -24,9 +24,9 @@ class MemoryBackoffCallback(DynamicCallback):
     where one row is all that fits.
 
     Hooks: ``on_train_begin`` (probe check, the length rules / token budget), ``on_step_begin`` (reset the peak
-    counter), ``on_step_end`` (read the probe, agree across ranks, back off or grow back; follow the
-    integration's OOM backoff of samples; under a token budget the integration lowers its own token budget after an
-    OOM and the count of clean steps restarts). Flags set: ``new_pass_limit`` (``samples``, or ``tokens``),
+    counter), ``on_step_end`` (read the probe, agree across ranks, back off or grow back; after an OOM the
+    integration lowers its own pass budget, grown back by it, and this callback's count of clean steps restarts).
+    Flags set: ``new_pass_limit`` (``samples``, or ``tokens``),
     ``dynamic_decisions``, ``dynamic_metrics`` (``dynamic/memory_fraction``, ``dynamic/memory_peak_gib``,
     ``dynamic/pass_cap``: samples or tokens, ``dynamic/pass_cap_unit``: 0 samples, 1 tokens). Reads ``pass_size``,
     ``pass_cost`` and ``oom_event``. State: the cap, clean-step count, pre-backoff size and unit
@@ -82,12 +82,7 @@ class MemoryBackoffCallback(DynamicCallback):
         event = getattr(control, protocol.OOM_EVENT, None)
         events = [e for e in distributed.gather_objects((event.new_cap, event.pass_size) if event is not None else None)
                   if e is not None]
-        # an OOM retried at the same one-sample pass leaves the cap as it was (new_cap None): nothing to follow
-        ooms = [e for e in events if e[0] is not None]
-        if ooms and unit == 'samples':  # the integration already backed off (and agreed); follow it, count again
-            unlimited = self.state.unlimited if self.state.unlimited is not None else max(p for _, p in ooms)
-            self.state = PressureState(cap=min(cap for cap, _ in ooms), clean=0, unlimited=unlimited)
-        elif events and unit == 'tokens':  # the integration lowered its own token budget: not a clean step
+        if events:  # the integration lowered its own pass budget (and grows it back): not a clean step here
             self.state = replace(self.state, clean=0)
         elif pass_size > 0:
             self.state, action = pressure_step(self.state, fraction, pass_size, high=c.threshold, low=c.low,

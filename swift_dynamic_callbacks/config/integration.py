@@ -29,15 +29,17 @@ class IntegrationConfig(Settings):
             (the ``engine`` record at start says so); ``true`` there is refused (``config.engines``).
         oom_single_sample_retries: how often a one-sample pass that ran out of memory is run again, memory freed
             before each try (a one-off spike or fragmentation), before the sample is declared too large (default 2).
-        oom_grow_back_steps: under ``length_batching.pass_tokens`` an OOM lowers the *token* budget of a pass (below
-            the failing pass's cost: the largest budget that ran clean, else half the pass) and later steps are
-            planned at it; every this many clean steps (no OOM on any rank) it grows halfway back to the smallest
-            pass that failed, or to ``pass_tokens`` when none did, and stays once within 1/16 of the failure (a
-            ``pass_budget`` record each change; ``dynamic/pass_budget`` in the logs). ``0``: never grows back.
-            Default 2.
-        oom_forget_steps: after this many clean steps at a budget settled just below a failed pass, the failure is
-            forgotten and the budget grows back to ``pass_tokens`` (a one-off OOM does not cap the run for good; a
-            real memory end fails once more and settles again). ``0``: never forgotten. Default 32.
+        oom_grow_back_steps: an OOM lowers what a pass may hold (its *tokens* under ``length_batching.pass_tokens``,
+            else its rows) below the failing pass: to the largest pass that ran clean, else half the failing one;
+            later steps are planned and cut at it. Every this many clean steps (no OOM on any rank) it grows halfway
+            back to the smallest pass that failed, or to the ceiling (``pass_tokens``, or the micro-batch) when none
+            did, and settles once within 1/8 of the failure (a ``pass_budget`` record each change;
+            ``dynamic/pass_budget`` or ``dynamic/pass_rows_budget`` in the logs). ``0``: never grows back. Default 2.
+        oom_probe_steps: after this many clean steps at a budget settled below a failed pass, the budget probes one
+            step (1/8) above the failure: a probe that runs clean forgets the failure (a one-off OOM does not cap the
+            run for good) and growth resumes; a probe that fails settles again and the next probe waits four times
+            longer, so a real memory end costs a bounded number of OOMs (three in 300 steps at the default).
+            ``0``: never probes. Default 64. (Was ``oom_forget_steps``, which grew straight back to the ceiling.)
         enabled: ``false`` turns the whole pack off for a baseline run (as does the environment variable
             ``SWIFT_DYNAMIC_CALLBACKS_DISABLE=1``): no integration, no callback does anything, the run is the plain
             trainer's; one log line and one ``pack``/``disabled`` record say so.
@@ -72,7 +74,7 @@ class IntegrationConfig(Settings):
     oom_recovery: bool | str = setting(Choice(('auto', True, False)), 'auto')
     oom_single_sample_retries: int = setting(Int(0, 100), 2)
     oom_grow_back_steps: int = setting(Int(0, 100_000), 2)
-    oom_forget_steps: int = setting(Int(0, 1_000_000), 32)
+    oom_probe_steps: int = setting(Int(0, 1_000_000), 64)
     enabled: bool = setting(Flag(), True)
     fail_fast: bool = setting(Flag(), False)
     replay: str | None = setting(Text('output/first_run/dynamic_decisions.jsonl', optional=True), None)
@@ -80,9 +82,11 @@ class IntegrationConfig(Settings):
     stream_window: int = setting(Int(1, 10_000_000), 1024)
     packed_attention: str = setting(Choice(('auto', 'flash', 'flex', 'sdpa', 'keep')), 'auto')
 
-    reads = (Reads('oom_recovery', {'auto': ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_forget_steps'),
-                                    True: ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_forget_steps'),
+    reads = (Reads('oom_recovery', {'auto': ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_probe_steps'),
+                                    True: ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_probe_steps'),
                                     False: ()}), )
+
+    renamed = {'oom_forget_steps': 'oom_probe_steps'}
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any] | None) -> 'IntegrationConfig':

@@ -44,6 +44,7 @@ class RunFacts:
         include_num_input_tokens_seen: HF's ``include_num_input_tokens_seen`` is on (any value but ``no``).
         tokens_counted_per_slot: the installed transformers counts input tokens in ``Trainer._track_num_input_tokens``
             (transformers >= 5), which the pack's trainer mixin overrides; older ones count inline.
+        oom_recovery: the integration's ``oom_recovery`` (``auto``, ``True`` or ``False``).
     """
 
     sequence_parallel_size: float = 1
@@ -62,6 +63,7 @@ class RunFacts:
     average_tokens_across_devices: bool = True
     include_num_input_tokens_seen: bool = False
     tokens_counted_per_slot: bool = True
+    oom_recovery: bool | str = 'auto'
 
 
 def sequence_parallel(facts: RunFacts) -> str | None:
@@ -139,6 +141,58 @@ def token_sum_loss(facts: RunFacts) -> str | None:
     return None
 
 
+#: ms-swift task types whose loss compares the rows of a call (in-batch negatives, lists): no piece is independent
+PAIRWISE_TASKS = ('embedding', 'reranker', 'generative_reranker')
+
+
+def loss_kind_of(*, task_type: str | None, loss_type: str | None, compute_loss_func: str | None,
+                 label_smoothing_factor: float, router_aux_loss_coef: float, moe: bool = True,
+                 accepts_loss_kwargs: bool = True) -> tuple[str, str | None, str]:
+    """``(kind, setting, why)`` of a run's training loss from its settings: ``token_sum`` (pieces of a micro-batch
+    add up as they are), ``token_mean`` / ``row_mean`` (a mean over a call's label tokens / rows: pieces add up
+    weighted by their share) or ``unknown`` (pieces do not add up); ``setting`` names what decided it."""
+    if loss_type not in (None, 'cross_entropy'):
+        return ('unknown', f'loss_type: {loss_type}', f'loss_type {loss_type} is not a sum of independent per-token '
+                'or per-row terms the pack knows')
+    if compute_loss_func is not None:
+        return ('unknown', f'compute_loss_func: {compute_loss_func}', f'the Python loss {compute_loss_func} may '
+                'compare the rows of a call; declare a token sum with swift_dynamic_callbacks.mark_token_sum_loss')
+    if task_type in PAIRWISE_TASKS:
+        return ('unknown', f'task_type: {task_type}', f'a {task_type} loss compares the rows of a call (in-batch '
+                'negatives, lists), so a piece\'s loss is not part of the whole')
+    if router_aux_loss_coef > 0 and moe:
+        return ('unknown', f'router_aux_loss_coef: {router_aux_loss_coef:g}', 'a MoE load-balancing loss depends on '
+                'which tokens share a pass')
+    if task_type == 'seq_cls':
+        return 'row_mean', 'task_type: seq_cls', 'a sequence classifier\'s loss averages the rows of a call'
+    if label_smoothing_factor > 0:
+        return ('token_mean', f'label_smoothing_factor: {label_smoothing_factor:g}', 'HF\'s label smoother averages '
+                'the label tokens of a call')
+    if not accepts_loss_kwargs:
+        return ('unknown', 'the model\'s forward', 'the model computes its own loss without num_items_in_batch (a mean '
+                'the pack does not see)')
+    return 'token_sum', None, 'token losses summed over the step\'s label tokens (num_items_in_batch)'
+
+
+def recovery_refused(setting: str, why: str) -> str:
+    """The refusal of ``oom_recovery: true`` under a loss whose pieces do not add up (the launch check and the step
+    runner say it alike)."""
+    return (f'{SECTION}.integration.oom_recovery: true cannot be combined with {setting}: recovery runs the failing '
+            f'micro-batch again in smaller passes, and {why}, so the pieces would not give its gradient; allowed: auto '
+            '(recovery off for this run, said in the engine record) or false')
+
+
+def recovery_loss(facts: RunFacts) -> str | None:
+    """``oom_recovery: true`` needs a loss whose pieces add up (a token sum, or a mean the pack weights)."""
+    if facts.oom_recovery is not True:
+        return None
+    kind, setting, why = loss_kind_of(task_type=facts.task_type, loss_type=facts.loss_type,
+                                      compute_loss_func=facts.compute_loss_func,
+                                      label_smoothing_factor=facts.label_smoothing_factor,
+                                      router_aux_loss_coef=facts.router_aux_loss_coef)
+    return recovery_refused(setting, why) if kind == 'unknown' else None
+
+
 def token_counter(facts: RunFacts) -> str | None:
     """HF's input-token counter gathers across ranks once per micro-batch slot; transformers before 5 counts inline
     and skips a slot without ``input_ids`` (the pack's empty and several-pass slots) on that rank only."""
@@ -178,7 +232,7 @@ def custom_loss_name(loss_func: Any) -> str | None:
 #: the rules both checks run on :class:`RunFacts`, in order
 RUN_RULES: tuple[Callable[[RunFacts], str | None], ...] = (sequence_parallel, drop_last, auto_batch_size,
                                                            stream_steps, stream_unit, token_sum_loss,
-                                                           token_counter)
+                                                           token_counter, recovery_loss)
 
 
 def pass_splitters(configs: Mapping[str, Any]) -> list[str]:

@@ -18,7 +18,7 @@ from .data import DataFeed
 from .decisions import Decisions
 from .layout import Layout
 from .optimizer import OptimizerScale
-from .pass_budget import resolve_auto_pass_tokens
+from .auto_budget import resolve_auto_pass_tokens
 from .lr import LRControl
 from .metrics import global_batch_size
 from .requests import changes_lr

@@ -61,7 +61,8 @@ def check_supported(trainer: Any, config: IntegrationConfig | None = None, *, st
                          average_tokens_across_devices=bool(getattr(args, 'average_tokens_across_devices', True)),
                          include_num_input_tokens_seen=getattr(args, 'include_num_input_tokens_seen', 'no') not in (
                              'no', False, None),
-                         tokens_counted_per_slot=hasattr(transformers.Trainer, '_track_num_input_tokens')))
+                         tokens_counted_per_slot=hasattr(transformers.Trainer, '_track_num_input_tokens'),
+                         oom_recovery=(config or IntegrationConfig()).oom_recovery))
 
 
 def length_key(trainer: Any) -> tuple[Any, ...]:

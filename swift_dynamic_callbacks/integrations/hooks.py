@@ -12,7 +12,8 @@ stand-in when the pack is off.
   the step boundary: it applies and clears the control-flag requests (``protocol``), agreed across ranks,
   then draws the step's micro-batches from the elastic loader instead of HF's epoch iterator;
 - ``training_step`` runs a micro-batch as one or more forward/backward passes (same ``num_items_in_batch``, so the
-  same gradient) and lets a rank without samples join the others' collectives;
+  same gradient) and lets a rank without samples join the others' collectives; ``compute_loss`` weighs a piece's
+  loss by its share where the loss is a mean per call (:mod:`.loss_kind`);
 - ``IntegrationCallback.on_step_end`` ends the HF epoch when the data epoch is used up
   (``control.should_epoch_stop``), keeps ``state.epoch`` honest and stops at the epoch budget;
 - ``_save_checkpoint`` writes the pack state into the checkpoint first; ``train(resume_from_checkpoint=...)``
@@ -39,6 +40,7 @@ from ..data.elastic import ElasticDataLoader
 from ..records import DECISIONS_FILE, DecisionLog, DecisionRecord
 from ..data.slots import EmptyMicroBatch, PassGroup, slot_batches
 from ..data.stream import StreamLoader
+from .loss_kind import weigh
 from .trainer import Integration, logger
 
 DISABLE_ENV = 'SWIFT_DYNAMIC_CALLBACKS_DISABLE'
@@ -97,6 +99,10 @@ class DynamicTrainerMixin:
         num_items = args[0] if args else kwargs.get('num_items_in_batch')
         run = lambda part: super(DynamicTrainerMixin, self).training_step(model, part, *args, **kwargs)  # noqa: E731
         return self.dynamic_integration.run_micro_batch(model, inputs, run, num_items)
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        result = super().compute_loss(model, inputs, *args, **kwargs)
+        return weigh(result, self.dynamic_integration.runner.loss_weight)
 
     # ms-swift + transformers 4.57 build the scheduler through create_optimizer_and_scheduler, which calls HF's
     # create_scheduler on the class (not this override); 5.x calls create_scheduler. Both paths get the epoch

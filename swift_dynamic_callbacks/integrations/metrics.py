@@ -30,6 +30,19 @@ def count_tokens(batch: Any, *, padded: bool = False) -> int:
     return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
 
 
+def allocator_figures(caught_ooms: int) -> dict[str, int]:
+    """``dynamic/alloc_retries`` and ``dynamic/ooms`` (torchtitan logs both): on CUDA the caching allocator's counts
+    since the process started (``num_alloc_retries``: a cache flush and retry before an allocation succeeded, the
+    sign of a fragmented pool; ``num_ooms``: allocations that failed, the caught ones included); elsewhere no
+    allocator keeps them: 0 retries and the OOMs the pack caught (``caught_ooms``). Host-side counters: no device
+    synchronisation."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats = torch.cuda.memory_stats()
+        return {'dynamic/alloc_retries': int(stats.get('num_alloc_retries', 0)),
+                'dynamic/ooms': int(stats.get('num_ooms', 0))}
+    return {'dynamic/alloc_retries': 0, 'dynamic/ooms': int(caught_ooms)}
+
+
 def global_batch_size(loader: Any) -> int:
     """Samples per optimizer step over all ranks at the loader's current batch size."""
     return loader.batch_size * loader.entries_per_step * distributed.world_size()

@@ -15,16 +15,21 @@ run packed; changing the first must not change the second's logits) and, where b
 :func:`check_packed_backward` (a real forward and backward in train mode, as training runs it — under gradient
 checkpointing too — the trainable parameters' gradients put back after it; for flex two lengths, so its kernels are
 compiled for training with dynamic lengths before step 1). The ranks agree: a kernel is used only where it passed on
-every rank. During training a non-OOM error in a pass on a switched kernel (a compile or kernel failure at a new
-shape; ``flex_attention`` running uncompiled, which would materialise ``N x N`` scores, is turned into such an error)
-falls back to the model's own attention with a record, and the step is run again (:meth:`PackedAttention.fall_back`).
+every rank (every check's failure, the model's own attention's included, goes through one exchange, so no rank
+raises while another waits). During training a non-OOM error in a pass on a switched kernel (a compile or kernel
+failure at a new shape; ``flex_attention`` running uncompiled, which would materialise ``N x N`` scores, is turned
+into such an error inside the training passes only: :meth:`PackedAttention.training_pass`) falls back to the model's
+own attention with a record, and the step is run again (:meth:`PackedAttention.fall_back`). The fallback is saved with
+the checkpoint: a resumed run keeps the model's own attention and does not prove the failed kernel again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 import warnings
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -38,8 +43,10 @@ logger = logging.getLogger('swift_dynamic_callbacks')
 MODES = ('auto', 'flash', 'flex', 'sdpa', 'keep')
 SETTING = 'dynamic_callbacks.integration.packed_attention'
 #: torch's warning when flex_attention runs without torch.compile (the whole N x N score matrix): made an error
-#: while flex is in use, so the step falls back to sdpa instead of running out of memory
+#: inside the training passes while flex is in use, so the step falls back to sdpa instead of running out of memory
 FLEX_EAGER_WARNING = r'flex_attention called without torch\.compile'
+#: torch's once-per-process id of that warning (cleared before each training pass, so it is raised every time)
+FLEX_EAGER_WARNING_ID = 'flex_attention_performance'
 
 
 def attention_implementation(model: Any) -> str | None:
@@ -110,7 +117,9 @@ def transformers_model(model: Any) -> Any:
 def keep_flex_compiled() -> bool:
     """transformers' ``WrappedFlexAttention`` builds a new ``torch.compile`` of flex_attention whenever the model
     flips between train and eval mode (every evaluation), although on torch 2.7+ both modes compile it the same way;
-    after the fix the one compiled function serves both. Returns whether it was applied (idempotent)."""
+    after the fix the one compiled function serves both, compiled with dynamic shapes from its first call (packed
+    lengths change every pass: a static first graph would be compiled again at the second length). Returns whether
+    it was applied (idempotent)."""
     try:
         from transformers.integrations import flex_attention as hf_flex
     except ImportError:
@@ -121,12 +130,13 @@ def keep_flex_compiled() -> bool:
     from packaging import version
     if version.parse(torch.__version__).release < (2, 7):
         return False  # older torch compiles differently in training: leave transformers' rule
-    original = wrapped.__init__
 
     @torch.compiler.disable(recursive=False)
     def compile_once(self, training):
-        if not self._is_flex_compiled:
-            original(self, training)
+        if not self._is_flex_compiled:  # dynamic shapes from the first call: one graph for every packed length
+            from torch.nn.attention.flex_attention import flex_attention
+            self._compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
+            self._is_flex_compiled = True
         self.training = training
 
     wrapped.__init__ = compile_once
@@ -176,19 +186,23 @@ def check_packed_backward(model: Any, attention: str) -> None:
         model.train(was_training)
 
 
-@torch.no_grad()
 def check_packed_attention(model: Any, setting: str = 'length_batching.padding_free') -> None:
     """Refuse padding-free micro-batches where the model would attend across packed rows: an attention
     implementation outside :data:`SUPPORTED_ATTENTION`, or a model whose second row's logits change with the first
     row's tokens (two tiny forwards of :func:`probe_rows` finished for the model's attention, in eval mode, on the
-    model's device; causal attention never lets the first row see the second, so the second is the one to watch)."""
+    model's device; causal attention never lets the first row see the second, so the second is the one to watch).
+    On CUDA the forwards run with gradients enabled, as training runs them (grad mode is part of a compiled kernel's
+    guards: a no-grad check would compile a graph training never uses); nothing is backpropagated."""
     implementation = attention_implementation(model)
     if implementation not in SUPPORTED_ATTENTION:
         raise ConfigError(f'{setting}: true needs attn_impl {" / ".join(SUPPORTED_ATTENTION)} (got '
                           f'{implementation!r}): those keep packed rows apart by position_ids in transformers')
 
+    grad = next(model.parameters()).device.type == 'cuda'  # a CPU cannot run flex's backward: no training there
+
     def logits(shift: int) -> torch.Tensor:
-        return model(**probe_rows(model, implementation, shift), use_cache=False).logits[0, 4:8].float()
+        with torch.set_grad_enabled(grad):
+            return model(**probe_rows(model, implementation, shift), use_cache=False).logits[0, 4:8].float().detach()
 
     was_training = model.training
     model.eval()
@@ -200,6 +214,19 @@ def check_packed_attention(model: Any, setting: str = 'length_batching.padding_f
         raise ConfigError(f'{setting}: this model ({type(model).__name__}, attn_impl {implementation}) attends '
                           'across rows packed by position_ids (the second row\'s logits changed with the first '
                           'row\'s tokens), so padding-free micro-batches would mix samples; use padding_free: false')
+
+
+def _agreed_check(model: Any, setting: str) -> None:
+    """:func:`check_packed_attention` on every rank, its outcome exchanged: every rank raises the first rank's
+    refusal (no rank raises while another waits in a collective)."""
+    failure = None
+    try:
+        check_packed_attention(model, setting)
+    except ConfigError as error:
+        failure = str(error)
+    failures = [f for f in distributed.gather_objects(failure) if f is not None]
+    if failures:
+        raise ConfigError(failures[0] + ('' if failure is not None else ' (on another rank)'))
 
 
 def _try_kernel(model: Any, base: Any, kernel: str, setting: str, probe_backward: bool) -> str | None:
@@ -239,12 +266,14 @@ def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.
     if new != old and base is None:
         new, why = old, f'no transformers model inside {type(model).__name__} to switch to {new}; kept {old}'
     if new == old:
-        check_packed_attention(model, setting)
+        _agreed_check(model, setting)
         return {'old': old, 'new': new, 'why': why}
     candidates = [new]
     if mode == 'auto' and cuda:  # the fallback chain: a broken FA3 build next to a working FA2 ends on FA2
         candidates += [k for k in installed_flash_attentions() + (['flex_attention'] if flex else [])
                        if k not in candidates]
+    ranks = distributed.gather_objects(candidates)  # one chain for every rank: what every rank has, in rank 0's order
+    candidates = [k for k in ranks[0] if all(k in other for other in ranks)]
     failed = []
     for kernel in candidates:
         failure = _try_kernel(model, base, kernel, setting, probe_backward)
@@ -256,8 +285,9 @@ def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.
             raise ConfigError(f'{SETTING}: {mode} ({kernel}) failed its proof on this model ({failure}); allowed: '
                               'auto, sdpa, keep, or padding_free: false')
         failed.append(f'{kernel} failed ({failure})')
-    check_packed_attention(model, setting)
-    return {'old': old, 'new': old, 'why': '; '.join(failed) + f'; kept {old}'}
+    _agreed_check(model, setting)
+    return {'old': old, 'new': old, 'why': '; '.join(failed or ['no candidate every rank has'])
+            + f'; kept {old}'}
 
 
 class PackedAttention:
@@ -266,8 +296,9 @@ class PackedAttention:
     Args:
         mode: ``integration.packed_attention``.
 
-    State: none saved (a resumed run chooses and proves again); ``kernel`` (what packed rows are finished for),
-    ``original`` (the model's own before a switch) and ``fallen_back`` for the run.
+    State: ``kernel`` (what packed rows are finished for), ``original`` (the model's own before a switch) and
+    ``fallen_back`` with the step it happened at: saved with the integration's, so a resumed run that had fallen
+    back keeps the model's own attention (it does not prove the kernel that failed again).
     """
 
     def __init__(self, mode: str = 'auto') -> None:
@@ -275,6 +306,36 @@ class PackedAttention:
         self.kernel = 'sdpa'
         self.original: str | None = None
         self.fallen_back = False
+        self.fallback_step: int | None = None
+        self.fallback_error: str | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'kernel': self.kernel, 'original': self.original, 'fallen_back': self.fallen_back,
+                'fallback_step': self.fallback_step, 'fallback_error': self.fallback_error}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        if not state:
+            return
+        self.fallen_back = bool(state.get('fallen_back'))
+        self.fallback_step = state.get('fallback_step')
+        self.fallback_error = state.get('fallback_error')
+        if self.fallen_back:
+            self.kernel, self.original = state.get('kernel') or self.kernel, state.get('original')
+
+    @contextlib.contextmanager
+    def training_pass(self) -> Iterator[None]:
+        """Around one training pass: while packed rows run on ``flex_attention``, torch's warning that flex runs
+        uncompiled (the whole ``N x N`` scores) is an error there, and there only (evaluation, the proofs and other
+        code keep the warning a warning); torch's once-per-process mark is cleared first, so it is raised every
+        time."""
+        if self.kernel != 'flex_attention' or self.fallen_back:
+            yield
+            return
+        from torch.nn.attention import flex_attention as torch_flex
+        getattr(torch_flex, '_WARNINGS_SHOWN', set()).discard(FLEX_EAGER_WARNING_ID)
+        with warnings.catch_warnings():
+            warnings.filterwarnings('error', message=FLEX_EAGER_WARNING)
+            yield
 
     @property
     def switched(self) -> bool:
@@ -293,15 +354,26 @@ class PackedAttention:
                               'allowed there: auto (the model\'s own attention is kept) or keep')
         if sharded:
             mode = 'keep'
+        if self.fallen_back:  # resumed after a fallback: the model's own attention, the failed kernel not proven
+            mode = 'keep'
+        start = time.perf_counter()
         chosen = use_packed_attention(model, mode, setting, probe_backward=probe_backward)
+        chosen['proof_s'] = round(time.perf_counter() - start, 3)
+        if self.fallen_back:
+            chosen['why'] = (f'resumed after the fallback at step {self.fallback_step} ({self.fallback_error}): the '
+                             'model\'s own attention, as before the checkpoint')
+            self.kernel = chosen['new']
+            message = f'padding-free passes run with attn_impl {self.kernel}: {chosen["why"]}'
+            logger.info(message)
+            return DecisionRecord('integration', 'packed_attention', 'resumed_fallback',
+                                  {**chosen, 'mode': self.mode}, message)
         if sharded and self.mode == 'auto':
             chosen['why'] = 'under FSDP2 / DeepSpeed the model\'s own attention is kept (a proof failing on one rank ' \
                             'would leave the others waiting in a collective)'
         self.kernel, self.original = chosen['new'], chosen['old']
-        if self.kernel == 'flex_attention':  # uncompiled flex (N x N scores) becomes an error the step falls back from
-            warnings.filterwarnings('error', message=FLEX_EAGER_WARNING)
         message = (f'padding-free passes run with attn_impl {chosen["new"]}' +
-                   (f' (was {chosen["old"]})' if chosen['new'] != chosen['old'] else '') + f': {chosen["why"]}')
+                   (f' (was {chosen["old"]})' if chosen['new'] != chosen['old'] else '') + f': {chosen["why"]} '
+                   f'(chosen and proven in {chosen["proof_s"]:.1f} s, before step 1)')
         logger.info(message)
         return DecisionRecord('integration', 'packed_attention', chosen['new'], {**chosen, 'mode': self.mode},
                               message)
@@ -312,9 +384,8 @@ class PackedAttention:
         the step boundary). The caller finishes the step's batches for it again."""
         base = transformers_model(model)
         failed, self.kernel, self.fallen_back = self.kernel, self.original, True
+        self.fallback_step, self.fallback_error = step, f'{failed}: {type(error).__name__}: {str(error)[:200]}'
         base.set_attn_implementation(self.kernel)
-        if failed == 'flex_attention':
-            warnings.filterwarnings('default', message=FLEX_EAGER_WARNING)
         if reason == 'follow':
             message = (f'{failed} failed on another rank ({str(error)[:300]}); this rank runs {self.kernel} too from '
                        f'this step on (rank {distributed.rank()})')

@@ -1,126 +1,177 @@
-"""The token budget of a pass under ``pass_tokens`` after OOMs: agreed at every step boundary, planned at.
+"""The one owner of what a forward/backward pass may hold: every cap on a pass, the effective limit computed once.
 
-Under ``length_batching.pass_tokens`` a pass is sized by tokens, so an OOM says a pass of that many *tokens* did not
-fit, whatever its rows. At each step boundary, from every rank's OOM records of the step that ended (the same list on
-every rank: ``requests.agree_step`` exchanges them), :class:`PassBudget` folds the smallest failed pass's cost into
-:class:`~..policies.pass_cost.TokenBudget` (lower after an OOM, halfway back after clean steps), so every rank holds
-the same budget; the coordinator then plans the steps from this one on at it (``ElasticDataLoader.set_pass_budget``)
-and the step runner cuts no pass above it. A one-off OOM costs a few steps of smaller passes; a real memory end settles
-just below the smallest pass that failed.
+What a pass may hold comes from four places, all held here:
 
-State (saved with the integration's): the :class:`~..policies.pass_cost.TokenBudget`.
+- the **requested limit** (``control.new_pass_limit``: ``memory_backoff``'s cap, its length rules and token budget);
+- the **plan's ceiling**: passes cut by a token budget (``length_batching.pass_tokens``) are planned at it;
+- the **OOM budget** (:class:`~..policies.pass_cost.BudgetState`): lowered after an OOM, grown back after clean steps,
+  settled below a real memory end and probed above it after a quiet period. Its unit follows what memory follows:
+  tokens where passes are cut by tokens, else rows;
+- **this step's caps**: the cap after an OOM inside the step (until its end) and the token budget a micro-batch must
+  hold to while its lengths are estimates.
+
+:meth:`PassBudget.limit` is the limit a pass is cut at (the step runner asks it before each batch), :meth:`plan_tokens`
+the token budget the loader plans passes at (the coordinator hands it over at every boundary). An OOM walks forward
+only: the runner reports it (:meth:`after_oom`: this step's cap), the coordinator exchanges every rank's OOM records at
+the next boundary (or at a checkpoint, whichever comes first) and :meth:`fold` folds them, once per step, into the OOM
+budget, the same on every rank.
+
+State (saved with the integration's): the requested limit, the OOM budget and its unit, the last step folded.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Iterable, Mapping
 
-from ..policies.pass_cost import TokenBudget, budget_after_oom, budget_after_step
+from ..policies.pass_cost import BudgetState, budget_after_oom, budget_after_step
 from ..records import DecisionRecord
+
+UNITS = ('samples', 'tokens')
+
+
+def _least(*values: int | None) -> int | None:
+    present = [int(v) for v in values if v is not None]
+    return min(present) if present else None
 
 
 class PassBudget:
-    """The agreed token budget of a pass (``budget`` ``None``: the plan's ``pass_tokens``).
+    """What a pass may hold (see the module docstring).
 
     Args:
-        grow_after: clean steps before the budget grows (``integration.oom_grow_back_steps``; 0: never).
-        forget_after: settled clean steps before a failure is forgotten (``integration.oom_forget_steps``; 0: never).
+        grow_after: clean steps before the OOM budget grows (``integration.oom_grow_back_steps``; 0: never).
+        probe_after: settled clean steps before the OOM budget probes above a failure
+            (``integration.oom_probe_steps``; x4 after each failed probe; 0: never).
     """
 
-    def __init__(self, grow_after: int = 2, forget_after: int = 32) -> None:
+    def __init__(self, grow_after: int = 2, probe_after: int = 64) -> None:
         self.grow_after = grow_after
-        self.forget_after = forget_after
-        self.state = TokenBudget()
+        self.probe_after = probe_after
+        self.requested: dict[str, Any] | None = None  # the requested pass limit (samples / tokens / rules)
+        self.unit = 'samples'  # what the OOM budget counts: 'tokens' where passes are cut by tokens
+        self.ceiling: int | None = None  # the plan's pass_tokens (tokens), or the rows of a micro-batch (samples)
+        self.oom = BudgetState()
+        self.folded = -1  # the last step whose outcome was folded in (a checkpoint folds its step early)
+        self.step_cap: int | None = None  # this step's cap after an OOM in it (the unit's)
+        self.estimate: int | None = None  # this step's token budget while lengths are estimates
+        self.fitted = 0  # the largest pass (the unit's) that ran clean in this step on this rank
 
+    # ---- what the run is cut by (each boundary) --------------------------------------------------------------
+    def configure(self, *, tokens_ceiling: int | None, rows: int) -> None:
+        """At a boundary: passes are cut by a token budget ``tokens_ceiling`` (the plan's ``pass_tokens``) or not
+        (``None``: the OOM budget counts rows, at most ``rows``, a micro-batch's). A change of unit starts the OOM
+        budget afresh (a budget in rows says nothing about tokens)."""
+        unit = 'tokens' if tokens_ceiling is not None else 'samples'
+        if unit != self.unit:
+            self.oom = BudgetState()
+        self.unit = unit
+        self.ceiling = tokens_ceiling if tokens_ceiling is not None else max(1, int(rows))
+
+    def start_step(self, estimate: int | None) -> None:
+        """A new step: no OOM cap yet; ``estimate``: the token budget while lengths are estimates."""
+        self.step_cap, self.estimate, self.fitted = None, estimate, 0
+
+    def set_requested(self, limit: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The requested pass limit (all caps empty: none); returns the old one."""
+        old = self.requested
+        self.requested = None if not limit or all(not v for v in limit.values()) else dict(limit)
+        return old
+
+    # ---- the limit, computed here only --------------------------------------------------------------------------
     @property
     def budget(self) -> int | None:
-        return self.state.budget
+        """The OOM budget now (``None``: not lowered), in :attr:`unit`."""
+        return self.oom.budget
 
-    def at_boundary(self, ooms: Iterable[DecisionRecord], ceiling: int | None, step: int) -> DecisionRecord | None:
-        """Fold the step that ended in (``ooms``: every rank's OOM records of it; ``ceiling``: the plan's
-        ``pass_tokens``, ``None`` when passes are not cut by tokens). Returns a ``pass_budget`` record when the budget
-        changed."""
-        if ceiling is None:
-            self.state = TokenBudget()
+    def limit(self, *, estimates_split: bool = False) -> dict[str, Any] | None:
+        """The limit a pass is cut at now: ``{'samples', 'tokens', 'rules'}`` (``None``: no limit). ``estimates_split``:
+        a micro-batch may run as several passes, so the estimate's token budget applies too."""
+        req = self.requested or {}
+        oom_tokens = self.unit == 'tokens'
+        samples = _least(req.get('samples'), None if oom_tokens else self.oom.budget,
+                         None if oom_tokens else self.step_cap)
+        tokens = _least(req.get('tokens'), self.oom.budget if oom_tokens else None,
+                        self.step_cap if oom_tokens else None, self.estimate if estimates_split else None)
+        rules = list(req.get('rules') or [])
+        if samples is None and tokens is None and not rules:
             return None
-        old = self.state
-        failed = [int(r.values['pass_tokens']) for r in ooms if r.values.get('pass_tokens')]
+        return {'samples': samples, 'tokens': tokens, 'rules': rules}
+
+    def plan_tokens(self) -> int | None:
+        """The token budget the loader plans passes at below the plan's own (``None``: the plan's): the OOM budget and
+        a requested token cap, where passes are cut by tokens."""
+        if self.unit != 'tokens':
+            return None
+        return _least(self.oom.budget, (self.requested or {}).get('tokens'))
+
+    # ---- out of memory ---------------------------------------------------------------------------------------
+    def ran(self, size: int, cost: int) -> None:
+        """A pass of ``size`` rows and ``cost`` tokens ran (its backward included) on this rank."""
+        self.fitted = max(self.fitted, cost if self.unit == 'tokens' else size)
+
+    def after_oom(self, size: int, cost: int) -> int | None:
+        """An OOM in a pass of ``size`` rows costing ``cost`` tokens, inside the step: the cap for the rest of the
+        step (half the failing pass, in the unit), or ``None`` for a one-row pass (it cannot be cut: it is run again
+        as it is)."""
+        if size <= 1:
+            return None
+        half = max(1, (cost if self.unit == 'tokens' else size) // 2)
+        self.step_cap = half if self.step_cap is None else min(self.step_cap, half)
+        return self.step_cap
+
+    def fold(self, ooms: Iterable[DecisionRecord], step: int, *, fitted: int = 0,
+             headroom: bool | None = None) -> DecisionRecord | None:
+        """Fold the outcome of step ``step`` into the OOM budget, once (a checkpoint may fold its step before the
+        boundary does). ``ooms``: every rank's OOM records of it; a one-row pass's OOM is not folded in (it cannot
+        be cut; recorded only). ``fitted``: the largest pass that ran clean in it over all ranks. Returns a
+        ``pass_budget`` record when the budget changed."""
+        if step <= self.folded or self.ceiling is None:
+            return None
+        self.folded = step
+        key = 'pass_tokens' if self.unit == 'tokens' else 'pass_size'
+        failed = [int(r.values[key]) for r in ooms if r.values.get(key) and int(r.values.get('pass_size') or 0) > 1]
+        clean = [int(r.values.get('fitted') or 0) for r in ooms]
+        old = self.oom
+        ceiling = self.ceiling
         if failed:
-            self.state = budget_after_oom(old, min(failed), ceiling)
-            action = 'oom'
+            self.oom = budget_after_oom(old, min(failed), ceiling, fitted=max(clean + [fitted]))
+            action = 'probe_failed' if old.probing else 'oom'
+        elif ooms and old.budget is None:
+            return None  # only one-row OOMs, nothing lowered: nothing to fold
         else:
-            self.state = budget_after_step(old, ceiling, grow_after=self.grow_after, forget_after=self.forget_after)
-            action = 'grow_back' if (self.state.budget or ceiling) > (old.budget or ceiling) else 'forget'
-        if self.state.budget == old.budget:
+            self.oom = budget_after_step(old, ceiling, fitted=fitted, grow_after=self.grow_after,
+                                         probe_after=self.probe_after, headroom=headroom)
+            action = 'probe' if self.oom.probing and not old.probing else 'grow_back'
+        if self.oom.budget == old.budget:
             return None
-        new = self.state.budget if self.state.budget is not None else ceiling
-        values = {'old': old.budget if old.budget is not None else ceiling, 'new': new, 'pass_tokens': ceiling,
-                  'failed_pass_tokens': min(failed) if failed else None, 'good': self.state.good,
-                  'bad': self.state.bad}
+        unit = 'tokens' if self.unit == 'tokens' else 'rows'
+        new = self.oom.budget if self.oom.budget is not None else ceiling
+        values = {'unit': self.unit, 'old': old.budget if old.budget is not None else ceiling, 'new': new,
+                  'ceiling': ceiling, 'failed': min(failed) if failed else None, 'good': self.oom.good,
+                  'bad': self.oom.bad, 'probes': self.oom.probes}
         if action == 'oom':
-            message = (f'out of memory in a pass of {min(failed)} tokens: passes planned within {new} tokens from '
-                       'this step on (rows not capped)')
+            message = f'out of memory in a pass of {min(failed)} {unit}: passes within {new} {unit} from this step on'
+        elif action == 'probe_failed':
+            message = (f'the probe above {old.bad} {unit} ran out of memory: back to {new} {unit}; the next probe '
+                       f'waits {self.probe_after * 4 ** self.oom.probes} settled steps')
+        elif action == 'probe':
+            message = (f'{self.probe_after * 4 ** old.probes} quiet steps at {old.budget} {unit}: probing {new} '
+                       f'{unit}, one step above the smallest failed pass ({old.bad})')
         else:
-            message = (f'{self.grow_after} clean steps: passes planned within {new} tokens' +
-                       (' (the plan\'s pass_tokens)' if self.state.budget is None else
-                        f' (halfway to the smallest failed pass, {self.state.bad})'))
+            message = (f'{self.grow_after} clean steps: passes within {new} {unit}' +
+                       (' (no cap: the ceiling)' if self.oom.budget is None else
+                        f' (halfway to the smallest failed pass, {self.oom.bad})' if self.oom.bad else ''))
         return DecisionRecord('integration', 'pass_budget', action, values, message, step=step)
 
+    # ---- state ---------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return asdict(self.state)
+        return {'requested': self.requested, 'unit': self.unit, 'oom': asdict(self.oom), 'folded': self.folded}
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
-        self.state = TokenBudget(**(state or {}))
-
-
-#: ``pass_tokens: auto`` on a CPU: a larger pass gains nothing there (compute-bound), so at most this
-CPU_MAX_PASS_TOKENS = 8192
-#: when the model's shape cannot be read: the budget by device memory (the README's hand-set table)
-FALLBACK = ((100 * 2**30, 16384), (0, 8192))
-
-
-def _available_cpu_bytes() -> int:
-    try:
-        with open('/proc/meminfo') as f:
-            for line in f:
-                if line.startswith('MemAvailable:'):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2**30
-
-
-def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool,
-                             cpu_budget_gib: float | None = None) -> tuple[int, dict[str, Any]]:
-    """``pass_tokens: auto`` on this rank: the budget and the figures it came from (for the record). On CUDA the free
-    memory now (the model loaded) against :func:`~..policies.pass_cost.bytes_per_token` of the model's shape; on
-    a CPU ``cpu_budget_gib`` (``memory_backoff``'s) or half the available memory, at most
-    :data:`CPU_MAX_PASS_TOKENS`. A model whose shape cannot be read takes the hand-set table by device memory."""
-    import torch
-
-    from ..policies.pass_cost import auto_pass_tokens, bytes_per_token
-    cuda = getattr(device, 'type', str(device)) == 'cuda' and torch.cuda.is_available()
-    if cuda:
-        free, total = torch.cuda.mem_get_info(device)
-    else:
-        total = free = int(cpu_budget_gib * 2**30) if cpu_budget_gib else _available_cpu_bytes() // 2
-    config = getattr(model, 'config', None)
-    config = getattr(config, 'text_config', None) or config
-    shape = {k: getattr(config, k, None) for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers',
-                                                    'vocab_size')}
-    params = next(iter(model.parameters()), None) if hasattr(model, 'parameters') else None
-    dtype_bytes = params.element_size() if params is not None else 2
-    figures: dict[str, Any] = {'device': 'cuda' if cuda else 'cpu', 'free_gib': round(free / 2**30, 3),
-                               'total_gib': round(total / 2**30, 3), **shape, 'dtype_bytes': dtype_bytes,
-                               'gradient_checkpointing': checkpointing}
-    if not all(isinstance(v, int) and v > 0 for v in shape.values()):
-        tokens = next(t for memory, t in FALLBACK if total >= memory)
-        figures.update(how='fallback: the model\'s shape is unknown; the budget by device memory')
-        return (min(tokens, CPU_MAX_PASS_TOKENS) if not cuda else tokens), figures
-    per_token = bytes_per_token(hidden=shape['hidden_size'], intermediate=shape['intermediate_size'],
-                                layers=shape['num_hidden_layers'], vocab=shape['vocab_size'], dtype_bytes=dtype_bytes,
-                                checkpointing=checkpointing)
-    tokens = auto_pass_tokens(free, per_token, maximum=131072 if cuda else CPU_MAX_PASS_TOKENS)
-    figures.update(bytes_per_token=per_token, margin=0.1, how='free memory x 0.9 / bytes a token (model shape)')
-    return tokens, figures
+        state = dict(state or {})
+        if 'oom' not in state and 'budget' in state:  # a checkpoint of 0.1 (the token budget alone)
+            state = {'unit': 'tokens', 'oom': {k: state[k] for k in ('budget', 'good', 'bad', 'clean') if k in state}}
+        self.requested = state.get('requested')
+        self.unit = state.get('unit', 'samples')
+        self.oom = replace(BudgetState(), **(state.get('oom') or {}))
+        self.folded = int(state.get('folded', -1))

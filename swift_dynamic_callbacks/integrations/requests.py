@@ -73,15 +73,18 @@ def load_replay(path: str) -> dict[int, protocol.BatchRequest]:
     return out
 
 
-def agree_step(request: protocol.BatchRequest, records: list[DecisionRecord]
-               ) -> tuple[protocol.BatchRequest, list[DecisionRecord]]:
-    """The request every rank applies at this boundary (``protocol.merge_requests``) and every rank's records of the
-    last step that the others must know (its OOM, its packed-attention fallback), in rank order. Collective: one
-    small all-reduce decides whether any rank has something to agree on (most boundaries: nothing); only then are
-    the requests and records gathered."""
-    if distributed.sum_ints([int(not request.empty or bool(records))])[0]:
-        return distributed.agree((request, list(records)), merge_step)
-    return request, []
+def agree_step(request: protocol.BatchRequest, records: list[DecisionRecord], fitted: int = 0
+               ) -> tuple[protocol.BatchRequest, list[DecisionRecord], int]:
+    """The request every rank applies at this boundary (``protocol.merge_requests``), every rank's records of the
+    last step that the others must know (its OOM, its packed-attention fallback), in rank order, and the largest of
+    the ranks' ``fitted`` (the largest pass that ran clean in the step). Collective: one small all-reduce decides
+    whether any rank has something to agree on (most boundaries: nothing) and takes the largest ``fitted``; only then
+    are the requests and records gathered."""
+    anything, fitted = distributed.max_ints([int(not request.empty or bool(records)), fitted])
+    if anything:
+        request, shared = distributed.agree((request, list(records)), merge_step)
+        return request, shared, fitted
+    return request, [], fitted
 
 
 def merge_step(votes: Iterable[tuple[protocol.BatchRequest, list[DecisionRecord]]]

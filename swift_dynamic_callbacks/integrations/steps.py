@@ -7,26 +7,27 @@ engine's collectives, recovers from out-of-memory errors and, after the step's l
 pass, has the engine reduce the step's gradients. Everything engine-specific is asked of the
 :class:`~.engines.base.Engine` adapter chosen at start; nothing here branches on the engine.
 
-The runner owns the pass limit (the cap on samples / tokens per pass: requested by ``memory_backoff`` /
-``length_batching``, halved after an OOM) and says whether a micro-batch may run as several passes at all
-(:meth:`StepRunner.check_splittable`: not for packed rows, ``swift rlhf`` pairs, or engines whose passes hold
-collectives).
+What a pass may hold is asked of the :class:`~.pass_budget.PassBudget` (the one owner of every cap: the requested
+limit, the plan's, the OOM budget, this step's); the runner says whether a micro-batch may run as several passes at
+all (:meth:`StepRunner.check_splittable`: not for packed rows, ``swift rlhf`` pairs, or engines whose passes hold
+collectives) and how many pieces a batch needs (:func:`~..policies.pass_cost.pieces_within`, the planner's cost
+model: ``rows x longest`` padded, the sum packed). After an OOM the failing pass is re-cut within half of it (tokens
+where passes are cut by tokens, else rows) for the rest of the step; the budget owner folds the OOM into later steps
+at the next boundary.
 
-Whether a pass fits is :func:`~..policies.pass_cost.pieces_within` (the planner's cost model: ``rows x longest``
-padded, the sum packed). Under ``pass_tokens`` (``cuts_passes``) an OOM caps the *tokens* of a pass, not its rows:
-the failing pass is re-cut within half its cost for the rest of the step, and the integration agrees the token
-budget later steps are planned at (``pass_budget``, :class:`~..policies.pass_cost.TokenBudget`).
+A micro-batch run as several pieces keeps its gradient for every loss the runner runs under (:mod:`.loss_kind`): a
+token sum as it is, a mean per call (label smoothing, a sequence classifier) each piece weighted by its share of the
+label tokens or rows (:attr:`StepRunner.loss_weight`, applied in the trainer's ``compute_loss``). Under a loss whose
+pieces do not add up, OOM recovery is off (``auto``: a warning and the ``engine`` record) or refused (``true``).
 
 State kept for one step only (set by :meth:`StepRunner.start_step` at every step boundary): the micro-batches and
-their dataset indices, the pieces asked for, the pass being run, the OOM retries and the OOM's token cap. Kept for
-the run and saved with the integration's state: ``pass_limit`` and ``oom_count`` (every OOM of the run); the
-agreed token budget ``pass_budget`` is the integration's (set here at every boundary).
+their dataset indices, the pieces asked for, the pass being run, the OOM retries. Kept for the run and saved with the
+integration's state: ``oom_count`` (every OOM of the run).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -34,15 +35,17 @@ import torch
 from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
-from ..config.rules import PAIRS_WHY
+from ..config.rules import PAIRS_WHY, recovery_refused
 from ..data.slots import EmptyMicroBatch, PassGroup
 from ..device_memory import device_figures, free_memory, is_oom
 from ..policies.data_plan import piece_bounds
-from ..policies.memory import oom_backoff, pass_cap
+from ..policies.memory import pass_cap
 from ..policies.pass_cost import pass_cost, pieces_within
 from ..records import DecisionRecord
 from .engines import Engine, select_engine
+from .loss_kind import LossKind, loss_kind, piece_weights
 from .packed_attention import PackedAttention
+from .pass_budget import PassBudget
 from .padding_free import PackedBatch
 from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, pass_lengths, restore_grads, \
     row_tokens, split_micro_batch
@@ -77,24 +80,22 @@ class StepRunner:
     """
 
     def __init__(self, trainer: Any, engine: Engine, *, oom_recovery: bool, single_sample_retries: int,
-                 attention: PackedAttention | None = None) -> None:
+                 attention: PackedAttention | None = None, budget: PassBudget | None = None) -> None:
         self.trainer = trainer
         self.attention = attention or PackedAttention()  # the packed rows' kernel (chosen, proven, fallen back from)
+        self.budget = budget or PassBudget()  # what a pass may hold (the one owner of every cap)
         self.records: list[DecisionRecord] = []  # decisions made inside a step, held at the next boundary
         self.engine = engine
         self.oom_recovery = oom_recovery
         self.single_sample_retries = single_sample_retries
         self.oom_count = 0
-        self.pass_limit: dict[str, Any] | None = None  # the cap on samples / tokens per forward/backward pass
+        self.loss = LossKind('token_sum', None, '')  # the training loss's kind (begin)
+        self.loss_weight: float | None = None  # the running piece's share of its micro-batch's mean loss
         self.batches: list[Any] = []
         self.indices: list[list[int]] = []
         self.num_pieces = 1  # the passes a micro-batch of this step is cut into at least (requested)
-        self.budget_tokens: int | None = None  # this step's token budget while lengths are estimates
         self.max_pass = 0  # the largest pass (samples) of the step so far
         self.max_cost = 0  # the largest pass's cost (tokens) of the step so far
-        self.cuts_passes = False  # passes are cut by a token budget (pass_tokens): OOMs cap tokens, not rows
-        self.pass_budget: int | None = None  # the agreed token budget of a pass (lowered after OOMs), or None
-        self._oom_tokens: int | None = None  # this step's token cap after an OOM in it (until the next boundary)
         self._current_cost = 0  # the running pass's cost (tokens)
         self.oom: dict[str, Any] | None = None  # this step's OOM: pass_size, new_cap, record
         self.probe: GradNoiseProbe | None = None
@@ -122,6 +123,11 @@ class StepRunner:
                 raise ConfigError(f'dynamic_callbacks.integration.oom_recovery: true is not supported under swift '
                                   f'rlhf: {PAIRS_WHY}; use auto or false')
             recovery, why_off = False, f'swift rlhf: {PAIRS_WHY}'
+        self.loss = loss_kind(self.trainer)
+        if recovery and not self.loss.splittable:
+            if config.oom_recovery is True:
+                raise ConfigError(recovery_refused(self.loss.setting, self.loss.why))
+            recovery, why_off = False, f'{self.loss.setting}: {self.loss.why}'
         self.oom_recovery, self.single_sample_retries = recovery, config.oom_single_sample_retries
         self.attention.mode = config.packed_attention
         self.oom_count, self._checked, self._can_split, self._adapter_like = 0, False, None, None
@@ -129,7 +135,9 @@ class StepRunner:
         if not recovery and config.oom_recovery == 'auto':
             logger.warning(message)
         return DecisionRecord('integration', 'engine', self.engine.name,
-                              {**self.engine.describe(), 'oom_recovery': recovery}, message)
+                              {**self.engine.describe(), 'oom_recovery': recovery,
+                               'oom_recovery_off': None if recovery else why_off, 'loss': self.loss.kind,
+                               'loss_setting': self.loss.setting}, message)
 
     # ---- what a micro-batch may be cut into -------------------------------------------------------------------
     def check_splittable(self, setting: str, feature: str = 'pieces') -> None:
@@ -177,35 +185,21 @@ class StepRunner:
         return self._can_split
 
     def effective_pass_limit(self) -> dict[str, Any] | None:
-        """The pass limit, with this step's token budget added while lengths are estimates: a micro-batch whose real
-        padded tokens exceed it then runs as several passes within it (when passes can split, same gradient)."""
-        caps = [self.pass_budget, self._oom_tokens]
-        if self.budget_tokens is not None and self.splittable():
-            caps.append(self.budget_tokens)
-        caps = [c for c in caps if c is not None]
-        if not caps:
-            return self.pass_limit
-        limit = dict(self.pass_limit or {'samples': None, 'tokens': None, 'rules': []})
-        tokens = limit.get('tokens')
-        limit['tokens'] = min(caps + ([tokens] if tokens is not None else []))
-        return limit
+        """The limit a pass is cut at now (the budget owner's; a step's estimate budget applies where passes can
+        split)."""
+        return self.budget.limit(estimates_split=self.budget.estimate is not None and self.splittable())
 
-    def with_oom_cap(self, request: protocol.BatchRequest) -> protocol.BatchRequest:
-        """``request`` with the pass cap this rank's OOM in the last step set (every rank then takes the smallest)."""
-        oom = self.oom
-        if oom is None or oom.get('new_cap') is None:
-            return request
-        own = dict(request.pass_limit or self.pass_limit or {})
-        own['samples'] = min(v for v in (own.get('samples'), oom['new_cap']) if v is not None)
-        return replace(request, pass_limit=protocol.check_pass_limit(own))
-
-    def set_pass_limit(self, limit: Mapping[str, Any], *, checked: bool) -> dict[str, Any] | None:
-        """Apply a requested pass limit (all caps empty: none); ``checked``: its splittability was already settled
-        (an OOM's cap). Returns the old limit."""
+    def set_pass_limit(self, limit: Mapping[str, Any], *, checked: bool = False) -> dict[str, Any] | None:
+        """Apply a requested pass limit (all caps empty: none); ``checked``: its splittability was already settled.
+        Returns the old limit."""
         if any(limit.values()) and not checked:
             self.check_splittable('control.new_pass_limit', 'pass_limit')  # refused up front, not at a split
-        old, self.pass_limit = self.pass_limit, None if all(not v for v in limit.values()) else dict(limit)
-        return old
+        return self.budget.set_requested(limit)
+
+    @property
+    def pass_limit(self) -> dict[str, Any] | None:
+        """The requested pass limit (``memory_backoff``'s), without the OOM budget."""
+        return self.budget.requested
 
     def noise_probe(self, pairs: list[tuple[list[int], Any]], num_items_in_batch: Any) -> GradNoiseProbe | None:
         """The gradient-noise probe of this step when a callback asked for one (``control.measure_grad_noise``)."""
@@ -226,10 +220,10 @@ class StepRunner:
         estimates (a micro-batch over it runs as several passes within it, when passes can split)."""
         self.batches = [batch for _, batch in pairs]
         self.indices = [indices for indices, _ in pairs]
-        self.num_pieces, self.budget_tokens = num_pieces, budget_tokens
+        self.num_pieces = num_pieces
+        self.budget.start_step(budget_tokens)
         self._micro = self.max_pass = self.max_cost = self._halvings = self._single_retries = 0
         self.oom = None
-        self._oom_tokens = None
         self.probe = probe
         self._pass_stats[1] += 1
 
@@ -290,7 +284,7 @@ class StepRunner:
         retries = ooms = 0
         kernel_error: BaseException | None = None
         while True:
-            failed: tuple[int, int, int] | None = None
+            failed: Any = None  # (micro-batch, first row, end row) of the failing pass, or 'outside' one
             try:
                 if retries and snapshot is not None:  # the step's gradients before this micro-batch, back
                     restore_grads(model, snapshot)
@@ -305,7 +299,8 @@ class StepRunner:
                         raise
                     kernel_error = error
                 else:
-                    failed = self._current if self._current is not None else (index, 0, 1)
+                    failed = self._current if self._current is not None else 'outside'
+
             if kernel_error is not None:  # the model's own attention from now on, the micro-batch again
                 inputs = self._fall_back(model, kernel_error, inputs)
                 kernel_error = None
@@ -317,7 +312,7 @@ class StepRunner:
                 return loss
             retries += 1
             ooms += 1
-            self._recover(model, failed)
+            self._recover(model, None if failed == 'outside' else failed)
 
     def _run_passes(self, model: Any, inputs: Any, run: Run, num_items_in_batch: Any, index: int, *,
                     final: bool) -> torch.Tensor:
@@ -344,7 +339,7 @@ class StepRunner:
         pieces = pieces_within(lengths, packed=packed, tokens=(limit or {}).get('tokens'), samples=samples,
                                requested=self.num_pieces)
         probe = self.probe
-        if pieces > 1 and num_items_in_batch is None:
+        if pieces > 1 and num_items_in_batch is None and self.loss.kind == 'token_sum':
             raise RuntimeError('splitting a micro-batch into passes (num_pieces > 1, a pass limit or OOM recovery) '
                                'needs the loss normalised by num_items_in_batch (token-sum losses, as ms-swift uses); '
                                'this model/trainer computes a per-batch mean, so splitting would change the gradient')
@@ -355,22 +350,28 @@ class StepRunner:
             self.check_splittable('new_num_pieces / new_pass_limit')
         bounds = piece_bounds(rows, pieces)
         parts = split_micro_batch(inputs, pieces) if pieces > 1 else [inputs]
+        weights = piece_weights(self.loss, parts) or [None] * len(parts)
         total = None
-        for i, (part, (start, stop)) in enumerate(zip(parts, bounds)):
+        for i, (part, (start, stop), weight) in enumerate(zip(parts, bounds, weights)):
             last = i == len(parts) - 1
             self._current = (index, offset + start, offset + stop)
             self._current_cost = pass_cost(lengths[start:stop], packed=packed)
             self.max_pass = max(self.max_pass, stop - start)
             self.max_cost = max(self.max_cost, self._current_cost)
             self._pass_stats[0] += 1
-            with self.engine.pass_context(model, sync=final and last):
-                loss = run(dict(part))
+            self.loss_weight = weight
+            try:
+                with self.engine.pass_context(model, sync=final and last), self.attention.training_pass():
+                    loss = run(dict(part))
+            finally:
+                self.loss_weight = None
+            self.budget.ran(stop - start, self._current_cost)
             total = loss if total is None else total + loss
             if probe is not None:
                 probe.after_pass(model, part, num_items_in_batch)
         self._current = None
         setattr(self.trainer.control, protocol.PASS_SIZE, self.max_pass)
-        setattr(self.trainer.control, protocol.PASS_COST, self.max_cost if self.cuts_passes else 0)
+        setattr(self.trainer.control, protocol.PASS_COST, self.max_cost if self.budget.unit == 'tokens' else 0)
         return total
 
     def _finish_step(self, model: Any) -> None:
@@ -405,36 +406,32 @@ class StepRunner:
             self._adapter_like = trainable <= 0.1 * max(total, 1)
         return self._adapter_like
 
-    def _recover(self, model: Any, failed: tuple[int, int, int]) -> None:
+    def _recover(self, model: Any, failed: tuple[int, int, int] | None) -> None:
         """After an OOM (outside the ``except`` block, so the traceback no longer pins tensors): drop the step's
-        gradients, free memory, let the engine repair its state, then halve the pass (or, for a one-sample pass,
-        try it again as it is, a bounded number of times)."""
-        micro, start, stop = failed
-        size, cost = stop - start, self._current_cost
+        gradients, free memory, let the engine repair its state, then cut the failing pass in half for the rest of the
+        step (the budget owner's step cap). A one-row pass cannot be cut, and an OOM outside any pass (``failed``
+        ``None``) has no pass to cut: the micro-batch is run again as it was, memory freed, a bounded number of times
+        (``single_sample_retries``); neither lowers the budget of the passes that follow."""
+        size, cost = (failed[2] - failed[1], self._current_cost) if failed is not None else (0, 0)
         for p in model.parameters():
             p.grad = None
         self.probe = None  # the first-pass gradient of this step is gone
         free_memory()
         self.engine.after_oom(model)
         self.oom_count += 1
-        if size <= 1:
+        cap = self.budget.after_oom(size, cost)
+        if cap is None:
             if self._single_retries < self.single_sample_retries:
                 self._single_retries += 1
-                cap = (self.pass_limit or {}).get('samples')
-                self.oom = {'pass_size': 1, 'pass_tokens': cost, 'new_cap': None if self.cuts_passes else cap,
-                            'new_tokens': self._oom_tokens, 'record': None}
+                self.oom = {'pass_size': size, 'pass_tokens': cost if failed is not None else None, 'new_cap': None,
+                            'unit': self.budget.unit, 'record': None}
                 return
-            raise self._too_large(micro, start)
+            if failed is None:
+                raise RuntimeError(f'out of memory outside a forward/backward pass {self._single_retries + 1} times '
+                                   f'in a row (memory: {device_figures()})')
+            raise self._too_large(failed[0], failed[1])
         self._halvings += 1
-        if self.cuts_passes:  # memory follows tokens: re-cut within half the failing pass's cost, rows uncapped
-            half = max(1, cost // 2)
-            self._oom_tokens = half if self._oom_tokens is None else min(self._oom_tokens, half)
-            self.oom = {'pass_size': size, 'pass_tokens': cost, 'new_cap': None, 'new_tokens': self._oom_tokens,
-                        'record': None}
-            return
-        cap = oom_backoff(size)
-        self.pass_limit = {**(self.pass_limit or {'tokens': None, 'rules': []}), 'samples': cap}
-        self.oom = {'pass_size': size, 'pass_tokens': cost, 'new_cap': cap, 'new_tokens': None, 'record': None}
+        self.oom = {'pass_size': size, 'pass_tokens': cost, 'new_cap': cap, 'unit': self.budget.unit, 'record': None}
 
     def _too_large(self, micro: int, start: int) -> SampleTooLargeError:
         batch, row = self.batches[micro], start
@@ -456,30 +453,36 @@ class StepRunner:
             'model, gradient checkpointing, or more memory. It was not skipped: skipping would silently lose data.')
 
     def _report_oom(self, retries: int) -> None:
-        info = self.oom or {'pass_size': 0, 'new_cap': None}
+        info = self.oom or {'pass_size': 0, 'new_cap': None, 'unit': self.budget.unit}
         figures = device_figures()
-        event = protocol.OomEvent(info['pass_size'], info['new_cap'], retries, figures,
-                                  pass_tokens=info.get('pass_tokens'), new_tokens=info.get('new_tokens'))
+        tokens = info.get('unit') == 'tokens'
+        new_cap = info['new_cap']
+        event = protocol.OomEvent(info['pass_size'], None if tokens else new_cap, retries, figures,
+                                  pass_tokens=info.get('pass_tokens'), new_tokens=new_cap if tokens else None)
         setattr(self.trainer.control, protocol.OOM_EVENT, event)
-        cap = info['new_cap']
-        if info.get('new_tokens') is not None and self._halvings:
-            how = f'passes of at most {info["new_tokens"]} tokens (rows not capped)'
-        elif self._halvings:
-            how = f'at most {cap} a pass'
+        if new_cap is not None:
+            how = (f'passes of at most {new_cap} tokens (rows not capped)' if tokens else f'at most {new_cap} rows a '
+                   'pass') + ' for the rest of the step'
+        elif info['pass_size'] == 0:
+            how = 'the same micro-batch after freeing memory (the OOM was outside a pass)'
         else:
-            how = 'the same one-sample pass after freeing memory' + (f' (pass cap stays {cap})' if cap else '')
-        # held until the next step boundary, where every rank's OOM records are exchanged (``apply_requests``)
+            how = 'the same one-row pass after freeing memory (one row cannot be cut)'
+        # held until the next step boundary (or a checkpoint), where every rank's OOM records are exchanged
         info['record'] = DecisionRecord(
             'integration', 'oom', 'recovered', {
                 'rank': distributed.rank(),
                 'pass_size': info['pass_size'],
                 'pass_tokens': info.get('pass_tokens'),
-                'new_pass_cap': cap,
-                'new_pass_tokens': info.get('new_tokens'),
+                'unit': info.get('unit'),
+                'new_pass_cap': None if tokens else new_cap,
+                'new_pass_tokens': new_cap if tokens else None,
+                'fitted': self.budget.fitted,
                 'retries': retries,
                 'single_sample_retries': self._single_retries,
                 'oom_count': self.oom_count,
+                'loss': self.loss.kind,
                 **{f'memory_{k}': v for k, v in figures.items()}
-            }, f'out of memory in a pass of {info["pass_size"]} samples ({info.get("pass_tokens")} tokens): the step '
-            f'was run again with {how} '
-            '(same samples, same gradient)', step=self.trainer.state.global_step)
+            }, f'out of memory in a pass of {info["pass_size"]} rows ({info.get("pass_tokens")} tokens): the step '
+            f'was run again with {how} (same samples, same gradient' +
+            (f': each piece weighted by its share of the {self.loss.kind.split("_")[0]}s, {self.loss.setting})'
+             if self.loss.kind in ('token_mean', 'row_mean') else ')'), step=self.trainer.state.global_step)

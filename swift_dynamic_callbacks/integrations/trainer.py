@@ -7,7 +7,7 @@
 - :mod:`.lr` — the LR the optimizer uses (scale, stretch, schedule);
 - :mod:`.steps` — one step's passes on the engine (:mod:`.engines`), the pass limit, OOM recovery;
 - :mod:`.packed_attention` — the kernel packed rows run with: chosen, proven, agreed, fallen back from;
-- :mod:`.pass_budget` — the token budget of a pass under ``pass_tokens`` after OOMs (agreed, planned at);
+- :mod:`.pass_budget` — what a pass may hold: every cap (requested, the plan's, the OOM budget), computed once;
 - :mod:`.checkpoint` — the pack state in checkpoints, resume checks;
 - :mod:`.metrics` — the numbers in the logs.
 
@@ -41,7 +41,7 @@ from .optimizer import OptimizerScale
 from .lr import LRControl
 from .packed_attention import PackedAttention
 from .pass_budget import PassBudget
-from .metrics import Metrics
+from .metrics import Metrics, allocator_figures
 from .requests import agree_step, load_replay, request_to_json, set_request
 from .steps import StepRunner
 
@@ -76,9 +76,9 @@ class Integration:
         self.budget = StepBudget(trainer, self.config, self.decisions)
         self.lr = LRControl()
         self.attention = PackedAttention()
+        self.pass_budget = PassBudget(self.config.oom_grow_back_steps, self.config.oom_probe_steps)
         self.runner = StepRunner(trainer, Engine(trainer), oom_recovery=False, single_sample_retries=0,
-                                 attention=self.attention)
-        self.pass_budget = PassBudget(self.config.oom_grow_back_steps, self.config.oom_forget_steps)
+                                 attention=self.attention, budget=self.pass_budget)
         self.metrics = Metrics(self.config)
         self.checkpoints = Checkpoints(trainer, self.config, self.pack_config, self.decisions)
         self.layout = Layout()
@@ -160,9 +160,7 @@ class Integration:
         if self.loader is not None:
             self.loader.close()
         self.decisions.drain(self.trainer.control)
-        if self.runner.oom is not None and self.runner.oom.get('record') is not None:
-            self.decisions.hold(self.runner.oom['record'])  # an OOM in the last step: no boundary exchanged it
-        self.decisions.hold_all(self.runner.take_records())  # a kernel fallback in the last step
+        self.decisions.hold_all(self._own_records())  # an OOM or a kernel fallback in the last step: not exchanged
         if protocol.has_pending_request(self.trainer.control):  # decided after the last step: never applied here
             self.decisions.mark_pending()
         self.decisions.flush()
@@ -214,14 +212,8 @@ class Integration:
         protocol.clear_requests(control)
         if self.replay is not None:  # the recorded request of this boundary instead of the callbacks'
             request = self.replay.get(self.trainer.state.global_step, protocol.BatchRequest())
-        own = [r for r in [(self.runner.oom or {}).get('record')] + self.runner.take_records() if r is not None]
-        request, shared = agree_step(self.runner.with_oom_cap(request), own)
+        request = self.settle_step(request)
         self.decisions.drain(control)
-        self.decisions.hold_all(shared)  # every rank's OOM and kernel fallback of the last step (rank 0 writes them)
-        ooms = [r for r in shared if r.kind == 'oom']
-        follow = self.attention.follow(self.trainer.model, shared, self.trainer.state.global_step)
-        if follow is not None:  # another rank's kernel failed: every rank runs the same attention from this step
-            self.decisions.hold(follow)
         if self.replay is not None:
             self.decisions.drop_callback_requests()
         try:
@@ -230,23 +222,48 @@ class Integration:
                 self.decisions.hold(DecisionRecord('integration', 'applied_request',
                                                    'replay' if self.replay is not None else 'agreed',
                                                    request_to_json(request)))
-            self.update_pass_budget(ooms)
+            self.update_pass_budget()
         finally:
             self.decisions.flush()
 
-    def update_pass_budget(self, ooms: list[DecisionRecord]) -> None:
-        """Under ``pass_tokens``: fold the last step's OOMs (every rank's) into the token budget of a pass, and plan
-        the steps from this one on within it and within a ``tokens`` pass limit (``memory_backoff``): every rank the
-        same budget, so the re-plan is collective at this boundary."""
+    def _own_records(self) -> list[DecisionRecord]:
+        """This rank's records of the step that ended that the other ranks must know: its OOM, a kernel fallback."""
+        oom = (self.runner.oom or {}).pop('record', None) if self.runner.oom else None
+        return [r for r in [oom] + self.runner.take_records() if r is not None]
+
+    def settle_step(self, request: protocol.BatchRequest = protocol.BatchRequest(), *,
+                    hold: bool = True) -> protocol.BatchRequest:
+        """The step that ended, settled on every rank once: ``request`` agreed, every rank's OOM and kernel-fallback
+        records exchanged (rank 0 writes them), the attention every rank runs made one again, and the step's outcome
+        folded into the pass budget (the same on every rank). Called at the step boundary (the records held, written
+        after the boundary's request is applied) and, earlier, when a checkpoint is saved after the step
+        (``hold=False``: written now, so the checkpoint's log has them and a resumed run does not write them again).
+        Collective. Returns the agreed request."""
+        request, shared, fitted = agree_step(request, self._own_records(), self.pass_budget.fitted)
+        records = list(shared)  # every rank's OOM and kernel fallback of the last step
+        follow = self.attention.follow(self.trainer.model, shared, self.trainer.state.global_step)
+        if follow is not None:  # another rank's kernel failed: every rank runs the same attention from this step
+            records.append(follow)
         loader = self.loader
-        ceiling = loader.plan.pass_tokens if loader.cuts_passes else None
-        record = self.pass_budget.at_boundary(ooms, ceiling, self.trainer.state.global_step)
-        if record is not None:
-            self.decisions.hold(record)
-        self.runner.cuts_passes = ceiling is not None
-        self.runner.pass_budget = self.pass_budget.budget
-        caps = [t for t in (self.pass_budget.budget, (self.runner.pass_limit or {}).get('tokens')) if t is not None]
-        loader.set_pass_budget(min(caps) if caps else None)
+        if loader is not None:
+            self.pass_budget.configure(tokens_ceiling=loader.plan.pass_tokens if loader.cuts_passes else None,
+                                       rows=loader.batch_size)
+            record = self.pass_budget.fold([r for r in shared if r.kind == 'oom'], self.trainer.state.global_step,
+                                           fitted=fitted)
+            if record is not None:
+                records.append(record)
+        self.pass_budget.fitted = 0
+        for record in records:
+            self.decisions.hold(record) if hold else self.decisions.write(record)
+        return request
+
+    def update_pass_budget(self) -> None:
+        """Hand the loader the token budget it plans passes at (the budget owner's; collective when it changes: every
+        rank the same budget, so the re-plan happens at this boundary on every rank)."""
+        loader = self.loader
+        self.pass_budget.configure(tokens_ceiling=loader.plan.pass_tokens if loader.cuts_passes else None,
+                                   rows=loader.batch_size)
+        loader.set_pass_budget(self.pass_budget.plan_tokens())
 
     def refresh_budget(self, reason: str) -> None:
         """After a change of the batch size or plan: the step budget, and the LR schedule stretched to it."""
@@ -270,9 +287,11 @@ class Integration:
     def update_logs(self, logs: dict[str, Any], control: Any) -> None:
         """HF's ``log``: the pack's numbers merged into the line."""
         parts = {'dynamic/lr_scale': self.lr.scale, 'dynamic/pass_size': self.runner.max_pass,
-                 'dynamic/oom_count': self.runner.oom_count}
+                 'dynamic/oom_count': self.runner.oom_count, **allocator_figures(self.runner.oom_count)}
         if self.loader is not None and self.loader.cuts_passes:
             parts['dynamic/pass_budget'] = self.loader.pass_tokens
+        elif self.pass_budget.budget is not None:  # the rows a pass may hold after OOMs
+            parts['dynamic/pass_rows_budget'] = self.pass_budget.budget
         self.metrics.update_logs(logs, control, self.loader, parts, step_lr=self.step_lr,
                                  estimate_overruns=self.feed.estimate_overruns, pass_stats=self.runner.take_pass_stats)
 
@@ -282,6 +301,8 @@ class Integration:
         held for the next step boundary are saved with the pending requests (not written yet: the boundary adds the
         applied LR to them), so a resume writes them exactly once."""
         self.decisions.drain(self.trainer.control)
+        if self.loader is not None:  # the step's OOMs, every rank's, folded and written now: in the checkpoint
+            self.settle_step(hold=False)
         self.checkpoints.save(checkpoint_dir, self, self.loader, self.callback_components(), self.feed.fingerprint)
 
     def state_dict(self) -> dict[str, Any]:
@@ -290,9 +311,9 @@ class Integration:
             **self.metrics.state_dict(),
             'pending_request': None if request.empty else asdict(request),
             'held_decisions': [r.to_json() for r in self.decisions.held],
-            'pass_limit': self.runner.pass_limit,
             'pass_budget': self.pass_budget.state_dict(),
             'oom_count': self.runner.oom_count,
+            'packed_attention': self.attention.state_dict(),
             'layout': self.layout.state_dict(),
             'optimizer': self.optimizer.state_dict(),
             'scheduler_steps': self.budget.scheduler_steps,
@@ -300,8 +321,10 @@ class Integration:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.decisions.held = [DecisionRecord(**r) for r in state.get('held_decisions', [])]
-        self.runner.pass_limit = state.get('pass_limit')
         self.pass_budget.load_state_dict(state.get('pass_budget'))
+        if state.get('pass_limit') is not None:  # a checkpoint of 0.1: the requested limit was saved apart
+            self.pass_budget.requested = state['pass_limit']
+        self.attention.load_state_dict(state.get('packed_attention'))
         self.runner.oom_count = int(state.get('oom_count', 0))
         self.layout.load_state_dict(state.get('layout'))
         self.optimizer.load_state_dict(state.get('optimizer'))

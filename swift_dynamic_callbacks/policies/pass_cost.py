@@ -10,10 +10,12 @@ A pass's *cost* is its tokens: ``rows x longest`` when its rows are padded to th
 (padding-free). Memory follows tokens, not rows: a pass of two 4,000-token rows and one of sixty-four 125-token rows
 cost the same.
 
-:class:`TokenBudget` is the token budget OOM recovery keeps under ``pass_tokens`` (the integration's, saved with its
-state): an OOM at a pass of cost ``c`` lowers it below ``c``; clean steps raise it again toward the plan's budget,
-bisecting between the largest budget that ran clean and the smallest pass that failed, so a one-off OOM costs a few
-steps and a real memory end settles just below it.
+:class:`BudgetState` is what a pass may hold after OOMs (the integration's pass budget, saved with its state), in
+one unit: tokens where passes are cut by a token budget (``pass_tokens``), else rows. An OOM at a pass of cost ``c``
+lowers it below ``c``; clean steps raise it again by bisecting between the largest pass that ran clean and the smallest
+that failed; once the two are close it settles, and after a quiet period it probes one step above the failure (a
+one-off OOM does not cap the run for good), each failed probe waiting four times longer before the next, so a real
+memory end costs a bounded number of OOMs.
 """
 
 from __future__ import annotations
@@ -54,16 +56,19 @@ def pieces_within(lengths: Sequence[int], *, packed: bool, tokens: int | None, s
 
 
 @dataclass(frozen=True)
-class TokenBudget:
-    """The token budget a pass may cost after OOMs (``budget`` ``None``: the plan's own, nothing lowered).
+class BudgetState:
+    """What a pass may hold after OOMs, in one unit (tokens or rows; ``budget`` ``None``: nothing lowered).
 
     Attributes:
-        budget: the budget passes are planned and cut at now (``None``: the plan's ``pass_tokens``).
-        good: the largest budget that ran ``grow_after`` clean steps since the last OOM (``None``: none yet).
-        bad: the cost of the smallest pass that ran out of memory (``None``: none, or forgotten after ``forget_after``
-            clean steps at a settled budget, so a one-off OOM does not cap the run for good).
+        budget: the budget passes are planned and cut at now (``None``: the ceiling, the plan's own).
+        good: the largest pass that ran clean since the first OOM (``None``: none yet): a budget at it never fails
+            under a memory end that stays where it is.
+        bad: the smallest pass that ran out of memory (``None``: none, or a probe above it ran clean).
         clean: clean steps (no OOM on any rank) since the budget last changed.
-        settled: clean steps since the budget stopped growing (it is within ``1/16`` of ``bad``).
+        settled: clean steps since the budget settled within :func:`tolerance` of ``bad``.
+        probes: probes above ``bad`` that failed since the last one that ran clean (each makes the next wait
+            four times longer).
+        probing: the budget is above ``bad`` now, a probe.
     """
 
     budget: int | None = None
@@ -71,39 +76,57 @@ class TokenBudget:
     bad: int | None = None
     clean: int = 0
     settled: int = 0
+    probes: int = 0
+    probing: bool = False
 
 
-def budget_after_oom(state: TokenBudget, failed_cost: int, ceiling: int) -> TokenBudget:
-    """After an OOM in a pass that cost ``failed_cost`` tokens (the smallest such pass of the step, over all ranks):
-    the largest budget that ran clean if it is below the failure, else half the failing pass (at least 1)."""
-    bad = failed_cost if state.bad is None else min(state.bad, failed_cost)
-    if state.good is not None and state.good < failed_cost:
-        budget, good = state.good, state.good
-    else:
-        budget, good = max(1, failed_cost // 2), None
-    return TokenBudget(budget=min(budget, ceiling), good=good, bad=bad)
+def tolerance(bad: int) -> int:
+    """How close below the smallest failed pass the budget settles: an eighth of it, at least 1."""
+    return max(1, bad // 8)
 
 
-def budget_after_step(state: TokenBudget, ceiling: int, *, grow_after: int, forget_after: int) -> TokenBudget:
-    """After a clean step: count it; every ``grow_after`` clean steps the budget that ran them is *good* and the
-    budget grows halfway to the smallest failed pass (to ``ceiling``, the plan's budget, when none is known; reaching
-    it removes the lowered budget). Within ``1/16`` of the failure it stays (settled); after ``forget_after`` settled
-    steps the failure is forgotten and growth resumes (``0``: never). ``grow_after`` ``0``: never grows."""
+def budget_after_oom(state: BudgetState, failed: int, ceiling: int, *, fitted: int = 0) -> BudgetState:
+    """After an OOM in a pass of ``failed`` (the smallest such pass of the step, over all ranks; ``fitted``: the
+    largest pass that ran clean in it, over all ranks): the largest pass that ran clean if it is below the failure,
+    else half the failing pass (at least 1). A failed probe counts (the next waits longer)."""
+    bad = failed if state.bad is None else min(state.bad, failed)
+    good = max(state.good or 0, fitted) or None
+    if good is not None and good >= bad:
+        good = None
+    budget = good if good is not None else max(1, failed // 2)
+    return BudgetState(budget=min(budget, ceiling), good=good, bad=bad,
+                       probes=state.probes + int(state.probing))
+
+
+def budget_after_step(state: BudgetState, ceiling: int, *, fitted: int = 0, grow_after: int,
+                      probe_after: int, headroom: bool | None = None) -> BudgetState:
+    """After a clean step whose largest pass was ``fitted`` (over all ranks): every ``grow_after`` clean steps the
+    budget grows halfway to the smallest failed pass (to ``ceiling`` when none is known; reaching it removes the
+    lowered budget). Within :func:`tolerance` of the failure it settles; after ``probe_after`` settled steps (times
+    four for each failed probe) it probes one tolerance above the failure, unless ``headroom`` says the device has
+    none (``False``: the settled steps start again; ``None``: unknown). A pass at least as large as the failure that
+    runs clean (a probe's, or one row over the budget) forgets the failure and growth resumes; a probe holds until
+    then or until it fails. ``grow_after`` ``0``: never grows; ``probe_after`` ``0``: never probes."""
     if state.budget is None or grow_after <= 0:
         return state
     clean = state.clean + 1
-    if clean < grow_after:
-        return replace(state, clean=clean)
-    good = max(state.good or 0, state.budget)
+    good = max(state.good or 0, fitted) or None
     bad = state.bad
-    if bad is not None and bad - state.budget <= bad // 16:  # settled just below the failure
-        settled = state.settled + 1
-        if forget_after <= 0 or settled < forget_after:
-            return replace(state, good=good, clean=0, settled=settled)
+    if bad is not None and good is not None and good >= bad:  # a pass as large as the failure ran clean since
         bad = None
+    if bad is not None and not state.probing and bad - state.budget <= tolerance(bad):
+        settled = state.settled + 1
+        if probe_after <= 0 or settled < probe_after * 4 ** state.probes:
+            return replace(state, clean=clean, good=good, settled=settled)
+        if headroom is False:
+            return replace(state, clean=clean, good=good, settled=0)
+        return replace(state, budget=min(ceiling, bad + tolerance(bad)), good=good, clean=0, settled=0, probing=True)
+    if clean < grow_after or (state.probing and bad is not None):  # a probe ends when a pass above the failure
+        return replace(state, clean=clean, good=good, bad=bad)        # runs clean (or fails): until then it holds
+    probes = 0 if state.probing else state.probes
     target = ceiling if bad is None else (state.budget + bad) // 2
     budget = min(ceiling, max(state.budget + 1, target))
-    return TokenBudget(budget=None if budget >= ceiling else budget, good=good, bad=bad)
+    return BudgetState(budget=None if budget >= ceiling else budget, good=good, bad=bad, probes=probes)
 
 
 def bytes_per_token(*, hidden: int, intermediate: int, layers: int, vocab: int, dtype_bytes: int,
