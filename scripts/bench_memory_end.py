@@ -19,6 +19,7 @@ alone, as on a card that can train them at all.
 
     python scripts/bench_memory_end.py                      # 160 rows, 4 x GA 4, pass_tokens 1200, memory end 900
     python scripts/bench_memory_end.py --data gsm8k        # one problem a row: many rows a pass
+    python scripts/bench_memory_end.py --rows 32 --batch 2 --ga 2 --steps 300   # a long run: OOMs stay bounded
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def run_arm(name: str, opts, model: str, dataset: str, pass_tokens: int, memory_
     shutil.rmtree(out, ignore_errors=True)  # ms-swift appends to an existing logging.jsonl
     sdc.register(length_batching={'mode': 'balanced', 'pass_tokens': pass_tokens})
     kwargs = offline_sft_kwargs(
-        model, dataset, out, arch='qwen2', callbacks=['length_batching'], max_steps=-1, num_train_epochs=1,
+        model, dataset, out, arch='qwen2', callbacks=['length_batching'], max_steps=opts.steps or -1,
+        num_train_epochs=1 if not opts.steps else 1000,
         per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.ga, lora_dropout=0.0,
         learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=100_000, seed=opts.seed,
         max_length=opts.memory_end, truncation_strategy='right')
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--batch', type=int, default=4)
     parser.add_argument('--ga', type=int, default=4)
     parser.add_argument('--pass-tokens', type=int, default=1200, help='the budget the user set')
+    parser.add_argument('--steps', type=int, default=None, help='run this many optimizer steps (epochs as needed) '
+                        'instead of one epoch')
     parser.add_argument('--memory-end', type=int, default=900, help='tokens a pass on the simulated device')
     parser.add_argument('--data', choices=('mixed', 'gsm8k'), default='mixed',
                         help='mixed: 1-6 GSM8K problems a row (100-1,300 tokens); gsm8k: one problem a row (short '
@@ -104,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     same_steps = arms['oom']['steps'] == arms['no_oom']['steps']
     lines = ['# Passes when memory ends below pass_tokens', '']
     lines += machine_lines([sys.argv[0]] + list(argv if argv is not None else sys.argv[1:]))
-    lines += ['', f'{opts.rows} {opts.data} rows, one epoch, balanced {opts.batch} x GA {opts.ga}, pass_tokens '
+    lines += ['', f'{opts.rows} {opts.data} rows, {f"{opts.steps} steps" if opts.steps else "one epoch"}, balanced '
+              f'{opts.batch} x GA {opts.ga}, pass_tokens '
               f'{opts.pass_tokens}, memory end {opts.memory_end} tokens a pass', '',
               '| run | passes (failed ones included) | OOMs | optimizer steps | largest pass tried (tokens) |',
               '|---|---:|---:|---:|---:|']

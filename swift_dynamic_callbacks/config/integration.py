@@ -31,10 +31,11 @@ class IntegrationConfig(Settings):
             before each try (a one-off spike or fragmentation), before the sample is declared too large (default 2).
         oom_grow_back_steps: an OOM lowers what a pass may hold (its *tokens* under ``length_batching.pass_tokens``,
             else its rows) below the failing pass: to the largest pass that ran clean, else half the failing one;
-            later steps are planned and cut at it. Every this many clean steps (no OOM on any rank) it grows halfway
-            back to the smallest pass that failed, or to the ceiling (``pass_tokens``, or the micro-batch) when none
-            did, and settles once within 1/8 of the failure (a ``pass_budget`` record each change;
-            ``dynamic/pass_budget`` or ``dynamic/pass_rows_budget`` in the logs). ``0``: never grows back. Default 2.
+            later steps are planned and cut at it. Every this many clean steps (no OOM on any rank) it grows an
+            eighth back toward the smallest pass that failed (at most halfway), or halfway to the ceiling
+            (``pass_tokens``, or the micro-batch) when none did, and settles once within 1/8 of the failure (a
+            ``pass_budget`` record each change; ``dynamic/pass_budget`` or ``dynamic/pass_rows_budget`` in the logs).
+            ``0``: never grows back. Default 2.
         oom_probe_steps: after this many clean steps at a budget settled below a failed pass, the budget probes one
             step (1/8) above the failure: a probe that runs clean forgets the failure (a one-off OOM does not cap the
             run for good) and growth resumes; a probe that fails settles again and the next probe waits four times

@@ -118,7 +118,9 @@ class RequestApplier:
         budget = (self.pack_config.get('memory_backoff') or {}).get('cpu_budget_gib')
         tokens, figures = resolve_auto_pass_tokens(trainer.model, trainer.args.device,
                                                    checkpointing=bool(trainer.args.gradient_checkpointing),
-                                                   cpu_budget_gib=budget)
+                                                   cpu_budget_gib=budget, optimizer=getattr(trainer, 'optimizer',
+                                                                                            None),
+                                                   args=trainer.args)
         chosen = min(distributed.gather_objects(tokens))
         self.decisions.write(DecisionRecord(
             'integration', 'pass_tokens', 'auto', {'pass_tokens': chosen, 'rank_pass_tokens': tokens, **figures},

@@ -1,9 +1,18 @@
-"""``pass_tokens: auto``: the token budget of a pass from the device's free memory and the model's shape."""
+"""``pass_tokens: auto``: the token budget of a pass from the device's free memory, what the run will still hold,
+and the model's shape.
+
+The budget is read once, at the first step boundary: the model is loaded, but the gradients and the optimizer's
+states are not allocated yet (the first backward and the first optimizer step create them). A full fine-tune holds
+a gradient per trainable weight and, for Adam, two moments: on a 7B model in bf16 about 14 GB and 28 GB that a
+reading of free memory at that moment leaves out. :func:`held_later` counts them; the budget is what is left per
+token (:func:`~..policies.pass_cost.bytes_per_token` in the *compute* dtype, with a MoE's active experts).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+#: ``pass_tokens: auto`` on a CPU: a larger pass gains nothing there (compute-bound), so at most this
 CPU_MAX_PASS_TOKENS = 8192
 #: when the model's shape cannot be read: the budget by device memory (the README's hand-set table)
 FALLBACK = ((100 * 2**30, 16384), (0, 8192))
@@ -20,11 +29,86 @@ def _available_cpu_bytes() -> int:
     return 8 * 2**30
 
 
-def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool,
-                             cpu_budget_gib: float | None = None) -> tuple[int, dict[str, Any]]:
-    """``pass_tokens: auto`` on this rank: the budget and the figures it came from (for the record). On CUDA the free
-    memory now (the model loaded) against :func:`~..policies.pass_cost.bytes_per_token` of the model's shape; on
-    a CPU ``cpu_budget_gib`` (``memory_backoff``'s) or half the available memory, at most
+def optimizer_states(optimizer: Any) -> tuple[int, int | None]:
+    """``(states per trainable weight, bytes per state or None: the weight's own)`` of ``optimizer`` (by its class
+    name: Adam-family 2, 8-bit Adam 2 of 1 byte, SGD 1 with momentum else 0, Adafactor about 0, anything else 2:
+    the conservative guess)."""
+    name = type(optimizer).__name__.lower() if optimizer is not None else 'adamw'
+    wrapped = getattr(optimizer, 'optimizer', None)  # accelerate's AcceleratedOptimizer
+    if wrapped is not None and 'accelerated' in name:
+        name = type(wrapped).__name__.lower()
+        optimizer = wrapped
+    if 'adafactor' in name:
+        return 0, None
+    if '8bit' in name:
+        return 2, 1
+    if 'sgd' in name:
+        groups = getattr(optimizer, 'param_groups', None) or [{}]
+        return int(any(g.get('momentum', 0) for g in groups)), None
+    return 2, None
+
+
+def held_later(model: Any, optimizer: Any) -> dict[str, int]:
+    """Bytes the run will hold that are not allocated yet: a gradient for every trainable weight without one, and
+    the optimizer's states for every trainable weight it has none for yet."""
+    grads = states = 0
+    per_weight, state_bytes = optimizer_states(optimizer)
+    state = getattr(getattr(optimizer, 'optimizer', optimizer), 'state', {}) if optimizer is not None else {}
+    trainable = 0
+    for p in model.parameters() if hasattr(model, 'parameters') else ():
+        if not p.requires_grad:
+            continue
+        trainable += p.numel()
+        if p.grad is None:
+            grads += p.numel() * p.element_size()
+        if not state.get(p):
+            states += per_weight * p.numel() * (state_bytes or p.element_size())
+    return {'trainable_params': trainable, 'grad_bytes': grads, 'optimizer_bytes': states}
+
+
+def compute_dtype_bytes(model: Any, args: Any) -> int:
+    """Bytes of an activation: 2 under ``bf16`` / ``fp16`` mixed precision, else the model's configured dtype, else
+    the dtype most of its floating-point weights have (a 4-bit model's packed weights are not floating point)."""
+    import torch
+    if getattr(args, 'bf16', False) or getattr(args, 'fp16', False):
+        return 2
+    config = getattr(model, 'config', None)
+    dtype = getattr(config, 'dtype', None) or getattr(config, 'torch_dtype', None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return torch.empty((), dtype=dtype).element_size()
+    counts: dict[int, int] = {}
+    for p in model.parameters() if hasattr(model, 'parameters') else ():
+        if p.is_floating_point():
+            counts[p.element_size()] = counts.get(p.element_size(), 0) + p.numel()
+    return max(counts, key=counts.get) if counts else 2
+
+
+def model_shape(model: Any) -> dict[str, Any]:
+    """hidden, intermediate (a MoE's: the active experts' and the shared expert's), layers, vocabulary, and whether
+    it is a MoE."""
+    config = getattr(model, 'config', None)
+    config = getattr(config, 'text_config', None) or config
+    shape = {k: getattr(config, k, None) for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers',
+                                                    'vocab_size')}
+    experts = getattr(config, 'num_experts_per_tok', None)
+    expert_size = getattr(config, 'moe_intermediate_size', None)
+    shape['moe'] = bool(experts and expert_size)
+    if shape['moe']:
+        shape['intermediate_size'] = int(experts) * int(expert_size) + int(
+            getattr(config, 'shared_expert_intermediate_size', 0) or 0)
+    return shape
+
+
+def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cpu_budget_gib: float | None = None,
+                             optimizer: Any = None, args: Any = None) -> tuple[int, dict[str, Any]]:
+    """``pass_tokens: auto`` on this rank: the budget and the figures it came from (for the record).
+
+    On CUDA the free memory now (the model loaded), on a CPU ``cpu_budget_gib`` (``memory_backoff``'s) or half the
+    available memory; less what the run will hold that is not allocated yet (:func:`held_later`: gradients and
+    optimizer states, which decide a full fine-tune); a margin of 10 %; at
+    :func:`~..policies.pass_cost.bytes_per_token` of the model's shape in the compute dtype. On a CPU at most
     :data:`CPU_MAX_PASS_TOKENS`. A model whose shape cannot be read takes the hand-set table by device memory."""
     import torch
 
@@ -34,22 +118,29 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool,
         free, total = torch.cuda.mem_get_info(device)
     else:
         total = free = int(cpu_budget_gib * 2**30) if cpu_budget_gib else _available_cpu_bytes() // 2
-    config = getattr(model, 'config', None)
-    config = getattr(config, 'text_config', None) or config
-    shape = {k: getattr(config, k, None) for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers',
-                                                    'vocab_size')}
-    params = next(iter(model.parameters()), None) if hasattr(model, 'parameters') else None
-    dtype_bytes = params.element_size() if params is not None else 2
+    shape = model_shape(model)
+    dims = {k: shape[k] for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'vocab_size')}
+    later = held_later(model, optimizer)
+    left = max(0, free - later['grad_bytes'] - later['optimizer_bytes'])
+    dtype_bytes = compute_dtype_bytes(model, args)
     figures: dict[str, Any] = {'device': 'cuda' if cuda else 'cpu', 'free_gib': round(free / 2**30, 3),
                                'total_gib': round(total / 2**30, 3), **shape, 'dtype_bytes': dtype_bytes,
-                               'gradient_checkpointing': checkpointing}
-    if not all(isinstance(v, int) and v > 0 for v in shape.values()):
+                               'gradient_checkpointing': checkpointing,
+                               'trainable_params': later['trainable_params'],
+                               'grad_gib': round(later['grad_bytes'] / 2**30, 3),
+                               'optimizer_gib': round(later['optimizer_bytes'] / 2**30, 3),
+                               'left_gib': round(left / 2**30, 3)}
+    if not all(isinstance(v, int) and v > 0 for v in dims.values()):
         tokens = next(t for memory, t in FALLBACK if total >= memory)
         figures.update(how='fallback: the model\'s shape is unknown; the budget by device memory')
         return (min(tokens, CPU_MAX_PASS_TOKENS) if not cuda else tokens), figures
-    per_token = bytes_per_token(hidden=shape['hidden_size'], intermediate=shape['intermediate_size'],
-                                layers=shape['num_hidden_layers'], vocab=shape['vocab_size'], dtype_bytes=dtype_bytes,
+    per_token = bytes_per_token(hidden=dims['hidden_size'], intermediate=dims['intermediate_size'],
+                                layers=dims['num_hidden_layers'], vocab=dims['vocab_size'], dtype_bytes=dtype_bytes,
                                 checkpointing=checkpointing)
-    tokens = auto_pass_tokens(free, per_token, maximum=131072 if cuda else CPU_MAX_PASS_TOKENS)
-    figures.update(bytes_per_token=per_token, margin=0.1, how='free memory x 0.9 / bytes a token (model shape)')
+    multiple = 256 if cuda else 16  # a kernel-friendly size on a GPU; on a CPU only the memory counts
+    tokens = auto_pass_tokens(left, per_token, multiple=multiple, minimum=multiple,
+                              maximum=131072 if cuda else CPU_MAX_PASS_TOKENS)
+    figures.update(bytes_per_token=per_token, margin=0.1,
+                   how='(free memory - gradients and optimizer states not allocated yet) x 0.9 / bytes a token '
+                       '(model shape, compute dtype)')
     return tokens, figures

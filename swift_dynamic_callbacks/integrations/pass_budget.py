@@ -160,7 +160,7 @@ class PassBudget:
         else:
             message = (f'{self.grow_after} clean steps: passes within {new} {unit}' +
                        (' (no cap: the ceiling)' if self.oom.budget is None else
-                        f' (halfway to the smallest failed pass, {self.oom.bad})' if self.oom.bad else ''))
+                        f' (toward the smallest failed pass, {self.oom.bad})' if self.oom.bad else ''))
         return DecisionRecord('integration', 'pass_budget', action, values, message, step=step)
 
     # ---- state ---------------------------------------------------------------------------------------------

@@ -101,12 +101,13 @@ def budget_after_oom(state: BudgetState, failed: int, ceiling: int, *, fitted: i
 def budget_after_step(state: BudgetState, ceiling: int, *, fitted: int = 0, grow_after: int,
                       probe_after: int, headroom: bool | None = None) -> BudgetState:
     """After a clean step whose largest pass was ``fitted`` (over all ranks): every ``grow_after`` clean steps the
-    budget grows halfway to the smallest failed pass (to ``ceiling`` when none is known; reaching it removes the
-    lowered budget). Within :func:`tolerance` of the failure it settles; after ``probe_after`` settled steps (times
-    four for each failed probe) it probes one tolerance above the failure, unless ``headroom`` says the device has
-    none (``False``: the settled steps start again; ``None``: unknown). A pass at least as large as the failure that
-    runs clean (a probe's, or one row over the budget) forgets the failure and growth resumes; a probe holds until
-    then or until it fails. ``grow_after`` ``0``: never grows; ``probe_after`` ``0``: never probes."""
+    budget grows an eighth toward the smallest failed pass, at most halfway (halfway to ``ceiling`` when none is
+    known; reaching it removes the lowered budget). Within :func:`tolerance` of the failure it settles; after
+    ``probe_after`` settled steps (times four for each failed probe) it probes one tolerance above the failure,
+    unless ``headroom`` says the device has none (``False``: the settled steps start again; ``None``: unknown). A
+    pass at least as large as the failure that runs clean (a probe's, or one row over the budget) forgets the failure
+    and growth resumes; a probe holds until then or until it fails. ``grow_after`` ``0``: never grows;
+    ``probe_after`` ``0``: never probes."""
     if state.budget is None or grow_after <= 0:
         return state
     clean = state.clean + 1
@@ -124,7 +125,10 @@ def budget_after_step(state: BudgetState, ceiling: int, *, fitted: int = 0, grow
     if clean < grow_after or (state.probing and bad is not None):  # a probe ends when a pass above the failure
         return replace(state, clean=clean, good=good, bad=bad)        # runs clean (or fails): until then it holds
     probes = 0 if state.probing else state.probes
-    target = ceiling if bad is None else (state.budget + bad) // 2
+    if bad is None:  # nothing failed below the ceiling: halfway to it
+        target = (state.budget + ceiling) // 2
+    else:  # toward a failure: an eighth at a time, at most halfway (one overshoot of a real memory end, then settled)
+        target = min((state.budget + bad) // 2, state.budget + state.budget // 8)
     budget = min(ceiling, max(state.budget + 1, target))
     return BudgetState(budget=None if budget >= ceiling else budget, good=good, bad=bad, probes=probes)
 

@@ -9,12 +9,14 @@ one-off: the retry is a new pass): after the upper layers'
 gradients were already accumulated and before the first layer's — the case where a careless retry would leak
 partial gradients into the step. ``forward_rate`` picks random multi-sample passes to fail in forward.
 Single-sample passes only fail by the budget, so a run can always finish unless one sample is over it.
+``token_budget`` may be a callable, read at every pass: a device whose memory for a pass's tokens shrinks as the
+run allocates gradients and optimizer states (:func:`device_end`).
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -39,7 +41,8 @@ def _layer_classes() -> list[type]:
 class OomInjector:
     """Raise OOMs like a device would. ``counts`` holds what was injected (forward / backward)."""
 
-    def __init__(self, token_budget: int | None = None, *, backward_rate: float = 0.0, forward_rate: float = 0.0,
+    def __init__(self, token_budget: int | Callable[[], int] | None = None, *, backward_rate: float = 0.0,
+                 forward_rate: float = 0.0,
                  seed: int = 0, fail_passes: tuple[int, ...] = (), forward_passes: tuple[int, ...] = ()) -> None:
         self.token_budget = token_budget
         self.fail_passes = set(fail_passes)
@@ -79,7 +82,8 @@ class OomInjector:
             rows = int(hidden_states.shape[0])
             tokens = rows * int(hidden_states.shape[1])
             injector.passes.append((rows, tokens))
-            over = injector.token_budget is not None and tokens > injector.token_budget
+            budget = injector.token_budget() if callable(injector.token_budget) else injector.token_budget
+            over = budget is not None and tokens > budget
             chosen = len(injector.passes) - 1 in injector.forward_passes
             if over or chosen or (rows > 1 and injector.random.random() < injector.forward_rate):
                 injector.counts['forward'] += 1
@@ -95,3 +99,23 @@ class OomInjector:
             return out
 
         return forward
+
+
+def device_end(model: Any, optimizer: Callable[[], Any], total_bytes: int, per_token: int) -> Callable[[], int]:
+    """A simulated device of ``total_bytes`` for what a training pass adds to the loaded model: the gradient of every
+    trainable weight (allocated in the pass's backward), the optimizer's states that exist now (``optimizer()``:
+    the trainer's, once built) and ``per_token`` bytes a token of the pass. Returns the token budget a pass has now
+    (``OomInjector(token_budget=...)``)."""
+
+    def tokens() -> int:
+        params = [p for p in model.parameters() if p.requires_grad]
+        held = sum(p.numel() * p.element_size() for p in params)
+        opt = optimizer()
+        state = getattr(getattr(opt, 'optimizer', opt), 'state', {}) if opt is not None else {}
+        for p in params:
+            for value in (state.get(p) or {}).values():
+                if isinstance(value, torch.Tensor):
+                    held += value.numel() * value.element_size()
+        return max(0, (total_bytes - held) // per_token)
+
+    return tokens
