@@ -123,7 +123,7 @@ def _run(name: str, batch: int, model: str, dataset: str, opts: argparse.Namespa
         sdc.register(batch_growth=growth)
         callbacks = ['batch_growth']
     else:
-        plugin._configured = None  # plain ms-swift: no pack callback listed, no settings left over
+        plugin.unregister()  # plain ms-swift: no pack callback listed, no settings left over
         callbacks = []
     gc.collect()
     load_before = _load()
@@ -143,7 +143,7 @@ def _run(name: str, batch: int, model: str, dataset: str, opts: argparse.Namespa
         sys.stderr.write(log.getvalue()[-20000:])  # the hidden ms-swift output of the failed run
         raise
     finally:
-        plugin._configured = None
+        plugin.unregister()
     load_after = _load()
 
     lines = _read_jsonl(os.path.join(output_dir, 'logging.jsonl'))

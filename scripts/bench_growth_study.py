@@ -233,7 +233,7 @@ def train_run(kwargs: dict, settings: dict, callbacks: dict) -> tuple[float, lis
         sft_main(SftArguments(**kwargs))
         wall = time.perf_counter() - start
     finally:
-        plugin._configured = None
+        plugin.unregister()
         for name in callbacks:
             callbacks_map.pop(name, None)
     with open(os.path.join(kwargs['output_dir'], 'logging.jsonl'), encoding='utf-8') as f:

@@ -59,7 +59,7 @@ def run_arm(name: str, opts, model: str, dataset: str, pass_tokens: int, memory_
         with quiet_run(opts.quiet), OomInjector(token_budget=memory_end) as injector:
             sft_main(SftArguments(**kwargs))
     finally:
-        plugin._configured = None
+        plugin.unregister()
     rows = [json.loads(line) for line in open(os.path.join(out, 'logging.jsonl'))]
     steps = [r for r in rows if 'loss' in r]
     records = [json.loads(line) for line in open(os.path.join(out, 'dynamic_decisions.jsonl'))]

@@ -90,7 +90,7 @@ def run(name: str, opts, model: str, dataset: str, fail_passes: tuple[int, ...] 
             sft_main(SftArguments(**kwargs))
     finally:
         Seq2SeqTrainer.__init__ = original_init
-        plugin._configured = None
+        plugin.unregister()
     weights = load_file(os.path.join(out, f'checkpoint-{opts.steps}', 'adapter_model.safetensors'))
     return {'times': timer.times, 'weights': weights, 'injected': dict(injector.counts)}
 

@@ -139,7 +139,7 @@ def _run(kind: str, round_no: int, model: str, dataset: str, opts: argparse.Name
         sdc.register(batch_schedule={'schedule': {0: opts.batch_size}})
         callbacks = ['batch_schedule', TIMER_NAME]
     else:
-        plugin._configured = None  # the names stay registered; a plain run simply does not list them
+        plugin.unregister()  # the names stay registered; a plain run simply does not list them
     _TIMERS.clear()
     gc.collect()
     load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else None

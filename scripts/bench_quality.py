@@ -150,7 +150,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, model: str, flags: di
         sft_main(SftArguments(**kwargs))
         wall = time.perf_counter() - start
     finally:
-        plugin._configured = None
+        plugin.unregister()
     with open(os.path.join(out, 'logging.jsonl'), encoding='utf-8') as f:
         rows = [json.loads(line) for line in f if line.strip()]
     train_rows = [r for r in rows if 'loss' in r and 'eval_loss' not in r]

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sft_main(SftArguments(**kwargs))
     finally:
-        plugin._configured = None
+        plugin.unregister()
     wall = time.perf_counter() - t0
 
     def read(name):

@@ -29,7 +29,7 @@
 #   cross-entropy: no fp32 logits), for the peak memory and whether twice the pass fits.
 # P (PASS_TOKENS): 16384 on a card with 100 GB or more (H200), else 8192 (16384 peaked at 85 GB on the H200).
 # PROFILE=1 adds a profiled window of random, group_by_length and pack_passes to phase main (about a minute).
-# Not run in CI (no GPU there). Record the output in docs/benchmarks.md ("Throughput on a GPU").
+# Not run in CI (no GPU there). Record the output in docs/throughput.md ("On a GPU").
 #
 # On a machine without network (../shared/gpu/README.md): bring the wheels and the data mix into the working tree
 #   bash ../shared/gpu/fetch_wheels.sh .gpu/whl && mkdir -p .gpu/data && cp -r ../shared/data/{gsm8k,alpaca-gpt4-en-demo,lima,glaive-toolcall-en-demo} .gpu/data/

@@ -27,7 +27,7 @@
 # Every run appends one JSON line to $JSONL (committed); a stopped study continues where it stopped (--skip-done):
 # run the same command again. Two streams (one a core): run the command twice, CORE=1 and CORE=0: each run is
 # claimed first ($CLAIMS, a folder: the other stream skips it), and a stream picks LRs or looks at the reporting
-# seeds only once every claimed run has its line. About 11-12 minutes a run on one thread (figures in docs/benchmarks.md once measured).
+# seeds only once every claimed run has its line. About 11-12 minutes a run on one thread (figures in docs/results-log.md).
 # Memory (one thread a run): about 6-8 GB a run, fixed_8 about 13 GB at its peak; two fixed_8 runs never run at once
 # (bench_growth_study.py holds $OUT/memory.lock for them), so two streams need about 21 GB at most.
 # Before every pick of LRs a stream first runs (or finds claimed) every rung the study started on some tuning seeds

@@ -258,7 +258,7 @@ def swift_arm(spec: dict) -> dict:
 
     callbacks_map['bench_meter'] = lambda args, trainer: Meter(trainer)
     callbacks = ['bench_meter']
-    plugin._configured = None
+    plugin.unregister()
     if spec['pack']:
         sdc.register(**spec['pack'])
         callbacks += [name for name in spec['pack'] if name != 'integration']
@@ -275,7 +275,7 @@ def swift_arm(spec: dict) -> dict:
     try:
         sft_main(SftArguments(**kwargs))
     finally:
-        plugin._configured = None
+        plugin.unregister()
     if not LENGTHS:
         LENGTHS.extend(n for m in record['micro'] for n in m['lengths'])
     release_memory()

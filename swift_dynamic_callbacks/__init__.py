@@ -62,4 +62,10 @@ def register(settings=None, **by_name):
     return _register(settings, **by_name)
 
 
-__all__ = sorted(_LAZY) + ['register', '__version__']
+def unregister():
+    """Forget the settings :func:`register` took; see ``integrations.swift``."""
+    from .integrations.swift import unregister as _unregister
+    return _unregister()
+
+
+__all__ = sorted(_LAZY) + ['register', 'unregister', '__version__']

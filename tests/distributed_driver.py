@@ -178,6 +178,9 @@ def main(spec_path: str) -> None:
 
     def traced_end_train(self):
         trainer = self.trainer
+        if sys.exc_info()[0] is not None:  # training failed on this rank: gathering the weights would be a collective
+            end_train(self)                # the other ranks never enter (they wait where they are, or have ended)
+            return
         try:
             end_train(self)
         finally:

@@ -71,7 +71,7 @@ def test_deal_balances_the_ranks_and_the_layout_beats_the_host_order():
     layout = balanced_layout(order, lengths, world=2, batch=4, entries=2, seed=0, epoch=0, jitter=0.03, coef=3456.0)
     mean = sum(layout.spread) / len(layout.spread)
     unbalanced = sum(layout.unbalanced) / len(layout.unbalanced)
-    assert mean <= 0.02 < unbalanced  # figures in docs/benchmarks.md come from the benchmark, not from here
+    assert mean <= 0.02 < unbalanced  # figures in docs/throughput.md come from the benchmark, not from here
     # each rank's share of a step is ordered longest first: its micro-batches hold similar lengths
     share = layout.shares[0][:8]
     assert [lengths[i] for i in share] == sorted((lengths[i] for i in share), reverse=True)
@@ -243,7 +243,7 @@ def test_swift_sft_balanced_steps_keep_the_global_batch(tmp_path, tiny_qwen):
                       num_train_epochs=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                       max_length=2048)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     trace = sample_trace(out)
     assert sorted(indices_by_epoch(trace)[0]) == list(range(n))
     assert [sum(map(len, row['batches'])) for row in trace] == [4] * 5 + [2]  # the global batch; the rest last

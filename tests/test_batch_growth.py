@@ -134,7 +134,7 @@ def test_growth_run_exactly_once_lr_scaled_and_resumable(tmp_path, tiny_llama, g
         assert [row['learning_rate'] for row in resumed_logs] == [row['learning_rate'] for row in logs]
         assert [row['loss'] for row in resumed_logs] == [row['loss'] for row in logs]  # same data, RNG, LR
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 def test_a_table_by_samples_grows_at_the_samples_named_whatever_ga():
@@ -180,9 +180,9 @@ def test_a_table_by_samples_trains_as_the_same_table_by_steps(tmp_path, tiny_lla
                              ('samples', {'table': {0: 1, 4: 2, 8: 4}, 'table_unit': 'samples'})):
             sdc.register(batch_growth={**base, **growth})
             logs[name] = train_logs(run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / name), **run))
-            plugin._configured = None
+            plugin.unregister()
     finally:
-        plugin._configured = None
+        plugin.unregister()
     assert [row['dynamic/global_batch_size'] for row in logs['samples']] == [2, 2, 4, 8]
     for key in ('dynamic/global_batch_size', 'learning_rate', 'loss', 'dynamic/samples_seen'):
         assert [row[key] for row in logs['samples']] == [row[key] for row in logs['steps']], key
@@ -205,7 +205,7 @@ def test_rewarm_in_swift_the_logged_lr_ramps_to_each_growths_scale(tmp_path, tin
         ramp = [(d['step'], d['values']['new']) for d in decisions(out) if d['reason'] == 'rewarm']
         assert ramp == [(4, 2.0), (7, 4.0)]
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 def test_loss_variability_policy_table():
@@ -304,7 +304,7 @@ def test_epoch_budget_growth_runs_the_whole_lr_schedule(tmp_path, tiny_llama, gs
                      if d['kind'] == 'max_steps' and d['reason'] != 'epoch_budget']
         assert stretched == [16, 9, 7]
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 @pytest.mark.e2e
@@ -334,7 +334,7 @@ def test_sample_budget_max_steps_counts_samples(tmp_path, tiny_llama, gsm8k_16):
         stops = [d for d in decisions(out) if d['kind'] == 'stop']
         assert [d['reason'] for d in stops] == ['sample_budget']
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 # ---- seesaw (arXiv 2510.14717) ---------------------------------------------------------------------------------
@@ -532,7 +532,7 @@ def test_seesaw_growth_steps_are_the_schedule_cuts_in_swift(tmp_path, tiny_qwen,
                       max_steps=total, learning_rate=base, lr_scheduler_type='cosine', warmup_steps=warmup,
                       per_device_train_batch_size=1)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     factors = [_hf_cosine(s, warmup, total) for s in range(1, total + 1)]
     expected = _cut_steps(factors, 2.0, 2)
     assert expected == [7, 9]  # the closed form: cos(pi (s-1)/11) <= 0 from s = 6.5, <= -1/2 from s = 8.33
@@ -557,7 +557,7 @@ def test_seesaw_with_lr_schedule_cosine_in_swift(tmp_path, tiny_llama, gsm8k_16)
         out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'lr_schedule'],
                       max_steps=-1, num_train_epochs=1, learning_rate=1e-3, per_device_train_batch_size=1)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     logs = train_logs(out)
     sizes = [row['dynamic/batch_size'] for row in logs]
     assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] > 1

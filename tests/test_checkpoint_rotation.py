@@ -276,7 +276,7 @@ def test_rotation_with_save_steps_not_eval_steps_then_resume(tmp_path, tiny_llam
                                       key=checkpoint_step)
         assert 'checkpoint-10' in deleted(out)
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 @pytest.mark.e2e
@@ -308,4 +308,4 @@ def test_a_crash_during_save_leaves_a_loadable_checkpoint(tmp_path, tiny_llama, 
         # checkpoint-4 is what this run resumed from; the rewritten checkpoint-6 went at step 8
         assert listing(out) == names(4, 8)
     finally:
-        plugin._configured = None
+        plugin.unregister()

@@ -67,11 +67,15 @@ BAD = [
      ['padding_free: true cannot be combined with callbacks: memory_backoff']),
     ('pieces_packing', case(['batch_schedule'], {'batch_schedule': {'schedule': {0: 4}, 'pieces': {0: 2}}}),
      ['--packing', 'true'], ['packing: true cannot be combined with dynamic_callbacks.batch_schedule.pieces']),
-    ('deepspeed_backoff', case(['memory_backoff'], {}, deepspeed='zero2'), [],
-     ['memory_backoff', 'deepspeed', 'not supported']),
-    ('deepspeed_flag', case(['memory_backoff'], {}), ['--deepspeed', 'zero3'], ['memory_backoff', 'deepspeed']),
-    ('fsdp_cap', case(['batch_growth'], {'batch_growth': {'micro_batch_cap': 2}}, fsdp='full_shard'), [],
-     ['dynamic_callbacks.batch_growth.micro_batch_cap', 'fsdp2']),
+    ('deepspeed_noise_scale', case(['batch_growth'], {'batch_growth': {'policy': 'noise_scale'}}, deepspeed='zero2',
+                                   gradient_accumulation_steps=2), [],
+     ['dynamic_callbacks.batch_growth.policy', 'deepspeed', 'not supported']),
+    ('deepspeed_flag', case(['batch_growth'], {'batch_growth': {'policy': 'noise_scale'}},
+                            gradient_accumulation_steps=2), ['--deepspeed', 'zero3'],
+     ['noise_scale', 'deepspeed']),
+    ('fsdp_noise_scale', case(['training_log'], {'training_log': {'noise_scale': True}}, fsdp='full_shard',
+                              gradient_accumulation_steps=2), [],
+     ['dynamic_callbacks.training_log.noise_scale', 'fsdp2']),
     ('oom_true_deepspeed', case(['batch_growth'], {**GROWTH, 'integration': {'oom_recovery': True}},
                                 deepspeed='zero2'), [], ['dynamic_callbacks.integration.oom_recovery', 'deepspeed']),
     ('sequence_parallel', case(['batch_growth'], GROWTH, sequence_parallel_size=2), [],
@@ -177,6 +181,10 @@ GOOD = [
     ('growth_and_length', case(['batch_growth', 'length_batching', 'lr_schedule', 'memory_backoff'], GROWTH), []),
     ('builtin_swift_callback', case(['lisa', 'batch_growth'], GROWTH), []),
     ('deepspeed_without_splits', case(['batch_growth', 'lr_schedule'], GROWTH, deepspeed='zero2'), []),
+    ('deepspeed_backoff', case(['memory_backoff'], {'memory_backoff': {'cpu_budget_gib': 8.0}}, deepspeed='zero2'),
+     []),  # pass caps run under sharded engines: every rank the same passes
+    ('fsdp_cap', case(['batch_growth'], {'batch_growth': {'micro_batch_cap': 2}}, fsdp='full_shard'), []),
+    ('zero3_pass_tokens', case(['length_batching'], PASS_TOKENS, deepspeed='zero3'), []),
     ('packing_without_splits', case(['batch_growth', 'length_batching'], GROWTH, packing=True), []),
     ('nothing_of_the_pack', case(['lisa'], {}, streaming=True, dataloader_drop_last=True), []),
     ('plateau_scheduler_unscaled', case(['batch_growth'], {'batch_growth': {'lr_scaling': 'none'}},
@@ -335,15 +343,14 @@ def test_conflicting_callbacks_are_refused_at_trainer_construction():
     """Python use through ms-swift: the factory refuses the pair before it builds anything."""
     from types import SimpleNamespace
 
-    from swift_dynamic_callbacks.config.pack import parse_section
     from swift_dynamic_callbacks.integrations import swift as plugin
     try:
-        plugin._configured = parse_section({'batch_schedule': {'schedule': {0: 2}}})
+        plugin.register({'batch_schedule': {'schedule': {0: 2}}})
         args = SimpleNamespace(callbacks=['batch_schedule', 'batch_growth'])
         with pytest.raises(ConfigError, match='batch_schedule and batch_growth both request'):
             plugin._factory('batch_schedule')(args, SimpleNamespace())
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 # ---- the environment variable -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ def _register():
     import swift_dynamic_callbacks as sdc
     yield sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
-    plugin._configured = None
+    plugin.unregister()
 
 
 def _assert_exactly_once(trace, n, epochs):

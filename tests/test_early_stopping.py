@@ -351,4 +351,4 @@ def test_plateau_stop_keeps_patience_across_resume_and_a_stopped_run_stays_stopp
         assert [(d['reason'], d['values']['stopped_at'], d['values']['original_reason']) for d in again] == \
             [('already_stopped', 8, 'patience')]
     finally:
-        plugin._configured = None
+        plugin.unregister()

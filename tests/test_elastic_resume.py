@@ -163,7 +163,7 @@ def test_a_resume_with_other_gradient_accumulation_keeps_the_global_batch(tmp_pa
         run_sft(tiny_llama, 'llama', gsm8k_16, target, callbacks=['batch_schedule'], fresh=False,
                 gradient_accumulation_steps=1, resume_from_checkpoint=os.path.join(target, 'checkpoint-2'), **run)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     after = sample_trace(target)[written:]
     (record, ) = [d for d in decisions(target) if d['kind'] == 'elastic_resume']
     assert (record['values']['old_entries'], record['values']['new_entries'], record['values']['old_batch_size'],
@@ -191,7 +191,7 @@ def test_a_resume_with_other_gradient_accumulation_keeps_the_global_batch(tmp_pa
                 gradient_accumulation_steps=2, resume_from_checkpoint=os.path.join(again, 'checkpoint-2'),
                 **{**run, 'per_device_train_batch_size': 3})
     finally:
-        plugin._configured = None
+        plugin.unregister()
     (said, ) = [d for d in decisions(again) if d['reason'] == 'batch_setting']
     assert (said['values']['run'], said['values']['now'], said['values']['batch_size']) == (2, 3, 2)
 

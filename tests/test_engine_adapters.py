@@ -23,10 +23,11 @@ FEATURES = ('pieces', 'pass_limit', 'noise_scale', 'oom_recovery')
 @pytest.mark.parametrize('engine', ENGINES)
 @pytest.mark.parametrize('feature', FEATURES)
 def test_table_every_engine_and_feature(engine, feature):
-    """One process and DDP run every feature; FSDP2 and DeepSpeed refuse the four that need rank-local passes or
-    readable pass gradients, each with a reason."""
+    """One process and DDP run every feature; FSDP2 and DeepSpeed run pieces and pass caps (every rank the same
+    number of passes) and refuse the two that need a rank to run a pass again or read a pass's gradient, each with a
+    reason."""
     reason = unsupported(engine, feature)
-    if engine in ('single', 'ddp'):
+    if engine in ('single', 'ddp') or feature in ('pieces', 'pass_limit'):
         assert reason is None
     else:
         assert reason and ('collective' in reason or 'gradient' in reason)
@@ -60,12 +61,18 @@ def test_requested_features_read_the_pack_section():
 
 @pytest.mark.parametrize('engine', ['fsdp2', 'deepspeed'])
 def test_check_engine_names_every_refused_setting(engine):
-    pack = {'batch_growth': {'micro_batch_cap': 2}, 'memory_backoff': {}}
+    """Pieces and pass caps run under sharded engines (the same number of passes on every rank); the noise-scale
+    probe and OOM recovery do not, each named."""
+    pack = {'batch_growth': {'micro_batch_cap': 2, 'policy': 'noise_scale'}, 'memory_backoff': {},
+            'integration': {'oom_recovery': True}}
     with pytest.raises(ConfigError) as e:
         check_engine(engine, pack, ['batch_growth', 'memory_backoff'])
     message = str(e.value)
-    assert 'dynamic_callbacks.batch_growth.micro_batch_cap: pieces is not supported under ' + engine in message
-    assert 'callbacks: memory_backoff: pass_limit is not supported under ' + engine in message
+    assert 'dynamic_callbacks.batch_growth.policy: noise_scale is not supported under ' + engine in message
+    assert 'dynamic_callbacks.integration.oom_recovery: oom_recovery is not supported under ' + engine in message
+    assert 'micro_batch_cap' not in message and 'memory_backoff' not in message
+    check_engine(engine, {'batch_growth': {'micro_batch_cap': 2}, 'memory_backoff': {}},
+                 ['batch_growth', 'memory_backoff'])  # no error
     check_engine('ddp', pack, ['batch_growth', 'memory_backoff'])  # no error
     assert refusals(None, pack, ['memory_backoff']) == []
 
@@ -116,8 +123,10 @@ def test_select_engine_and_oom_recovery_setting():
         assert isinstance(engine, cls) and not recovery and 'collective' in why
         with pytest.raises(ConfigError, match=f'oom_recovery: true is not supported under {engine.name}'):
             select_engine(fake_trainer(kind), True)
-        with pytest.raises(ConfigError, match='control.new_num_pieces: pieces is not supported'):
-            engine.refuse('pieces', 'control.new_num_pieces')
+        engine.refuse('pieces', 'control.new_num_pieces')  # every rank runs the same number of passes
+        assert engine.collective_passes
+        with pytest.raises(ConfigError, match='control.measure_grad_noise: noise_scale is not supported'):
+            engine.refuse('noise_scale', 'control.measure_grad_noise')
     Engine(fake_trainer('NO', 1)).refuse('pieces', 'anything')  # one process: nothing refused
 
 
@@ -130,14 +139,14 @@ class FakeFSDPModel:
         self.calls.append(value)
 
 
-def test_fsdp2_sets_gradient_sync_per_pass():
-    """Each pass sets the sync it needs: inside a micro-batch that HF already wrapped in ``no_sync`` a pass that is
-    not the step's last stays unsynchronised (accelerate's nested ``no_sync`` used to switch sync back on)."""
+def test_fsdp2_reduce_scatters_every_pass():
+    """Every pass reduce-scatters its gradients (inside a micro-batch that HF wrapped in ``no_sync`` too): no
+    full-size unsharded gradient is held across a step's passes, whatever their number."""
     engine, model = FSDP2Engine(fake_trainer('FSDP')), FakeFSDPModel()
     for sync in (False, False, True):
         with engine.pass_context(model, sync=sync):
             pass
-    assert model.calls == [False, False, True]
+    assert model.calls == [True, True, True]
 
 
 def test_deepspeed_marks_only_the_last_pass_as_the_boundary():

@@ -289,3 +289,102 @@ def test_stream_resume_on_two_processes_draws_the_uninterrupted_rows(tmp_path, t
                     pack=pack, nproc=1, output_dir=refused, expect_failure=True,
                     resume_from_checkpoint=os.path.join(refused, 'checkpoint-3'), **common)
     assert 'resume a streaming run with the same number of processes' in open(log).read()
+
+
+# ---- passes under sharded engines (issue 47) -------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def mixed_15(fixture_dir):
+    from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
+    return str(write_mixed_length_dataset(fixture_dir / 'mixed-15.jsonl', n=15))
+
+
+def _passes_by_rank(out: str) -> list[list[int]]:
+    """Each rank's passes of data a step (the sample trace; padding passes are not in it)."""
+    return [[sum(row['passes']) for row in sample_trace(out, rank)] for rank in (0, 1)]
+
+
+@pytest.mark.parametrize('engine', [engine_param('ddp'), engine_param('fsdp2'), engine_param('zero2'),
+                                    engine_param('zero3')])
+def test_pass_tokens_on_ranks_with_other_pass_counts(engine, tmp_path, tiny_qwen, mixed_15):
+    """``pass_tokens`` on 15 rows of 1-6 problems (cut to 300 tokens): the ranks' shares of a step need different
+    numbers of passes (most passes hold one row; the last step of an epoch deals 4 rows and 3). Under
+    FSDP2 and ZeRO-2/3 (every pass communicates) the rank with fewer runs zero-weight padding passes, planned with the
+    passes (no collective added: ``dynamic/padding_passes`` counts them); under DDP nothing is padded. Every engine's
+    weights equal one process's over the same samples a step (1e-5: the gradient of the fixed layout)."""
+    pack = {'integration': {'record_samples': True}, 'length_batching': {'mode': 'balanced', 'pass_tokens': 300}}
+    common = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, max_steps=4, max_length=300,
+                  truncation_strategy='right')
+    out = run_ranks(str(tmp_path / engine), tiny_qwen, mixed_15, engine=engine, callbacks=['length_batching'],
+                    pack=pack, **common)
+    t0, t1 = assert_engine(out, engine)
+    assert_same_steps(t0, t1)
+    mine, theirs = _passes_by_rank(out)
+    assert mine != theirs, (mine, theirs)  # the ranks' natural pass counts differ in some step
+    padding = sum(row.get('dynamic/padding_passes', 0) for row in read_jsonl(os.path.join(out, 'logging.jsonl'))
+                  if 'loss' in row)
+    expected = sum(abs(a - b) for a, b in zip(mine, theirs))  # every step: the shorter rank pads up to the longer
+    assert padding == (expected if engine != 'ddp' else 0), (padding, mine, theirs)
+    ref = reference(str(tmp_path / f'{engine}-ref'), tiny_qwen, mixed_15, out, gradient_accumulation_steps=2,
+                    max_steps=4, max_length=300, truncation_strategy='right')
+    assert_same_weights(out, ref)
+
+
+@pytest.mark.parametrize('engine', [engine_param('fsdp2'), engine_param('zero3')])
+def test_pieces_and_a_pass_cap_under_sharded_engines(engine, tmp_path, tiny_qwen, dataset_15):
+    """``micro_batch_cap`` pieces and ``memory_backoff``'s pass cap (a memory fraction seen by rank 1 alone) under a
+    sharded engine: both ranks cut their micro-batches into the same number of passes (agreed at each step where a
+    cap could cut them differently), a placeholder rank pads, and the weights equal one process's."""
+    pack = {'integration': {'record_samples': True},
+            'batch_growth': {'initial': 2, 'factor': 2, 'interval': 2, 'maximum': 4, 'micro_batch_cap': 2},
+            'memory_backoff': {'clean_steps': 100}}
+    common = dict(max_steps=5, lr_scheduler_type='cosine', warmup_ratio=0.0)
+    out = run_ranks(str(tmp_path / engine), tiny_qwen, dataset_15, engine=engine,
+                    callbacks=['batch_growth', 'memory_backoff'], pack=pack,
+                    faults={'1': {'memory': {'3': 0.99}}}, gradient_accumulation_steps=2, **common)
+    t0, t1 = assert_engine(out, engine)
+    assert_same_steps(t0, t1)
+    caps = [(s['pass_limit'] or {}).get('samples') for s in t0['steps']]
+    assert caps[-1] == 1 and t0['steps'][-1]['num_pieces'] == 2  # the cap from step 4 on, pieces after growth
+    ref = reference(str(tmp_path / f'{engine}-ref'), tiny_qwen, dataset_15, out, gradient_accumulation_steps=2,
+                    **common)
+    assert_same_weights(out, ref)
+
+
+@pytest.fixture(scope='module')
+def dataset_16(fixture_dir):
+    from swift_dynamic_callbacks.testing.tiny import write_gsm8k_dataset
+    return str(write_gsm8k_dataset(fixture_dir / 'gsm8k-16.jsonl', 16))
+
+
+@pytest.mark.parametrize('engine', [engine_param('fsdp2'), engine_param('zero2')])
+def test_an_oom_on_one_rank_ends_the_run_and_the_checkpoint_resumes_below_it(engine, tmp_path, tiny_qwen, dataset_16):
+    """Under a sharded engine (no OOM recovery) rank 1 alone runs out of memory in step 2: every rank ends (no hang:
+    well within the launcher's timeout), the log names the pass, the budget and the setting to lower, and the run
+    resumed from the step-1 checkpoint folds rank 1's note into a lower pass budget before its first step (an
+    ``oom`` record with reason ``unrecovered`` and a ``pass_budget`` record), so it finishes."""
+    import time
+    pack = {'integration': {'record_samples': True}, 'batch_schedule': {'schedule': {0: 2}}}
+    common = dict(gradient_accumulation_steps=2, max_steps=3, save_steps=1)
+    workdir = str(tmp_path / engine)
+    start = time.monotonic()
+    log = run_ranks(workdir, tiny_qwen, dataset_16, engine=engine, callbacks=['batch_schedule'], pack=pack,
+                    faults={'1': {'oom_forward_passes': [2]}}, expect_failure=True, **common)
+    failed_in = time.monotonic() - start
+    with open(log, encoding='utf-8', errors='replace') as f:
+        text = f.read()
+    assert 'out of memory on rank 1 in a pass of 2 rows' in text and 'Lower per_device_train_batch_size' in text
+    out = os.path.join(workdir, 'out')
+    with open(os.path.join(out, 'dynamic_oom.rank1.json'), encoding='utf-8') as f:
+        note = json.load(f)
+    assert note['step'] == 1 and note['pass_size'] == 2 and note['engine'] in ('fsdp2', 'deepspeed')
+    assert failed_in < 240, failed_in  # start-up, one step, then every rank ended (never the 300 s timeout)
+    run_ranks(workdir + '-resumed', tiny_qwen, dataset_16, engine=engine, callbacks=['batch_schedule'], pack=pack,
+              output_dir=out, resume_from_checkpoint=os.path.join(out, 'checkpoint-1'), **common)
+    t0, t1 = assert_engine(out, engine)
+    assert_same_steps(t0, t1)
+    assert t0['global_step'] == 3
+    records = read_jsonl(os.path.join(out, 'dynamic_decisions.jsonl'))
+    assert [(d['reason'], d['values']['rank']) for d in records if d['kind'] == 'oom'] == [('unrecovered', 1)]
+    [budget] = [d for d in records if d['kind'] == 'pass_budget' and d['reason'] == 'oom']
+    assert budget['values']['new'] == 1 and budget['values']['unit'] == 'samples'
+    assert (t0['steps'][0]['pass_limit'] or {}).get('samples') == 1  # the resumed run's first step within it

@@ -182,4 +182,4 @@ def test_real_run_survives_a_raising_hook_and_fail_fast_stops_it(tmp_path, tiny_
         assert len(train_logs(str(tmp_path / 'strict'))) < 6
         assert not os.path.exists(os.path.join(tmp_path, 'strict', 'checkpoint-6'))
     finally:
-        plugin._configured = None
+        plugin.unregister()

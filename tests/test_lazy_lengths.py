@@ -132,7 +132,7 @@ def test_swift_sft_lazy_length_batching(tmp_path, tiny_llama, fixture_dir, monke
         out = run_sft(tiny_llama, 'llama', data, str(tmp_path / 'out'), callbacks=['length_batching'],
                       lazy_tokenize=True, num_train_epochs=1, max_steps=-1, per_device_train_batch_size=8)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     records = decisions(out)
     (estimate, ) = [d for d in records if d['kind'] == 'length_estimate']
     assert estimate['values']['rows'] == 24 and estimate['values']['sampled'] <= 24

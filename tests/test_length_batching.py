@@ -243,27 +243,21 @@ def test_split_passes_requests_a_pass_limit_not_a_plan():
     assert rules.pass_limit() == {'samples': 8, 'tokens': None, 'rules': [[1024, 2]]}
 
 
-def test_split_passes_is_refused_under_sharded_engines_like_every_pass_limit():
+def test_split_passes_runs_under_sharded_engines():
+    """Passes of a pass limit run under FSDP2 and DeepSpeed (every rank runs the same number of passes a step)."""
     from swift_dynamic_callbacks.config.engines import check_engine, requested_features
     pack = {'length_batching': {'split': 'passes', 'bucketing': False}}
     assert requested_features(pack, ['length_batching']) == {'pass_limit': 'dynamic_callbacks.length_batching.split'}
     assert requested_features({'length_batching': {}}, ['length_batching']) == {}  # micro_batches: no pass cap
-    for engine in ('fsdp2', 'deepspeed'):
-        with pytest.raises(ConfigError, match=rf'dynamic_callbacks.length_batching.split: pass_limit is not supported '
-                                              rf'under {engine}'):
-            check_engine(engine, pack, ['length_batching'])
-    check_engine('ddp', pack, ['length_batching'])
+    for engine in ('fsdp2', 'deepspeed', 'ddp'):
+        check_engine(engine, pack, ['length_batching'])
 
 
-def test_swift_dynamic_check_refuses_split_passes_under_deepspeed(tmp_path, capsys):
+def test_swift_dynamic_check_passes_split_passes_under_deepspeed(tmp_path, capsys):
     from swift_dynamic_callbacks import cli
     path = tmp_path / 'run.yaml'
     path.write_text('model: m\ntuner_type: lora\ndataset: d.jsonl\ncallbacks: [length_batching]\n'
                     'deepspeed: zero2\ndynamic_callbacks:\n  length_batching: {split: passes, bucketing: false}\n')
-    assert cli.main(['check', str(path)]) == 2
-    err = capsys.readouterr().err
-    assert 'length_batching.split: pass_limit is not supported under deepspeed' in err
-    path.write_text(path.read_text().replace('deepspeed: zero2\n', ''))
     assert cli.main(['check', str(path)]) == 0
     capsys.readouterr()
     path.write_text(path.read_text().replace('callbacks: [length_batching]',
@@ -508,7 +502,7 @@ def test_token_budget_run_covers_every_sample_once_and_logs_padding(tmp_path, ti
                       num_train_epochs=1, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                       lr_scheduler_type='linear', max_length=2048)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     trace = sample_trace(out)
     assert sorted(indices_by_epoch(trace)[0]) == list(range(n))  # exactly once
     batches = [row['batches'][0] for row in trace]  # gradient_accumulation_steps 1: one micro-batch a step
@@ -549,7 +543,7 @@ def test_split_passes_keeps_the_samples_per_step_and_cuts_passes(tmp_path, tiny_
                       num_train_epochs=1, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
                       max_length=2048)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     trace = sample_trace(out)
     assert sorted(indices_by_epoch(trace)[0]) == list(range(n))  # exactly once
     assert [len(row['batches'][0]) for row in trace] == [batch] * (n // batch)  # samples a step: as configured

@@ -324,7 +324,7 @@ def test_lr_schedule_run_restart_logged_lr_and_resume(arch, tmp_path, request, g
         assert [row['learning_rate'] for row in tail] == pytest.approx(lrs[6:])
         assert [row['loss'] for row in tail] == pytest.approx([row['loss'] for row in logs[6:]])
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 @pytest.mark.e2e
@@ -344,7 +344,7 @@ def test_lr_schedule_with_batch_growth_multiplies(tmp_path, tiny_llama, gsm8k_16
         assert [row['learning_rate'] for row in logs] == pytest.approx(
             [1e-3 * b * schedule_factor(expected, k) for k, b in enumerate(sizes)], rel=1e-4)
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 @pytest.mark.e2e
@@ -358,7 +358,7 @@ def test_scheduler_the_pack_cannot_take_over_fails_at_start(tmp_path, tiny_llama
                     **{**LR_RUN, 'lr_scheduler_type': 'reduce_lr_on_plateau', 'max_steps': 2},
                     eval_strategy='steps', eval_steps=1, split_dataset_ratio=0.25)
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 def test_param_group_ratios_are_kept():

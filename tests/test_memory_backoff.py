@@ -240,7 +240,7 @@ def plain_run(tmp_path_factory, tiny_llama, gsm8k_16):
         sdc.register(batch_schedule={'schedule': {0: 4}}, integration={'record_samples': True})
         run_sft(tiny_llama, 'llama', gsm8k_16, out, callbacks=['batch_schedule'], **OOM_RUN)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     return out
 
 
@@ -260,7 +260,7 @@ def test_injected_ooms_lose_nothing_and_change_nothing(seed, snapshot, plain_run
         with OomInjector(token_budget=1000, backward_rate=0.5, seed=seed) as injector:
             out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'oom'), callbacks=['batch_schedule'], **OOM_RUN)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     assert injector.counts['forward'] > 0 and injector.counts['backward'] > 0, (injector.counts, injector.passes)
     ooms = [d for d in decisions(out) if d['kind'] == 'oom']
     assert len(ooms) >= 1 and all(d['values']['new_pass_cap'] >= 1 for d in ooms)
@@ -286,6 +286,6 @@ def test_a_sample_over_the_budget_stops_with_a_clear_message(tmp_path, tiny_llam
             run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_schedule'],
                     **{**OOM_RUN, 'max_steps': 2})
     finally:
-        plugin._configured = None
+        plugin.unregister()
     message = str(e.value)
     assert 'single sample (dataset index' in message and 'tokens' in message and 'not skipped' in message

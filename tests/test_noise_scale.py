@@ -157,7 +157,7 @@ def test_noise_scale_run(tmp_path, tiny_llama, gsm8k_16):
         by_epoch = indices_by_epoch(sample_trace(out))
         assert sorted(by_epoch[0]) == sorted(by_epoch[1]) == list(range(16))
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 def test_the_training_log_measures_the_noise_scale_on_request():
@@ -207,4 +207,4 @@ def test_the_noise_scale_in_a_real_runs_logs(tmp_path, tiny_llama, gsm8k_16):
         assert [s['dynamic'].get('dynamic/b_simple') for s in steps][1:] == estimates[1:]
         assert {row['dynamic/batch_size'] for row in logs} == {1}
     finally:
-        plugin._configured = None
+        plugin.unregister()

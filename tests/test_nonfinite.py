@@ -81,7 +81,7 @@ def test_nan_steps_neither_restart_the_lr_nor_become_the_best_checkpoint(tmp_pat
                       callbacks=['lr_schedule', 'checkpoint_rotation'], max_steps=10, save_steps=1,
                       lr_scheduler_type='cosine', warmup_ratio=0.0)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     logs = train_logs(out)
     assert [row['loss'] for row in logs if row['dynamic/nonfinite_steps']] == [0.0, 0.0]  # HF's filter at work
     assert [row['dynamic/nonfinite_steps'] for row in logs] == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0]
@@ -102,7 +102,7 @@ def test_nan_step_stops_early_stopping_as_non_finite(tmp_path, tiny_llama, gsm8k
         sdc.register(early_stopping={'monitor': 'loss', 'patience': 5, 'threshold': 1.0})
         out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['early_stopping'], max_steps=10)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     [stop] = [d for d in decisions(out) if d['source'] == 'early_stopping']
     assert (stop['kind'], stop['reason'], stop['step']) == ('stop', 'non_finite', 4)  # measured: threshold
     assert stop['values']['logged'] == 0.0 and stop['values']['nonfinite_steps'] == 1

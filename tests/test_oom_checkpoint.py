@@ -59,7 +59,7 @@ def test_a_checkpoint_at_the_oom_step_resumes_as_the_uninterrupted_run(unit, tmp
                         gradient_accumulation_steps=2, lora_dropout=0.0, learning_rate=1e-3,
                         lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=at, **extra, **more)
         finally:
-            plugin._configured = None
+            plugin.unregister()
         return injector
 
     full, part = tmp_path / 'full', tmp_path / 'part'

@@ -77,7 +77,7 @@ def _run(model, arch, data, out, *, inject, integration=None, **extra):
         with OomInjector(forward_passes=(3, ) if inject else ()) as injector:
             run_sft(model, arch, data, out, callbacks=['batch_schedule'], **{**RUN, **extra})
     finally:
-        plugin._configured = None
+        plugin.unregister()
     return injector
 
 

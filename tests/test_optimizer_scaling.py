@@ -244,7 +244,7 @@ def test_swift_sft_late_switch_rescales_the_optimizer_and_resumes_with_it(tmp_pa
         sdc.register(batch_growth=growth)
         out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'run'), callbacks=['batch_growth'], **run)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     (switch, ) = [d for d in decisions(out) if d['kind'] == 'batch_size' and d['reason'] == 'late_switch']
     assert (switch['step'], switch['values']['old'], switch['values']['new']) == (8, 1, 4)
     values = switch['values']
@@ -264,7 +264,7 @@ def test_swift_sft_late_switch_rescales_the_optimizer_and_resumes_with_it(tmp_pa
         run_sft(tiny_llama, 'llama', gsm8k_16, target, callbacks=['batch_growth'], fresh=False,
                 resume_from_checkpoint=os.path.join(target, 'checkpoint-9'), **run)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     last = sorted(int(n.split('-')[1]) for n in os.listdir(target) if n.startswith('checkpoint-'))[-1]
     assert last == 10 and groups(os.path.join(target, f'checkpoint-{last}')) == [
         (pytest.approx(0.2), pytest.approx(0.95 ** 4))]
@@ -288,7 +288,7 @@ def test_swift_sft_late_switch_on_a_loss_plateau(tmp_path, tiny_llama, gsm8k_16)
         out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'run'), callbacks=['batch_growth'],
                       per_device_train_batch_size=1, gradient_accumulation_steps=1, num_train_epochs=1, max_steps=-1)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     (switch, ) = [d for d in decisions(out) if d['kind'] == 'batch_size' and d['reason'] == 'late_switch']
     assert (switch['step'], switch['values']['old'], switch['values']['new']) == (5, 1, 4)
     assert switch['values']['trigger'] == 'loss_plateau' and switch['values']['done'] < 0.9

@@ -408,7 +408,7 @@ def balanced_run(out, model, data, padding_free, **integration):
                        num_train_epochs=1, per_device_train_batch_size=3, gradient_accumulation_steps=1,
                        max_length=2048, lora_dropout=0.0, attn_impl='sdpa')
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 @pytest.mark.e2e

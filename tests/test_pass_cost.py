@@ -278,7 +278,7 @@ def test_swift_sft_memory_end_below_pass_tokens_settles_in_tokens(tmp_path, tiny
                               lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=1000, max_length=900,
                               truncation_strategy='right')
         finally:
-            plugin._configured = None
+            plugin.unregister()
         return out, injector
 
     free, _ = train('free', 1200, None)
@@ -315,7 +315,7 @@ def test_swift_sft_pass_tokens_auto_plans_at_a_recorded_budget(tmp_path, tiny_qw
                           max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2,
                           gradient_accumulation_steps=2, save_steps=1000, max_length=2048)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     records = decisions(out)
     [auto] = [d for d in records if d['kind'] == 'pass_tokens']
     chosen = auto['values']['pass_tokens']
@@ -348,7 +348,7 @@ def test_swift_sft_a_lowered_budget_survives_a_resume(tmp_path, tiny_qwen):
                         learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=3,
                         max_length=900, truncation_strategy='right', **extra)
         finally:
-            plugin._configured = None
+            plugin.unregister()
         return injector
 
     full = tmp_path / 'full'
@@ -386,7 +386,7 @@ def test_swift_sft_memory_backoff_under_pass_tokens_caps_and_plans_in_tokens(tmp
                           max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2,
                           gradient_accumulation_steps=2, save_steps=1000, max_length=2048)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     backoffs = [d for d in decisions(out) if d['kind'] == 'pass_limit' and d['reason'] == 'backoff']
     assert backoffs and all(d['values']['unit'] == 'tokens' for d in backoffs)
     requested = [d for d in decisions(out) if d['kind'] == 'pass_limit' and d['source'] == 'control_flags']
@@ -439,7 +439,7 @@ def test_swift_sft_pass_tokens_auto_on_a_full_fine_tune_fits_its_device(tmp_path
                           per_device_train_batch_size=8, gradient_accumulation_steps=1, max_length=48,
                           truncation_strategy='right', save_steps=1000)
     finally:
-        plugin._configured = None
+        plugin.unregister()
         callbacks_map.pop('device_end', None)
     [auto] = [d for d in decisions(out) if d['kind'] == 'pass_tokens']
     assert auto['values']['grad_gib'] > 0 and auto['values']['optimizer_gib'] > 0

@@ -23,7 +23,7 @@ def test_bar_total_follows_max_steps_and_ends_at_n_of_n(schedule, steps, tmp_pat
         out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_schedule'],
                       max_steps=-1, num_train_epochs=1, per_device_train_batch_size=schedule[0])
     finally:
-        plugin._configured = None
+        plugin.unregister()
     err = capfd.readouterr().err
     bars = [(int(n), int(total)) for n, total in _BAR.findall(err)]
     logs = train_logs(out)

@@ -76,7 +76,7 @@ def test_off_switch_gives_plain_ms_swift_losses(tmp_path, tiny_llama, gsm8k_16):
         assert (record['kind'], record['reason']) == ('pack', 'disabled')
         assert record['values']['callbacks'] == ['batch_growth', 'lr_schedule']
 
-        plugin._configured = None  # the environment switch, with the pack otherwise on
+        plugin.unregister()  # the environment switch, with the pack otherwise on
         sdc.register(batch_growth={'initial': 1, 'interval': 2, 'maximum': 4})
         # not monkeypatch.setenv: datasets' map replaces os.environ by a copy, so monkeypatch's undo would miss it
         os.environ[DISABLE_ENV] = '1'
@@ -86,7 +86,7 @@ def test_off_switch_gives_plain_ms_swift_losses(tmp_path, tiny_llama, gsm8k_16):
         assert decisions(env_off)[0]['values']['switch'] == f'{DISABLE_ENV}=1'
     finally:
         os.environ.pop(DISABLE_ENV, None)
-        plugin._configured = None
+        plugin.unregister()
 
 
 # ---- replay ---------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def test_replay_reproduces_growth_and_restart_and_resumes(tmp_path, tiny_llama, 
         assert expected['dynamic/batch_size'] == [1] * 3 + [2] * 3 + [4] * 4
 
         # the callbacks would decide differently now (faster growth, no restart): replay ignores them
-        plugin._configured = None
+        plugin.unregister()
         log_file = os.path.join(original, 'dynamic_decisions.jsonl')
         no_restarts = {k: v for k, v in LR_SETTINGS.items() if k != 'restart_factor'}  # not read: it would be refused
         sdc.register(lr_schedule={**no_restarts, 'max_restarts': 0, 'warmup': 0},
@@ -169,4 +169,4 @@ def test_replay_reproduces_growth_and_restart_and_resumes(tmp_path, tiny_llama, 
         tail = train_logs(resumed)[-5:]
         assert _columns(tail, *keys) == {k: v[5:] for k, v in expected.items()}
     finally:
-        plugin._configured = None
+        plugin.unregister()

@@ -107,7 +107,7 @@ def saved_run(tmp_path_factory, tiny_llama, gsm8k_16):
         sdc.register(batch_growth=GROWTH, integration={'record_samples': True})
         run_sft(tiny_llama, 'llama', gsm8k_16, out, callbacks=['batch_growth'], **RUN)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     return out
 
 
@@ -121,7 +121,7 @@ def _resume(tiny_llama, gsm8k_16, source: str, target: str, checkpoint: str, *, 
         return run_sft(tiny_llama, 'llama', dataset or gsm8k_16, target, callbacks=['batch_growth'], fresh=False,
                        resume_from_checkpoint=os.path.join(target, checkpoint), **{**RUN, 'max_steps': 10, **flags})
     finally:
-        plugin._configured = None
+        plugin.unregister()
 
 
 @pytest.mark.e2e

@@ -137,7 +137,7 @@ def test_every_callback_config_trains_with_a_tiny_model(name, arch, tmp_path, re
         sdc.register(settings)
         sft_main(SftArguments(**{**config, **tiny_overrides(model, arch, gsm8k_16, out)}))
     finally:
-        plugin._configured = None
+        plugin.unregister()
     logs = train_logs(out)
     assert len(logs) == 6 and logs[-1]['dynamic/batch_size'] > logs[0]['dynamic/batch_size']
     sources = {d['source'] for d in decisions(out)}

@@ -109,7 +109,7 @@ def test_the_pack_makes_no_synchronising_call_per_micro_batch(tmp_path, tiny_qwe
                           num_train_epochs=1, per_device_train_batch_size=2, gradient_accumulation_steps=ga,
                           max_length=1024)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     logs = train_logs(out)
     assert counter.steps == len(logs) and counter.micro_batches == ga * counter.steps  # HF's slots, all of them
     micro = counter.by_phase('micro')

@@ -163,7 +163,7 @@ def test_growth_run_with_training_log_feeds_the_report(tmp_path, tiny_llama, gsm
         out = run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'out'), callbacks=['batch_growth', 'training_log'],
                       max_steps=-1, num_train_epochs=1, lr_scheduler_type='constant', warmup_ratio=0.0)
     finally:
-        plugin._configured = None
+        plugin.unregister()
     logs = train_logs(out)
     assert [row['dynamic/batch_size'] for row in logs] == [1, 1, 2, 2, 4, 4, 4]  # 16 samples in 7 steps
     assert all(row['dynamic/memory_peak_gib'] > 0 for row in logs)  # published into ms-swift's log lines

@@ -21,29 +21,25 @@ ENGINES = ('single', 'ddp', 'fsdp2', 'deepspeed')
 #: why FSDP version 1 is refused (in the YAML, by accelerate's plugin at start, and by the wrapper the model got)
 FSDP1_REFUSED = 'FSDP1 is not supported by swift-dynamic-callbacks; use fsdp: fsdp2 (fsdp_version: 2), DeepSpeed or DDP'
 
-#: feature -> why FSDP2 / DeepSpeed cannot run it (they hold collectives inside forward and backward).
+#: feature -> why FSDP2 / DeepSpeed cannot run it (they hold collectives inside forward and backward). Passes cut by
+#: tokens, pieces and pass caps run there: every rank runs the same number of passes a step (zero-weight passes pad a
+#: short one), see ``integrations.engines``.
 _SHARDED_REASONS = {
     'fsdp2': {
-        'pieces': 'FSDP2 all-gathers the parameters in every forward pass; a micro-batch run as several passes '
-                  '(micro_batch_cap, or a pass cap that depends on each rank\'s sample lengths) would give the ranks '
-                  'different numbers of collectives',
-        'pass_limit': 'FSDP2 all-gathers the parameters in every forward pass; a pass cap that depends on each '
-                      'rank\'s sample lengths and memory gives the ranks different numbers of collectives',
-        'noise_scale': 'FSDP2 keeps a step\'s first-pass gradient unsharded inside the engine until the step\'s '
-                       'reduce-scatter, so the gradient-noise probe cannot read it',
+        'noise_scale': 'FSDP2 reduce-scatters every pass\'s gradient into the sharded one, so the gradient-noise probe '
+                       'cannot read a first pass\'s gradient on its own',
         'oom_recovery': 'FSDP2 all-gathers inside forward and reduce-scatters inside backward: a rank that runs a '
-                        'pass again after an out-of-memory error would leave the other ranks waiting in a collective',
+                        'pass again after an out-of-memory error would leave the other ranks waiting in a collective '
+                        '(an OOM ends the run with the pass and the setting to lower; the last checkpoint resumes '
+                        'with a lower pass budget)',
     },
     'deepspeed': {
-        'pieces': 'DeepSpeed owns backward, the optimizer step and the accumulation boundary, and ZeRO communicates '
-                  'in every backward; a micro-batch run as several passes would give the ranks different numbers '
-                  'of collectives',
-        'pass_limit': 'DeepSpeed ZeRO communicates in every backward; a pass cap that depends on each rank\'s sample '
-                      'lengths and memory gives the ranks different numbers of collectives',
         'noise_scale': 'DeepSpeed ZeRO partitions and reduces gradients inside backward, so the gradient-noise probe '
                        'cannot read a pass\'s gradient',
         'oom_recovery': 'DeepSpeed ZeRO communicates inside backward (and ZeRO-3 inside forward): a rank that runs a '
-                        'pass again after an out-of-memory error would leave the other ranks waiting in a collective',
+                        'pass again after an out-of-memory error would leave the other ranks waiting in a collective '
+                        '(an OOM ends the run with the pass and the setting to lower; the last checkpoint resumes '
+                        'with a lower pass budget)',
     },
 }
 

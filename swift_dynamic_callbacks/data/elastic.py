@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .. import distributed
 from ..policies import length as length_policy
-from ..policies.balance import DEFAULT_WORK_COEF, step_passes
+from ..policies.balance import DEFAULT_WORK_COEF, pad_passes, step_passes
 from ..policies.data_plan import (before, epoch_steps, micro_batches_to, planned_steps_to_budget, redeal,
                                   redealt_to_draw, step_sizes, steps_in_epoch, steps_to_budget)
 from .cursor import PlanCursor
@@ -103,6 +103,9 @@ class ElasticDataLoader:
         self.entries_per_step = entries_per_step
         self.num_pieces = 1
         self.pass_budget: int | None = None  # a token budget below the plan's pass_tokens (OOMs, memory_backoff)
+        #: every rank runs the same number of passes a step (engines whose every pass communicates: FSDP2, DeepSpeed)
+        self.equal_passes = False
+        self.padding_passes = 0  # the padding passes planned for the rest of the epoch (equal_passes)
         self.loader_kwargs = dict(loader_kwargs or {})
         self.num_workers = int(self.loader_kwargs.get('num_workers', 0))
         self.rows = RowLengths(len(dataset), lengths, real_tokens)
@@ -142,8 +145,8 @@ class ElasticDataLoader:
         """``(order, start, sizes)``: the rest of the epoch as it would be drawn now, the micro-batches of ``sizes``
         samples of ``order`` from ``start`` (a copy: later changes do not touch it)."""
         order, start = list(self.shard.order), self.shard.position
-        if self.plan is not None:
-            return order, start, list(self.cursor.sizes)
+        if self.plan is not None:  # padding passes (0 rows) draw nothing
+            return order, start, [size for size in self.cursor.sizes if size]
         steps = epoch_steps(len(order) - start, self.batch_size, self.entries_per_step)
         return order, start, [size for sizes in steps for size in sizes if size]
 
@@ -366,14 +369,21 @@ class ElasticDataLoader:
 
     def _plan_passes(self) -> None:
         """The rest of the epoch as steps of passes (:func:`~..policies.balance.step_passes`); every rank then runs
-        as many steps as the rank that needs most (a rank with fewer ends with steps of empty slots). Collective."""
+        as many steps as the rank that needs most (a rank with fewer ends with steps of empty slots) and, under an
+        engine whose every pass communicates (:attr:`equal_passes`), as many passes in each step as the rank that
+        needs most (:func:`~..policies.balance.pad_passes`: empty passes, run as zero-weight passes). Collective:
+        one gather of every rank's passes a step."""
         lengths, plan = self.lengths, self.plan
         max_rows = -(-self.batch_size // self.num_pieces) if self.num_pieces > 1 else None
         steps = step_passes([lengths[i] for i in self.shard.rest], self.batch_size * self.entries_per_step,
                             self.pass_tokens, padding_free=plan.padding_free, max_rows=max_rows) \
             if self.remaining else []
-        agreed = max(distributed.gather_objects(len(steps)))
+        counts = distributed.gather_objects([len(step) for step in steps])
+        agreed = max(len(c) for c in counts)
         steps += [[] for _ in range(agreed - len(steps))]
+        self.padding_passes = 0
+        if self.equal_passes:
+            steps, self.padding_passes = pad_passes(steps, counts)
         self.cursor.set([rows for step in steps for rows in step], agreed, [len(step) for step in steps])
 
     def steps_to_budget(self, budget_epochs: float) -> int:

@@ -13,7 +13,9 @@ from typing import Any, Sequence
 
 class EmptyMicroBatch(dict):
     """Placeholder for a micro-batch with no sample (the short last step of an epoch, or a slot a step cut into
-    fewer passes than ``gradient_accumulation_steps`` leaves empty): nothing runs for it."""
+    fewer passes than ``gradient_accumulation_steps`` leaves empty), or a padding pass in a :class:`PassGroup` (a rank
+    with fewer passes in a step than another, under an engine whose every pass communicates): nothing of the data
+    runs for it (the engine runs a zero-weight pass where its collectives need one)."""
 
 
 class PassGroup(dict):
@@ -28,10 +30,10 @@ class PassGroup(dict):
 
 
 def slot_batches(slot: Any) -> list[Any]:
-    """The collated batches one micro-batch slot runs: a :class:`PassGroup`'s passes, none for an
-    :class:`EmptyMicroBatch`, else the slot itself."""
+    """The collated batches of data one micro-batch slot runs: a :class:`PassGroup`'s passes (its padding passes
+    left out), none for an :class:`EmptyMicroBatch`, else the slot itself."""
     if isinstance(slot, PassGroup):
-        return list(slot.passes)
+        return [p for p in slot.passes if not isinstance(p, EmptyMicroBatch)]
     return [] if isinstance(slot, EmptyMicroBatch) else [slot]
 
 

@@ -120,7 +120,8 @@ class RequestApplier:
                                                    checkpointing=bool(trainer.args.gradient_checkpointing),
                                                    cpu_budget_gib=budget, optimizer=getattr(trainer, 'optimizer',
                                                                                             None),
-                                                   args=trainer.args)
+                                                   args=trainer.args,
+                                                   held=lambda later: self.runner.engine.held_bytes(trainer, later))
         chosen = min(distributed.gather_objects(tokens))
         self.decisions.write(DecisionRecord(
             'integration', 'pass_tokens', 'auto', {'pass_tokens': chosen, 'rank_pass_tokens': tokens, **figures},

@@ -10,7 +10,7 @@ token (:func:`~..policies.pass_cost.bytes_per_token` in the *compute* dtype, wit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 #: ``pass_tokens: auto`` on a CPU: a larger pass gains nothing there (compute-bound), so at most this
 CPU_MAX_PASS_TOKENS = 8192
@@ -58,11 +58,12 @@ def held_later(model: Any, optimizer: Any) -> dict[str, int]:
     for p in model.parameters() if hasattr(model, 'parameters') else ():
         if not p.requires_grad:
             continue
-        trainable += p.numel()
+        n = int(getattr(p, 'ds_numel', 0) or p.numel())  # ZeRO-3 keeps an empty tensor and the full count apart
+        trainable += n
         if p.grad is None:
-            grads += p.numel() * p.element_size()
+            grads += n * p.element_size()
         if not state.get(p):
-            states += per_weight * p.numel() * (state_bytes or p.element_size())
+            states += per_weight * n * (state_bytes or p.element_size())
     return {'trainable_params': trainable, 'grad_bytes': grads, 'optimizer_bytes': states}
 
 
@@ -102,12 +103,15 @@ def model_shape(model: Any) -> dict[str, Any]:
 
 
 def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cpu_budget_gib: float | None = None,
-                             optimizer: Any = None, args: Any = None) -> tuple[int, dict[str, Any]]:
+                             optimizer: Any = None, args: Any = None,
+                             held: Callable[[dict[str, int]], dict[str, int]] | None = None
+                             ) -> tuple[int, dict[str, Any]]:
     """``pass_tokens: auto`` on this rank: the budget and the figures it came from (for the record).
 
     On CUDA the free memory now (the model loaded), on a CPU ``cpu_budget_gib`` (``memory_backoff``'s) or half the
     available memory; less what the run will hold that is not allocated yet (:func:`held_later`: gradients and
-    optimizer states, which decide a full fine-tune); a margin of 10 %; at
+    optimizer states, which decide a full fine-tune; ``held``: this rank's part of them under a sharded engine,
+    ``Engine.held_bytes``); a margin of 10 %; at
     :func:`~..policies.pass_cost.bytes_per_token` of the model's shape in the compute dtype. On a CPU at most
     :data:`CPU_MAX_PASS_TOKENS`. A model whose shape cannot be read takes the hand-set table by device memory."""
     import torch
@@ -121,6 +125,8 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
     shape = model_shape(model)
     dims = {k: shape[k] for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers', 'vocab_size')}
     later = held_later(model, optimizer)
+    if held is not None:
+        later = held(later)
     left = max(0, free - later['grad_bytes'] - later['optimizer_bytes'])
     dtype_bytes = compute_dtype_bytes(model, args)
     figures: dict[str, Any] = {'device': 'cuda' if cuda else 'cpu', 'free_gib': round(free / 2**30, 3),

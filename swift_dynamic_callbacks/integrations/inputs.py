@@ -29,8 +29,9 @@ def prepare_slot(slot: Any, *, padding_free: bool, device: torch.device | None, 
     """One of HF's micro-batch slots (an empty one, a batch, or a :class:`PassGroup`) with every batch prepared."""
     if isinstance(slot, EmptyMicroBatch):
         return slot
-    if isinstance(slot, PassGroup):
-        return PassGroup([prepare_batch(b, padding_free=padding_free, device=device, attention=attention)
+    if isinstance(slot, PassGroup):  # its padding passes (empty: engines whose every pass communicates) stay empty
+        return PassGroup([b if isinstance(b, EmptyMicroBatch) else
+                          prepare_batch(b, padding_free=padding_free, device=device, attention=attention)
                           for b in slot.passes])
     return prepare_batch(slot, padding_free=padding_free, device=device, attention=attention)
 

@@ -83,7 +83,7 @@ class Metrics:
 
     def update_logs(self, logs: dict[str, Any], control: Any, loader: Any, parts: Mapping[str, float],
                     *, step_lr: float | None, estimate_overruns: int,
-                    pass_stats: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
+                    pass_stats: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)) -> None:
         """HF's ``log``: merge the pack's values into a training log line (``parts``: the integration parts' own
         values, e.g. the LR scale) and log the LR the step used. Collective on lines with a loss, and at the end."""
         if 'loss' in logs and loader is not None:
@@ -99,13 +99,15 @@ class Metrics:
             logs.update(self.speed_values(loader, float(logs['train_runtime'])))
 
     def log_values(self, control: Any, loader: Any, parts: Mapping[str, float], estimate_overruns: int,
-                   pass_stats: tuple[int, int] = (0, 0)) -> dict[str, float]:
-        """The ``dynamic/*`` values of a training log line; ``pass_stats``: this rank's ``(passes, steps)`` since
-        the last line (``dynamic/passes_per_step``, the mean over ranks and steps)."""
+                   pass_stats: tuple[int, int, int] = (0, 0, 0)) -> dict[str, float]:
+        """The ``dynamic/*`` values of a training log line; ``pass_stats``: this rank's ``(passes, steps, padding
+        passes)`` since the last line (``dynamic/passes_per_step``, the mean over ranks and steps;
+        ``dynamic/padding_passes``: every rank's zero-weight passes that made the ranks' pass counts equal)."""
         values: dict[str, float] = {}
         if self.config.log_values:
-            samples, tokens, padded, passes, steps = distributed.sum_ints([
+            samples, tokens, padded, passes, steps, padding = distributed.sum_ints([
                 loader.samples_seen, self.tokens_seen, self.padded_tokens_seen, *pass_stats])
+            values['dynamic/padding_passes'] = padding
             values.update(self.throughput_values(tokens))
             values['dynamic/padded_tokens_seen'] = padded
             values.update({

@@ -21,6 +21,9 @@ State (saved with the integration's): the requested limit, the OOM budget and it
 
 from __future__ import annotations
 
+import glob
+import json
+import os
 from dataclasses import asdict, replace
 from typing import Any, Iterable, Mapping
 
@@ -120,12 +123,13 @@ class PassBudget:
         return self.step_cap
 
     def fold(self, ooms: Iterable[DecisionRecord], step: int, *, fitted: int = 0,
-             headroom: bool | None = None) -> DecisionRecord | None:
+             headroom: bool | None = None, again: bool = False) -> DecisionRecord | None:
         """Fold the outcome of step ``step`` into the OOM budget, once (a checkpoint may fold its step before the
         boundary does). ``ooms``: every rank's OOM records of it; a one-row pass's OOM is not folded in (it cannot
-        be cut; recorded only). ``fitted``: the largest pass that ran clean in it over all ranks. Returns a
-        ``pass_budget`` record when the budget changed."""
-        if step <= self.folded or self.ceiling is None:
+        be cut; recorded only). ``fitted``: the largest pass that ran clean in it over all ranks. ``again``: fold
+        OOMs of a step already folded (an OOM that ended a run after its last checkpoint, folded on resume). Returns
+        a ``pass_budget`` record when the budget changed."""
+        if (step <= self.folded and not again) or self.ceiling is None:
             return None
         self.folded = step
         key = 'pass_tokens' if self.unit == 'tokens' else 'pass_size'
@@ -175,3 +179,25 @@ class PassBudget:
         self.unit = state.get('unit', 'samples')
         self.oom = replace(BudgetState(), **(state.get('oom') or {}))
         self.folded = int(state.get('folded', -1))
+
+
+def oom_notes(output_dir: str, after_step: int) -> list[DecisionRecord]:
+    """The OOMs that ended a run (under an engine without OOM recovery) after step ``after_step``: every rank's note
+    ``dynamic_oom.rank<R>.json`` in ``output_dir``, as ``oom`` records (reason ``unrecovered``) to fold into the pass
+    budget of a run resumed from that step's checkpoint. Read by every rank (the same notes: the same budget)."""
+    records = []
+    for path in sorted(glob.glob(os.path.join(output_dir, 'dynamic_oom.rank*.json'))):
+        try:
+            with open(path, encoding='utf-8') as f:
+                note = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if int(note.get('step', -1)) < after_step:
+            continue
+        values = {k: note.get(k) for k in ('rank', 'pass_size', 'pass_tokens', 'unit', 'fitted', 'engine', 'error')}
+        records.append(DecisionRecord(
+            'integration', 'oom', 'unrecovered', values,
+            f'rank {note.get("rank")} ran out of memory at step {int(note["step"]) + 1} in a pass of '
+            f'{note.get("pass_size")} rows ({note.get("pass_tokens")} tokens) and the run ended (no OOM recovery under '
+            f'{note.get("engine")}): this resumed run plans below it', step=int(note['step'])))
+    return records

@@ -91,6 +91,7 @@ class StepRunner:
         self.oom_count = 0
         self.loss = LossKind('token_sum', None, '')  # the training loss's kind (begin)
         self.loss_weight: float | None = None  # the running piece's share of its micro-batch's mean loss
+        self.oom_off: str | None = None  # why OOM recovery is off in this run (begin)
         self.batches: list[Any] = []
         self.indices: list[list[int]] = []
         self.num_pieces = 1  # the passes a micro-batch of this step is cut into at least (requested)
@@ -108,7 +109,9 @@ class StepRunner:
         self._checked = False
         self._can_split: bool | None = None  # whether a micro-batch may run as several passes (checked once)
         self.padding_free = False  # every pass runs as one packed row (a batch plan's padding_free)
-        self._pass_stats = [0, 0]  # forward/backward passes run, steps started, since the last read
+        self._pass_stats = [0, 0, 0]  # passes run, steps started, padding passes run, since the last read
+        self._pads: list[int] = []  # per slot of this step: padding passes to run after its own (equal passes)
+        self.output_dir: str | None = None  # where an OOM this run cannot recover from leaves its note
 
     def begin(self, config: IntegrationConfig, pack_config: Mapping[str, Any]) -> DecisionRecord:
         """At train start: choose the engine adapter, refuse what it cannot run (``config.engines``), decide whether
@@ -131,6 +134,7 @@ class StepRunner:
         self.oom_recovery, self.single_sample_retries = recovery, config.oom_single_sample_retries
         self.attention.mode = config.packed_attention
         self.oom_count, self._checked, self._can_split, self._adapter_like = 0, False, None, None
+        self.oom_off = None if recovery else why_off
         message = f'engine {self.engine.name}' + ('' if recovery else f'; OOM recovery off ({why_off})')
         if not recovery and config.oom_recovery == 'auto':
             logger.warning(message)
@@ -164,8 +168,8 @@ class StepRunner:
                                   'pairs them; they are not flattened)')
             if host_packs_rows(self.trainer):
                 raise ConfigError(f'{setting}: ms-swift\'s padding_free / packing already pack the rows; use one')
-            single = self.engine.name in ('single', 'ddp')
-            record = self.attention.start(model, probe_backward=single, sharded=not single, setting=setting)
+            collective = self.engine.collective_passes
+            record = self.attention.start(model, probe_backward=not collective, sharded=collective, setting=setting)
         self.padding_free = bool(on)
         return record
 
@@ -226,10 +230,42 @@ class StepRunner:
         self.oom = None
         self.probe = probe
         self._pass_stats[1] += 1
+        if self._template is None:  # a padding pass copies a row of the step's first real batch
+            self._template = next((b for b in (_first_batch(s) for s in self.batches) if b is not None), None)
+        self._pads = self._equal_passes() if self.engine.collective_passes else [0] * len(self.batches)
 
-    def take_pass_stats(self) -> tuple[int, int]:
-        """``(passes run, steps started)`` since the last call (OOM retries included), and reset them."""
-        stats, self._pass_stats = tuple(self._pass_stats), [0, 0]
+    def _slot_passes(self, slot: Any) -> int:
+        """The passes this rank runs for one slot at the limit in force now: one for an empty slot (a placeholder
+        or padding pass), else each batch's pieces."""
+        if isinstance(slot, EmptyMicroBatch):
+            return 1
+        batches = slot.passes if isinstance(slot, PassGroup) else [slot]
+        return sum(1 if isinstance(b, EmptyMicroBatch) else self._pieces(b) for b in batches)
+
+    def _equal_passes(self) -> list[int]:
+        """Engines whose every pass communicates: the padding passes each slot needs so that every rank runs as many
+        passes in it as the rank that runs most. Passes the planner cut (``pass_tokens``) are equal already (padded
+        when planned), so nothing is exchanged; where a pass limit or pieces could cut a micro-batch differently on
+        each rank (their rows' lengths), one small all-reduce of the slots' pass counts a step agrees them."""
+        own = [self._slot_passes(slot) for slot in self.batches]
+        planned = self.budget.unit == 'tokens' and self.budget.estimate is None  # the planner's passes: never cut
+        if planned or (self.effective_pass_limit() is None and self.num_pieces <= 1):
+            return [0] * len(own)
+        return [most - mine for most, mine in zip(distributed.max_ints(own), own)]
+
+    def _pieces(self, batch: Any) -> int:
+        """The passes one collated batch runs as at the limit in force now (:func:`pieces_within`)."""
+        _, length = batch_shape(batch)
+        lengths, packed = pass_lengths(batch), isinstance(batch, PackedBatch)
+        limit = self.effective_pass_limit()
+        samples = pass_cap(length, {**limit, 'tokens': None}) if limit else None
+        return pieces_within(lengths, packed=packed, tokens=(limit or {}).get('tokens'), samples=samples,
+                             requested=self.num_pieces)
+
+    def take_pass_stats(self) -> tuple[int, int, int]:
+        """``(passes run, steps started, padding passes run)`` since the last call (OOM retries included), and reset
+        them."""
+        stats, self._pass_stats = tuple(self._pass_stats), [0, 0, 0]
         return stats
 
     def clear(self) -> None:
@@ -256,27 +292,38 @@ class StepRunner:
         index = self._micro
         self._micro += 1
         last_of_step = index == len(self.batches) - 1
+        pads = self._pads[index] if index < len(self._pads) else 0
         if isinstance(inputs, EmptyMicroBatch):
-            loss = self.engine.placeholder_pass(model, run, self._template, sync=last_of_step)
+            loss = self.engine.placeholder_pass(model, run, self._template, sync=last_of_step and not pads)
+            self._pad(model, run, pads, last_of_step)
             if last_of_step:
                 self._finish_step(model)
             # A plain zero, not ``loss * 0``: the loss over a row whose labels are all ignored can be NaN (a mean
             # over no tokens), and the trainer adds what is returned here to the logged training loss.
             return torch.zeros((), device=loss.device if loss is not None else self.trainer.args.device)
-        self._template = inputs.passes[0] if isinstance(inputs, PassGroup) else inputs
+        self._template = _first_batch(inputs) or self._template
         if not self.oom_recovery:
             try:
-                loss = self._run_passes(model, inputs, run, num_items_in_batch, index, final=last_of_step)
+                loss = self._run_passes(model, inputs, run, num_items_in_batch, index, final=last_of_step and not pads)
             except Exception as error:  # noqa: BLE001 - a switched kernel's failure is reported, then re-raised
-                if self.padding_free and self.attention.switched and not is_oom(error):
+                if is_oom(error):
+                    self._unrecovered_oom(error)
+                elif self.padding_free and self.attention.switched:
                     logger.error(f'{self.attention.kernel} failed during training and OOM recovery is off here, so '
                                  'the step cannot be run again on sdpa; set integration.packed_attention: sdpa')
                 raise
+            self._pad(model, run, pads, last_of_step)
         else:
             loss = self._run_with_recovery(model, inputs, run, num_items_in_batch, index, last_of_step)
         if last_of_step:
             self._finish_step(model)
         return loss
+
+    def _pad(self, model: Any, run: Run, pads: int, last_of_step: bool) -> None:
+        """``pads`` padding passes after a slot's own (the last one ends the step when the slot does)."""
+        for k in range(pads):
+            self.engine.padding_pass(model, run, self._template, sync=last_of_step and k == pads - 1)
+            self._pass_stats[2] += 1
 
     def _run_with_recovery(self, model: Any, inputs: Any, run: Run, num_items_in_batch: Any, index: int,
                            last_of_step: bool) -> torch.Tensor:
@@ -322,22 +369,23 @@ class StepRunner:
             return self._run_batch(model, inputs, run, num_items_in_batch, index, 0, final=final)
         total, offset = None, 0
         for k, batch in enumerate(inputs.passes):
-            loss = self._run_batch(model, batch, run, num_items_in_batch, index, offset,
-                                   final=final and k == len(inputs.passes) - 1)
+            last = final and k == len(inputs.passes) - 1
+            if isinstance(batch, EmptyMicroBatch):  # a padding pass the planner added (equal passes)
+                self.engine.padding_pass(model, run, self._template, sync=last)
+                self._pass_stats[2] += 1
+                continue
+            loss = self._run_batch(model, batch, run, num_items_in_batch, index, offset, final=last)
             total = loss if total is None else total + loss
             offset += batch_shape(batch)[0]
-        return total
+        return total if total is not None else torch.zeros((), device=self.trainer.args.device)
 
     def _run_batch(self, model: Any, inputs: Any, run: Run, num_items_in_batch: Any, index: int, offset: int, *,
                    final: bool) -> torch.Tensor:
         """One collated batch as ``pieces`` passes; ``offset``: its first row's place in the slot. ``final``: its
         last pass is the step's last (it syncs)."""
-        rows, length = batch_shape(inputs)
+        rows, _ = batch_shape(inputs)
         lengths, packed = pass_lengths(inputs), isinstance(inputs, PackedBatch)
-        limit = self.effective_pass_limit()
-        samples = pass_cap(length, {**limit, 'tokens': None}) if limit else None
-        pieces = pieces_within(lengths, packed=packed, tokens=(limit or {}).get('tokens'), samples=samples,
-                               requested=self.num_pieces)
+        pieces = self._pieces(inputs)
         probe = self.probe
         if pieces > 1 and num_items_in_batch is None and self.loss.kind == 'token_sum':
             raise RuntimeError('splitting a micro-batch into passes (num_pieces > 1, a pass limit or OOM recovery) '
@@ -433,6 +481,39 @@ class StepRunner:
         self._halvings += 1
         self.oom = {'pass_size': size, 'pass_tokens': cost, 'new_cap': cap, 'unit': self.budget.unit, 'record': None}
 
+    def _unrecovered_oom(self, error: BaseException) -> None:
+        """An OOM where recovery is off (FSDP2, DeepSpeed, or by setting): say which pass, the budget and the setting
+        to lower, and leave a note in the output folder (``dynamic_oom.rank<R>.json``) that a run resumed from an
+        earlier checkpoint folds into its pass budget before its first step (a ``pass_budget`` record), so it does
+        not run out of memory at the same pass again. The error is raised again: the launcher ends every rank."""
+        import json
+        import os
+        current = self._current
+        size = current[2] - current[1] if current is not None else 0
+        cost, unit = self._current_cost, self.budget.unit
+        ceiling = self.budget.ceiling
+        step = int(self.trainer.state.global_step)
+        lower = ('length_batching.pass_tokens' if unit == 'tokens' else
+                 'per_device_train_batch_size, batch_growth.maximum or batch_growth.micro_batch_cap')
+        why = self.oom_off or 'oom_recovery: false'
+        of = f'pass_tokens {ceiling}' if unit == 'tokens' else 'the micro-batch'
+        message = (f'out of memory on rank {distributed.rank()} in a pass of {size} rows ({cost} tokens) at step '
+                   f'{step + 1}, under {self.engine.name} where OOM recovery is off ({why}); the pass budget was '
+                   f'{self.budget.budget or ceiling} {unit} ({of}). '
+                   f'Lower {lower}, or resume from the last checkpoint: the resumed run plans its passes within '
+                   f'{max(1, (cost if unit == "tokens" else size) // 2)} {unit} from its first step (the note '
+                   f'dynamic_oom.rank{distributed.rank()}.json in the output folder). Memory: {device_figures()}')
+        logger.error(message)
+        if self.output_dir:
+            try:
+                with open(os.path.join(self.output_dir, f'dynamic_oom.rank{distributed.rank()}.json'), 'w',
+                          encoding='utf-8') as f:
+                    json.dump({'step': step, 'rank': distributed.rank(), 'pass_size': size, 'pass_tokens': cost,
+                               'unit': unit, 'fitted': self.budget.fitted, 'engine': self.engine.name,
+                               'error': str(error)[:300]}, f)
+            except OSError as e:  # the note is best effort: the error itself is what the user must see
+                logger.error(f'could not write the OOM note: {e}')
+
     def _too_large(self, micro: int, start: int) -> SampleTooLargeError:
         batch, row = self.batches[micro], start
         indices = self.indices[micro] if micro < len(self.indices) else []
@@ -486,3 +567,12 @@ class StepRunner:
             f'was run again with {how} (same samples, same gradient' +
             (f': each piece weighted by its share of the {self.loss.kind.split("_")[0]}s, {self.loss.setting})'
              if self.loss.kind in ('token_mean', 'row_mean') else ')'), step=self.trainer.state.global_step)
+
+
+def _first_batch(slot: Any) -> Any:
+    """The first collated batch of data in a slot (``None``: an empty slot or a group of padding passes)."""
+    if isinstance(slot, EmptyMicroBatch):
+        return None
+    if isinstance(slot, PassGroup):
+        return next((b for b in slot.passes if not isinstance(b, EmptyMicroBatch)), None)
+    return slot

@@ -86,3 +86,10 @@ def register(settings: Mapping[str, Any] | None = None, **by_name: Any) -> PackC
     for name in CALLBACKS:
         callbacks_map[name] = _factory(name)
     return current_config()
+
+
+def unregister() -> None:
+    """Forget the settings :func:`register` took (the next run reads :data:`ENV_CONFIG` again, or the defaults); the
+    factories stay in ``callbacks_map``. :func:`swift_dynamic_callbacks.run.registered` calls it after each run."""
+    global _configured
+    _configured = None

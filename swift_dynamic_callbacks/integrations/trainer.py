@@ -40,7 +40,7 @@ from .layout import Layout
 from .optimizer import OptimizerScale
 from .lr import LRControl
 from .packed_attention import PackedAttention
-from .pass_budget import PassBudget
+from .pass_budget import PassBudget, oom_notes
 from .metrics import Metrics, allocator_figures
 from .requests import agree_step, load_replay, request_to_json, set_request
 from .steps import StepRunner
@@ -86,6 +86,7 @@ class Integration:
         self.applier = RequestApplier(self.feed, self.runner, self.lr, self.decisions, self.refresh_budget,
                                       self.layout, self.optimizer, self.pack_config)
         self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
+        self.crash_ooms: list[DecisionRecord] = []  # OOMs that ended an earlier run after the resumed checkpoint
         self.replay: dict[int, protocol.BatchRequest] | None = None  # step -> recorded request (replay setting)
 
     @property
@@ -123,11 +124,15 @@ class Integration:
             self.decisions.write(DecisionRecord('integration', 'replay', 'start', {
                 'file': self.config.replay, 'requests': len(self.replay), 'steps': sorted(self.replay)[:64]}, message))
         self.checkpoints.resume(resume_from_checkpoint, [self] + self.callback_components())
+        self.runner.output_dir = trainer.args.output_dir
+        if self.checkpoints.payload is not None:  # OOMs that ended a run after this checkpoint: folded at step 1
+            self.crash_ooms = oom_notes(trainer.args.output_dir, self.trainer.state.global_step)
         self.budget.begin()
 
     def build_loader(self, host_loader: Any) -> Any:
         """``get_train_dataloader``: the pack's loader, at the resumed position, with the run's step budget."""
         loader = self.feed.build(host_loader)
+        loader.equal_passes = self.runner.engine.collective_passes  # every rank the same passes a step
         initial_batch_size = loader.batch_size
         self.layout.begin(distributed.world_size(), loader.entries_per_step, initial_batch_size)
         self.checkpoints.restore_loader(loader, self.feed.fingerprint, self.layout)
@@ -241,6 +246,7 @@ class Integration:
         Collective. Returns the agreed request."""
         request, shared, fitted = agree_step(request, self._own_records(), self.pass_budget.fitted)
         records = list(shared)  # every rank's OOM and kernel fallback of the last step
+        crashed, self.crash_ooms = self.crash_ooms, []
         follow = self.attention.follow(self.trainer.model, shared, self.trainer.state.global_step)
         if follow is not None:  # another rank's kernel failed: every rank runs the same attention from this step
             records.append(follow)
@@ -248,6 +254,11 @@ class Integration:
         if loader is not None:
             self.pass_budget.configure(tokens_ceiling=loader.plan.pass_tokens if loader.cuts_passes else None,
                                        rows=loader.batch_size)
+            if crashed:  # every rank read the same notes: the same budget
+                records.extend(crashed)
+                record = self.pass_budget.fold(crashed, self.trainer.state.global_step, again=True)
+                if record is not None:
+                    records.append(record)
             record = self.pass_budget.fold([r for r in shared if r.kind == 'oom'], self.trainer.state.global_step,
                                            fitted=fitted)
             if record is not None:

@@ -190,3 +190,17 @@ def pass_slots(passes: int, entries: int) -> tuple[int, ...]:
     runs) come first and the last slot, the one whose backward synchronises gradients, always holds a pass."""
     from .data_plan import step_sizes
     return step_sizes(passes, max(1, -(-passes // entries)), entries)
+
+
+def pad_passes(steps: list[list[int]], counts: Sequence[Sequence[int]]) -> tuple[list[list[int]], int]:
+    """Every step of ``steps`` (this rank's passes, their rows) with empty passes (0 rows) added at its end up to the
+    most passes any rank runs in it (``counts``: every rank's passes a step, as planned), for engines whose every pass
+    enters collectives (FSDP2, DeepSpeed: every rank must run the same number of passes). Returns the padded steps and
+    the padding passes added."""
+    padded, added = [], 0
+    for k, step in enumerate(steps):
+        most = max((len(c) > k and c[k]) or 0 for c in counts)
+        extra = max(0, most - len(step))
+        padded.append(list(step) + [0] * extra)
+        added += extra
+    return padded, added

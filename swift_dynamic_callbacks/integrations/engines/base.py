@@ -4,6 +4,9 @@ An engine adapter knows how the training engine (one process, DDP, FSDP2, DeepSp
 and reduces gradients; the shared code (:mod:`..steps`, :mod:`..trainer`) never branches on the engine. Each
 adapter answers:
 
+- :attr:`Engine.collective_passes`: whether every pass enters the engine's collectives (FSDP2, DeepSpeed), so every
+  rank must run the same number of passes in a step (the pack pads a rank's short step with zero-weight passes);
+- :meth:`Engine.matches` / :meth:`Engine.create`: whether accelerate runs this engine, and its adapter for a run;
 - :meth:`Engine.pass_context`: run this pass with or without the engine's gradient synchronisation;
 - :meth:`Engine.finish_step`: after the step's last pass, reduce the step's gradients (when the engine does not);
 - :meth:`Engine.placeholder_pass`: what a rank without samples in a micro-batch runs so that it still joins the
@@ -34,9 +37,28 @@ class Engine:
     """
 
     name: ClassVar[str] = 'single'
+    #: every pass enters the engine's collectives: every rank runs the same number of passes a step
+    collective_passes: ClassVar[bool] = False
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
+
+    @classmethod
+    def matches(cls, kind: str, world: int, accelerator: Any) -> bool:
+        """Whether accelerate's distributed type ``kind`` (its name: ``NO``, ``MULTI_GPU``, ``FSDP``, ...) with
+        ``world`` processes is this engine (one process: ``NO`` or any type on one process)."""
+        return world <= 1 and (kind == 'NO' or kind.startswith('MULTI_'))
+
+    @classmethod
+    def create(cls, trainer: Any, recovery: bool) -> 'Engine':
+        """The adapter for a run whose OOM recovery is ``recovery``."""
+        return cls(trainer)
+
+    @classmethod
+    def held_bytes(cls, trainer: Any, later: dict[str, int]) -> dict[str, int]:
+        """What this rank holds of the gradients and optimizer states :func:`..auto_budget.held_later` counted for
+        the whole model (``pass_tokens: auto``): all of it here; sharded engines hold their part."""
+        return later
 
     # ---- what the engine is ------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
@@ -83,6 +105,14 @@ class Engine:
         """The context one forward/backward pass runs in. ``sync``: this is the step's last pass, whose backward
         completes the step's gradient (engines that reduce inside backward do so only then)."""
         return contextlib.nullcontext()
+
+    def padding_pass(self, model: Any, run: Callable[[Mapping[str, Any]], torch.Tensor],
+                     template: Mapping[str, Any] | None, *, sync: bool) -> torch.Tensor | None:
+        """A pass that exists only so that this rank runs as many passes as the others in a step
+        (:attr:`collective_passes`): a zero-weight pass there, nothing elsewhere."""
+        if not self.collective_passes:
+            return None
+        return self.zero_weight_pass(model, run, template, sync=sync)
 
     def finish_step(self, model: Any) -> None:
         """After the step's last pass on this rank: make the gradients the ones the optimizer step uses (reduced

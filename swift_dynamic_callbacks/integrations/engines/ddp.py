@@ -42,6 +42,16 @@ class DDPEngine(Engine):
         self._forward_started = False
         self._hooked: Any = None
 
+    @classmethod
+    def matches(cls, kind: str, world: int, accelerator: Any) -> bool:
+        return world > 1 and kind.startswith('MULTI_')
+
+    @classmethod
+    def create(cls, trainer: Any, recovery: bool) -> 'DDPEngine':
+        """With OOM recovery the step's gradients are reduced after its last pass (``deferred``), else in DDP's own
+        overlapped all-reduce (``native``)."""
+        return cls(trainer, sync='deferred' if recovery else 'native')
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), 'gradient_sync': self.sync}
 

@@ -2,13 +2,18 @@
 and ZeRO communicates inside every backward (ZeRO-2 reduces gradient partitions, ZeRO-3 also gathers parameters in
 forward), so every rank must run the same passes in the same order.
 
-- Passes: accelerate tells the engine whether a backward ends the accumulation (``sync_gradients``, set by HF per
-  micro-batch); this adapter sets it per pass, so only the step's last pass is the boundary where the engine steps.
-- A rank without samples in a micro-batch runs a zero-weight pass (one row, every label ignored): its backward enters
-  the same ZeRO collectives as the other ranks' and adds a zero gradient (skipping it made the ranks' collectives
-  differ: a size mismatch at the last step of an epoch).
-- Refused (``config.engines``): OOM recovery, passes whose number depends on each rank (pieces, pass caps) and the
-  gradient-noise probe (ZeRO partitions gradients inside backward).
+- Passes: accelerate tells the engine whether a backward ends the accumulation (``sync_gradients``, mapped to
+  DeepSpeed's ``set_gradient_accumulation_boundary`` by accelerate >= 1.8; set by HF per micro-batch); this adapter
+  sets it per pass, so only the step's last pass is the boundary where the engine steps, whatever the number of
+  passes (``gradient_accumulation_steps`` 1 with several passes included: the known trap of a boundary at every
+  backward, which keeps only the last pass on ZeRO-2). HF's backward passes ``scale_wrt_gas=False``: the loss is not
+  divided by the configured accumulation steps (ms-swift's token-sum loss is normalised over the step already).
+- ZeRO-2 reduces its buckets on every backward and ZeRO-3 gathers parameters in every forward
+  (:attr:`~.base.Engine.collective_passes`): a rank without samples in a micro-batch, or with fewer passes in a step,
+  runs zero-weight passes (one row, every label ignored) that enter the same collectives and add a zero gradient
+  (skipping them made the ranks' collectives differ: a size mismatch at the last step of an epoch).
+- Refused (``config.engines``): OOM recovery and the gradient-noise probe (ZeRO partitions gradients inside
+  backward).
 """
 
 from __future__ import annotations
@@ -26,12 +31,27 @@ class DeepSpeedEngineAdapter(Engine):
     """DeepSpeed adapter (see the module docstring)."""
 
     name: ClassVar[str] = 'deepspeed'
+    collective_passes: ClassVar[bool] = True
+
+    @classmethod
+    def matches(cls, kind: str, world: int, accelerator: Any) -> bool:
+        return kind == 'DEEPSPEED'
+
+    @classmethod
+    def stage(cls, trainer: Any) -> int | None:
+        state = getattr(getattr(trainer, 'accelerator', None), 'state', None)
+        return getattr(getattr(state, 'deepspeed_plugin', None), 'zero_stage', None)
+
+    @classmethod
+    def held_bytes(cls, trainer: Any, later: dict[str, int]) -> dict[str, int]:
+        """ZeRO-1 and up partition the optimizer states, ZeRO-2 and up the gradients too, over the ranks."""
+        world = max(1, int(getattr(trainer.args, 'world_size', 1) or 1))
+        stage = cls.stage(trainer) or 0
+        return {**later, 'grad_bytes': later['grad_bytes'] // (world if stage >= 2 else 1),
+                'optimizer_bytes': later['optimizer_bytes'] // (world if stage >= 1 else 1)}
 
     def describe(self) -> dict[str, Any]:
-        config = getattr(getattr(self.trainer, 'accelerator', None), 'state', None)
-        plugin = getattr(config, 'deepspeed_plugin', None)
-        stage = getattr(plugin, 'zero_stage', None)
-        return {**super().describe(), 'zero_stage': stage}
+        return {**super().describe(), 'zero_stage': self.stage(self.trainer)}
 
     def check_wrapped(self, model: Any) -> None:
         try:

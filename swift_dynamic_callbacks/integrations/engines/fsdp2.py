@@ -1,15 +1,17 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``): the engine all-gathers parameters inside every forward and
 reduce-scatters gradients inside the backward of a synchronised pass, so every rank must run the same passes in the
-same order.
+same order (:attr:`~.base.Engine.collective_passes`: the pack pads a rank's short step with zero-weight passes).
 
-- Passes: the step's last pass reduce-scatters (``set_requires_gradient_sync(True)``), every other pass accumulates
-  unsharded gradients (``False``); each pass sets it for itself. (accelerate's ``no_sync``, which HF wraps around
-  every micro-batch but the last, sets it back to ``True`` on exit, so nesting it per pass turned synchronisation on
-  again inside a micro-batch: one reduce-scatter per pass instead of one per step.)
-- A rank without samples in a micro-batch runs a zero-weight pass (one row, every label ignored): it enters the same
-  all-gathers and reduce-scatter as the other ranks and adds a zero gradient.
-- Refused (``config.engines``): OOM recovery (a rank retrying a pass would leave the others inside a collective),
-  passes whose number depends on each rank (pieces, pass caps) and the gradient-noise probe.
+- Passes: every pass reduce-scatters its gradients into the sharded ones (``set_requires_gradient_sync(True)``, as
+  torchtitan runs micro-batches): no full-size unsharded gradient is held across passes, whatever their number (a
+  step of many passes cut by ``pass_tokens`` would otherwise hold a full copy of the trainable gradients on every
+  rank). The sum of the reduce-scattered passes is the reduce-scatter of their sum: the same gradient. The cost is
+  one reduce-scatter a pass instead of one a step (LoRA: the adapters' gradients only). accelerate's ``no_sync``,
+  which HF wraps around every micro-batch but the last, is overridden per pass.
+- A rank without samples in a micro-batch, or with fewer passes in a step, runs zero-weight passes (one row, every
+  label ignored): they enter the same all-gathers and reduce-scatters as the other ranks' and add a zero gradient.
+- Refused (``config.engines``): OOM recovery (a rank retrying a pass would leave the others inside a collective) and
+  the gradient-noise probe.
 """
 
 from __future__ import annotations
@@ -28,6 +30,23 @@ class FSDP2Engine(Engine):
     """FSDP2 adapter (see the module docstring)."""
 
     name: ClassVar[str] = 'fsdp2'
+    collective_passes: ClassVar[bool] = True
+
+    @classmethod
+    def matches(cls, kind: str, world: int, accelerator: Any) -> bool:
+        if kind != 'FSDP':
+            return False
+        plugin = getattr(getattr(accelerator, 'state', None), 'fsdp_plugin', None)
+        if getattr(plugin, 'fsdp_version', 2) != 2:
+            raise ConfigError(f'fsdp_version: {plugin.fsdp_version}: {FSDP1_REFUSED}')
+        return True
+
+    @classmethod
+    def held_bytes(cls, trainer: Any, later: dict[str, int]) -> dict[str, int]:
+        """Gradients and optimizer states are sharded evenly over the ranks."""
+        world = max(1, int(getattr(trainer.args, 'world_size', 1) or 1))
+        return {**later, 'grad_bytes': later['grad_bytes'] // world,
+                'optimizer_bytes': later['optimizer_bytes'] // world}
 
     def check_wrapped(self, model: Any) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -36,7 +55,7 @@ class FSDP2Engine(Engine):
                               f'(fully_shard): {FSDP1_REFUSED}')
 
     def pass_context(self, model: Any, *, sync: bool) -> ContextManager[Any]:
-        return _gradient_sync(model, sync)
+        return _gradient_sync(model, True)  # every pass reduce-scatters (module docstring)
 
     def placeholder_pass(self, model: Any, run: Callable[[Mapping[str, Any]], torch.Tensor],
                          template: Mapping[str, Any] | None, *, sync: bool) -> torch.Tensor | None:
