@@ -6,7 +6,6 @@ batch ratio) and the eval loss is token-weighted. ``scripts/growth_study.sh``: t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -23,11 +22,8 @@ STUDY = os.path.join(ROOT, 'scripts', 'growth_study.sh')
 
 @pytest.fixture(scope='module')
 def bench():
-    path = os.path.join(ROOT, 'scripts', 'bench_growth_study.py')
-    spec = importlib.util.spec_from_file_location('bench_growth_study', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import growth_study
+    return growth_study
 
 
 def test_arm_b_is_a_batch_growth_table_at_the_rows_of_its_stages(bench):

@@ -5,7 +5,6 @@ scored."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,10 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope='module')
 def bench():
-    spec = importlib.util.spec_from_file_location('bench_quality', os.path.join(ROOT, 'scripts', 'bench_quality.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import quality
+    return quality
 
 
 def test_every_arm_is_a_valid_pack_section(bench):

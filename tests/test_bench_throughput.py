@@ -1,11 +1,9 @@
-"""The throughput benchmark's harness (scripts/bench_throughput.py, throughput_child.py): how arms are written, and an
+"""The throughput benchmark's harness (benchmarks/throughput.py, throughput_child.py): how arms are written, and an
 arm that fails is reported with its cause while the next one runs (no GPU, no training)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 
 import pytest
 
@@ -14,12 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope='module')
 def bench():
-    sys.path.insert(0, os.path.join(ROOT, 'scripts'))
-    spec = importlib.util.spec_from_file_location('bench_throughput', os.path.join(ROOT, 'scripts',
-                                                                                    'bench_throughput.py'))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import throughput
+    return throughput
 
 
 def test_arms_with_a_budget_a_layout_or_a_chain(bench):

@@ -158,18 +158,19 @@ def test_growth_token_budget_lr_schedule_resume_and_early_stop(engine, tmp_path,
 
 
 @pytest.mark.parametrize('engine,callbacks,pack,message', [
-    pytest.param('fsdp2', ['memory_backoff'], {'memory_backoff': {}}, 'callbacks: memory_backoff: pass_limit is not '
-                 'supported under fsdp2', id='fsdp2-memory_backoff'),
+    pytest.param('fsdp2', ['batch_growth'], {'batch_growth': {'policy': 'noise_scale', 'initial': 1, 'maximum': 2}},
+                 'dynamic_callbacks.batch_growth.policy: noise_scale is not supported under fsdp2',
+                 id='fsdp2-noise_scale'),
     pytest.param('zero3', ['batch_growth'],
                  {'batch_growth': {'micro_batch_cap': 1}, 'integration': {'oom_recovery': True}},
-                 'dynamic_callbacks.batch_growth.micro_batch_cap: pieces is not supported under deepspeed',
-                 id='zero3-pieces', marks=pytest.mark.skipif(not _deepspeed_available(), reason='no deepspeed')),
+                 'dynamic_callbacks.integration.oom_recovery: oom_recovery is not supported under deepspeed',
+                 id='zero3-oom_recovery', marks=pytest.mark.skipif(not _deepspeed_available(), reason='no deepspeed')),
 ])
 def test_sharded_engines_refuse_at_start(engine, callbacks, pack, message, tmp_path, tiny_qwen, dataset_15):
     """A feature the engine cannot run stops the run when training starts, naming the setting and the engine
     (``swift-dynamic check`` refuses the same YAML before any model loads)."""
     log = run_ranks(str(tmp_path / engine), tiny_qwen, dataset_15, engine=engine, callbacks=callbacks, pack=pack,
-                    max_steps=2, expect_failure=True)
+                    max_steps=2, gradient_accumulation_steps=2, expect_failure=True)
     with open(log, encoding='utf-8', errors='replace') as f:
         text = f.read()
     assert 'ConfigError' in text and message in text

@@ -4,7 +4,6 @@ rows x padded length, here on a CPU with the tiny model (the GPU run is ``script
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -15,11 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope='module')
 def clock():
-    path = os.path.join(ROOT, 'scripts', 'growth_clock.py')
-    spec = importlib.util.spec_from_file_location('growth_clock', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import growth_clock
+    return growth_clock
 
 
 @pytest.mark.e2e

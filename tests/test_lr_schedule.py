@@ -393,11 +393,7 @@ def test_eval_metric_monitor_uses_evaluations():
 
 
 def test_plot_script_prints_and_plots_a_simulated_plateau(tmp_path, capsys):
-    import importlib.util
-    path = os.path.join(os.path.dirname(__file__), '..', 'scripts', 'plot_lr_schedule.py')
-    spec = importlib.util.spec_from_file_location('plot_lr_schedule', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks import plot_lr_schedule as module
     config = tmp_path / 'c.yaml'
     config.write_text('dynamic_callbacks:\n  lr_schedule: {warmup: 10, hold: 10, max_restarts: 1}\n')
     png = tmp_path / 'lr.png'

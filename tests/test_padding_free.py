@@ -454,13 +454,8 @@ def test_swift_sft_padding_free_trains_as_the_padded_run(tmp_path, tiny_llama, m
 def test_the_start_up_proof_script_passes_and_can_fail(tmp_path, monkeypatch, capsys):
     """``scripts/packed_proof.py`` (run on a GPU before the throughput arms): on the tiny model the packed forms give
     the padded loss and gradient; a packing that lets rows see each other (positions not restarted) is caught."""
-    import importlib.util
-    import os
+    from benchmarks import packed_proof as proof
     from swift_dynamic_callbacks.integrations import padding_free
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location('packed_proof', os.path.join(root, 'scripts', 'packed_proof.py'))
-    proof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(proof)
     common = ['--model', 'tiny', '--attentions', 'sdpa', 'eager', '--work', str(tmp_path), '--lengths', '9', '40', '3']
     jsonl = tmp_path / 'proof.jsonl'
     assert proof.main([*common, '--jsonl', str(jsonl)]) == 0

@@ -147,12 +147,8 @@ def test_every_callback_config_trains_with_a_tiny_model(name, arch, tmp_path, re
 
 
 def _answer_script():
-    import importlib.util
-    path = os.path.join(ROOT, 'scripts', 'main_job_answer.py')
-    spec = importlib.util.spec_from_file_location('main_job_answer', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import answers
+    return answers
 
 
 def test_main_job_scores_the_answer_form_and_the_final_number():

@@ -1,7 +1,7 @@
 """The arms of ``bench_throughput.py``: ms-swift LoRA epochs measured the same way in every arm (a child process; run
 by torchrun for several processes). Not a user entry point.
 
-Usage: ``python scripts/throughput_child.py spec.json [spec.json ...]`` (or one spec under ``torch.distributed.run``).
+Usage: ``python benchmarks/throughput_child.py spec.json [spec.json ...]`` (or one spec under torchrun).
 Several specs run one after another in this process (one process: the imports and the CUDA context are paid once);
 after each, every rank writes ``<out>/throughput.rank<R>.json`` and rank 0 prints ``[arm-done] <out>``, so the parent
 reports an arm as soon as it ends. A record holds, per micro-batch as it ran (step, rows, each row's real tokens, padded
