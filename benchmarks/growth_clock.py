@@ -111,51 +111,21 @@ def pass_grid(model_dir: str, device: str, dtype: str, rows: list[int], lengths:
         torch.cuda.empty_cache()
 
 
-def make_timer(device: str):
-    """A plain HF callback (ms-swift's ``(args, trainer)`` factory): the wall time of each optimizer step (device
-    synchronised at its end) and of the whole training."""
-    from swift.callbacks import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        last = None
-
-        def __init__(self, args, trainer):
-            super().__init__(args, trainer)
-            StepTimer.last = self
-            self.steps: list[float] = []
-            self.start = self.begin = self.total = None
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            sync(device)
-            self.begin = time.perf_counter()
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            sync(device)
-            self.steps.append(time.perf_counter() - self.start)
-
-        def on_train_end(self, args, state, control, **kwargs):
-            sync(device)
-            self.total = time.perf_counter() - self.begin
-
-    return StepTimer
-
-
 def time_arm(arm: str, seed: int, args: argparse.Namespace, model: str, flags: dict, train: str) -> dict:
     """One arm's training under ms-swift on the device: its step times and pass layout."""
     out = os.path.join(args.work, 'runs', f'{arm}-seed{seed}')
-    timer = make_timer(args.device)
+    from swift_dynamic_callbacks.testing.timing import StepTimer
+    timer = StepTimer.factory(device=args.device)  # the device synchronised at each step's end
     device_args = {'torch_dtype': args.dtype} if args.device != 'cpu' else {'use_cpu': True}
     kwargs, settings = study.sft_settings(arm, args.lr, seed, args.beta2, args, model, flags, train, out,
                                           ['step_timer'], **device_args)
     wall, train_rows = study.train_run(kwargs, settings, {'step_timer': timer})
     steps = study.step_log(train_rows, {})
     t = timer.last
+    steps_s = t.step_seconds()
     return {'kind': 'arm', 'arm': arm, 'seed': seed, 'device': args.device_name, 'dtype': args.dtype,
-            'train_s': round(t.total, 3), 'wall_s': round(wall, 1), 'optimizer_steps': len(t.steps),
-            'step_s': [round(x, 4) for x in t.steps], 'batch': steps['batch'], 'passes': steps['passes'],
+            'train_s': round(t.total, 3), 'wall_s': round(wall, 1), 'optimizer_steps': len(steps_s),
+            'step_s': [round(x, 4) for x in steps_s], 'batch': steps['batch'], 'passes': steps['passes'],
             'padded': steps['padded']}
 
 

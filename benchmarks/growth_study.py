@@ -48,7 +48,6 @@ import json
 import math
 import os
 import re
-import shutil
 import statistics
 import sys
 import time
@@ -221,24 +220,9 @@ def train_run(kwargs: dict, settings: dict, callbacks: dict) -> tuple[float, lis
     """One ``sft_main`` run of ``kwargs`` (its output folder emptied first) with the pack registered with ``settings``
     and ``callbacks`` (name -> ms-swift callback factory) in ms-swift's callbacks map: (wall seconds, the training
     log lines)."""
-    import swift_dynamic_callbacks as sdc
-    from swift import SftArguments, sft_main
-    from swift.callbacks import callbacks_map
-    from swift_dynamic_callbacks.integrations import swift as plugin
-    shutil.rmtree(kwargs['output_dir'], ignore_errors=True)
-    callbacks_map.update(callbacks)
-    try:
-        sdc.register(**settings)
-        start = time.perf_counter()
-        sft_main(SftArguments(**kwargs))
-        wall = time.perf_counter() - start
-    finally:
-        plugin.unregister()
-        for name in callbacks:
-            callbacks_map.pop(name, None)
-    with open(os.path.join(kwargs['output_dir'], 'logging.jsonl'), encoding='utf-8') as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return wall, [r for r in rows if 'loss' in r and 'eval_loss' not in r]
+    from swift_dynamic_callbacks import run
+    result = run.sft(kwargs, pack=settings, extra=callbacks)
+    return result.wall_s, result.train_logs
 
 
 def run_arm(arm: str, lr: float, seed: int, beta2: float, args: argparse.Namespace, model: str, flags: dict,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from benchmarks.common import base_parser, machine_lines, quiet_run
@@ -40,58 +39,27 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 
 
-class StepTimer:
-
-    def __init__(self) -> None:
-        from transformers import TrainerCallback
-        timer = self
-        self.times: list[float] = []
-
-        class Callback(TrainerCallback):
-
-            def on_step_begin(self, args, state, control, **kwargs):
-                timer._t0 = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                timer.times.append(time.perf_counter() - timer._t0)
-
-        self.callback = Callback()
-
-
 def run(name: str, opts, model: str, dataset: str, fail_passes: tuple[int, ...] = ()) -> dict:
     import torch
     from safetensors.torch import load_file
-    from swift import SftArguments, sft_main
-    from swift.trainers import Seq2SeqTrainer
 
-    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks import run as sdc_run
     from swift_dynamic_callbacks.testing.faults import OomInjector
-    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.testing.timing import StepTimer
     from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
 
     torch.set_num_threads(opts.threads) if opts.threads else None
     out = os.path.join(opts.work_dir, name)
-    timer = StepTimer()
-    original_init = Seq2SeqTrainer.__init__
-
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        self.add_callback(timer.callback)
-
-    Seq2SeqTrainer.__init__ = init
-    sdc.register(batch_schedule={'schedule': {0: opts.batch}})
+    timer = StepTimer.factory()
     kwargs = offline_sft_kwargs(
-        model, dataset, out, arch='qwen2', callbacks=['batch_schedule'], max_steps=opts.steps,
+        model, dataset, out, arch='qwen2', callbacks=['bench_step_timer', 'batch_schedule'], max_steps=opts.steps,
         per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.ga, lora_dropout=0.0,
         learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=opts.steps, seed=opts.seed)
-    try:
-        with quiet_run(opts.quiet), OomInjector(fail_passes=fail_passes) as injector:
-            sft_main(SftArguments(**kwargs))
-    finally:
-        Seq2SeqTrainer.__init__ = original_init
-        plugin.unregister()
+    with quiet_run(opts.quiet), OomInjector(fail_passes=fail_passes) as injector:
+        sdc_run.sft(kwargs, pack={'batch_schedule': {'schedule': {0: opts.batch}}},
+                    extra={'bench_step_timer': timer})
     weights = load_file(os.path.join(out, f'checkpoint-{opts.steps}', 'adapter_model.safetensors'))
-    return {'times': timer.times, 'weights': weights, 'injected': dict(injector.counts)}
+    return {'times': timer.last.step_seconds(), 'weights': weights, 'injected': dict(injector.counts)}
 
 
 def main(argv: list[str] | None = None) -> int:

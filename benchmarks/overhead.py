@@ -17,8 +17,9 @@ The order alternates (plain first in odd rounds, pack first in even rounds) so t
 page cache, other load) hits both sides alike. Everything else is identical: seed, model, data, batch size,
 gradient accumulation, workers, ``max_steps``, ``logging_steps=1``, no checkpoint inside the run.
 
-Step time: both runs also list a timing callback (``bench_step_timer``, registered in ms-swift's
-``callbacks_map`` by this script) that records ``time.perf_counter()`` (and the process CPU time) at every
+Step time: both runs also list a timing callback (``bench_step_timer``: the pack's
+``swift_dynamic_callbacks.testing.timing.StepTimer``, given to ``run.sft``) that records ``time.perf_counter()``
+(and the process CPU time) at every
 ``on_step_end``. The interval between two consecutive ``on_step_end`` events is one full optimizer step
 *including* the data loading (the pack draws its micro-batches in ``get_batch_samples``, before
 ``on_step_begin``) and the per-step logging. The first ``--warmup`` intervals are dropped; each run is summarised
@@ -50,7 +51,6 @@ import gc
 import io
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -63,46 +63,6 @@ REPO = Path(__file__).resolve().parent.parent
 TIMER_NAME = 'bench_step_timer'
 
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
-
-
-def _timer_cls():
-    """The ``StepTimer`` callback class (built lazily so ``--help`` does not import transformers)."""
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-
-        def __init__(self) -> None:
-            self.train_begin: tuple[float, float] | None = None
-            self.ends: list[tuple[float, float]] = []  # (wall, process CPU) at every on_step_end
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.train_begin = (time.perf_counter(), time.process_time())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append((time.perf_counter(), time.process_time()))
-
-        def intervals(self, which: int = 0) -> list[float]:
-            """Seconds per optimizer step (``which``: 0 wall, 1 CPU time of the process, all threads): step 1
-            from train begin, then between consecutive step ends."""
-            marks = ([self.train_begin] if self.train_begin is not None else []) + self.ends
-            return [b[which] - a[which] for a, b in zip(marks, marks[1:])]
-
-    return StepTimer
-
-
-_TIMERS: list[Any] = []
-
-
-def _register_timer() -> None:
-    from swift.callbacks import callbacks_map
-    cls = _timer_cls()
-
-    def make(args, trainer):
-        timer = cls()
-        _TIMERS.append(timer)
-        return timer
-
-    callbacks_map[TIMER_NAME] = make
 
 
 def _sft_kwargs(model: str, dataset: str, output_dir: str, opts: argparse.Namespace, callbacks: list[str]) -> dict:
@@ -128,19 +88,14 @@ def _sft_kwargs(model: str, dataset: str, output_dir: str, opts: argparse.Namesp
 def _run(kind: str, round_no: int, model: str, dataset: str, opts: argparse.Namespace,
          tag: str = 'r') -> dict[str, Any]:
     """One ``sft_main`` run (``kind`` is ``plain`` or ``pack``); returns its step times and summary."""
-    from swift import SftArguments, sft_main
-    import swift_dynamic_callbacks as sdc
-    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks import run
+    from swift_dynamic_callbacks.testing.timing import StepTimer
 
     output_dir = os.path.join(opts.work_dir, 'runs', f'{kind}-{tag}{round_no}')
-    shutil.rmtree(output_dir, ignore_errors=True)
-    callbacks = [TIMER_NAME]
+    callbacks, pack = [TIMER_NAME], None  # a plain run lists no pack callback: the pack stays out of it
     if kind == 'pack':
-        sdc.register(batch_schedule={'schedule': {0: opts.batch_size}})
-        callbacks = ['batch_schedule', TIMER_NAME]
-    else:
-        plugin.unregister()  # the names stay registered; a plain run simply does not list them
-    _TIMERS.clear()
+        callbacks, pack = ['batch_schedule', TIMER_NAME], {'batch_schedule': {'schedule': {0: opts.batch_size}}}
+    timers = StepTimer.factory()
     gc.collect()
     load = os.getloadavg()[0] if hasattr(os, 'getloadavg') else None
     log = io.StringIO()
@@ -149,15 +104,15 @@ def _run(kind: str, round_no: int, model: str, dataset: str, opts: argparse.Name
         with contextlib.ExitStack() as stack:
             for r in redirect:
                 stack.enter_context(r)
-            t0 = time.perf_counter()
-            msg = sft_main(SftArguments(**_sft_kwargs(model, dataset, output_dir, opts, callbacks)))
-            wall = time.perf_counter() - t0
+            result = run.sft(_sft_kwargs(model, dataset, output_dir, opts, callbacks), pack=pack,
+                             extra={TIMER_NAME: timers})
     except BaseException:
         sys.stderr.write(log.getvalue()[-20000:])  # the hidden ms-swift output of the failed run
         raise
-    if len(_TIMERS) != 1:
-        raise RuntimeError(f'{kind} run {round_no}: expected one step timer, got {len(_TIMERS)}')
-    timer = _TIMERS[0]
+    msg, wall = result.summary, result.wall_s
+    if len(timers.timers) != 1:
+        raise RuntimeError(f'{kind} run {round_no}: expected one step timer, got {len(timers.timers)}')
+    timer = timers.last
     steps = timer.intervals()
     if len(steps) != opts.max_steps:
         raise RuntimeError(f'{kind} run {round_no}: {len(steps)} steps timed, expected {opts.max_steps}')
@@ -393,9 +348,6 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     model = str(build_tiny_model(Path(opts.work_dir) / 'tiny-qwen2', 'qwen2'))
     dataset = str(write_gsm8k_dataset(Path(opts.work_dir) / f'gsm8k-{opts.rows}.jsonl', opts.rows))
-    import swift_dynamic_callbacks as sdc
-    sdc.register()  # put the pack's names into callbacks_map (settings come per pack run)
-    _register_timer()
     setup_s = time.perf_counter() - t_start
 
     results: list[tuple[dict, dict]] = []

@@ -28,27 +28,19 @@ CHILD = r'''
 import json, sys, time
 from swift import SftArguments, sft_main
 from swift.callbacks import callbacks_map
-from transformers import TrainerCallback
+from swift_dynamic_callbacks.testing.timing import StepTimer
 import swift_dynamic_callbacks as sdc
 from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
 spec = json.loads(sys.argv[1])
-marks = {}
 
-class Timer(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
-        if 'first_step' not in marks:
-            marks['first_step'] = time.perf_counter()
-            if spec['stop']:
-                control.should_training_stop = True
-
-callbacks_map['bench_timer'] = lambda args, trainer: Timer()
+callbacks_map['bench_timer'] = timers = StepTimer.factory(stop_after=1 if spec['stop'] else None)
 sdc.register(batch_growth={'initial': 4, 'factor': 2, 'interval': 10, 'maximum': 16})
 kwargs = offline_sft_kwargs(spec['model'], spec['data'], spec['out'], callbacks=['bench_timer', 'batch_growth'],
                             max_steps=3, lazy_tokenize=True, per_device_train_batch_size=4, save_steps=2,
                             max_length=512, **spec['extra'])
 t0 = time.perf_counter()
 sft_main(SftArguments(**kwargs))
-print('BENCH ' + json.dumps({'first_step_s': round(marks['first_step'] - t0, 2)}))
+print('BENCH ' + json.dumps({'first_step_s': round(timers.last.step_ends[0][0] - t0, 2)}))
 '''
 
 

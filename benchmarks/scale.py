@@ -33,19 +33,12 @@ import json, os, sys, time
 t_import = time.perf_counter()
 from swift import SftArguments, sft_main
 from swift.callbacks import callbacks_map
-from transformers import TrainerCallback
+from swift_dynamic_callbacks.testing.timing import StepTimer
 import swift_dynamic_callbacks as sdc
 from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
 spec = json.loads(sys.argv[1])
-marks = {}
 
-class Timer(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1 and 'first_step' not in marks:
-            marks['first_step'] = time.perf_counter()
-            control.should_training_stop = True
-
-callbacks_map['bench_timer'] = lambda args, trainer: Timer()
+callbacks_map['bench_timer'] = timers = StepTimer.factory(stop_after=1)
 callbacks = ['bench_timer'] + spec['callbacks']
 if spec['section']:
     sdc.register(**spec['section'])
@@ -54,7 +47,7 @@ kwargs = offline_sft_kwargs(spec['model'], spec['data'], spec['out'], callbacks=
                             max_length=512)
 t0 = time.perf_counter()
 sft_main(SftArguments(**kwargs))
-print('BENCH ' + json.dumps({'first_step_s': round(marks['first_step'] - t0, 2)}))
+print('BENCH ' + json.dumps({'first_step_s': round(timers.last.step_ends[0][0] - t0, 2)}))
 '''
 
 CONFIGS = {

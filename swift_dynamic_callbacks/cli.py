@@ -5,6 +5,7 @@ Commands:
                                                        the file, then run ``swift sft`` on the rest of the file
                                                        with the pack loaded
     swift-dynamic rlhf CONFIG.yaml [more swift flags]  the same for ``swift rlhf``
+    swift-dynamic pt CONFIG.yaml [more swift flags]    the same for ``swift pt`` (continued pretraining)
     swift-dynamic check CONFIG.yaml [more swift flags] validate only (exit 2 with the error on bad settings)
     swift-dynamic plugin-path                          print the plugin file for ``external_plugins``
     swift-dynamic prepare-demo DIR [--model tiny|smollm2]  build the demo model + GSM8K train/held-out test files
@@ -29,7 +30,7 @@ from .config.launch import check_run, drop_flag, listed_callbacks, merged_settin
 from .config.pack import ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig, parse_section
 
 #: ms-swift commands the launcher runs (``swift <command> FILE.yaml ...``).
-LAUNCH_COMMANDS = ('sft', 'rlhf')
+LAUNCH_COMMANDS = ('sft', 'rlhf', 'pt')
 
 
 def load_yaml(path: str) -> dict[str, Any]:

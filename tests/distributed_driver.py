@@ -254,22 +254,12 @@ def main(spec_path: str) -> None:
 
         Integration.begin_train = begin_train_with_injector
 
+    timers = None
     if spec.get('step_times'):  # benchmark: wall time at every optimizer step's end (any engine, pack or not)
-        import time
         from swift.callbacks import callbacks_map
-        from transformers import TrainerCallback
 
-        class StepTimer(TrainerCallback):
-            times: list[float] = []
-
-            def on_step_end(self, args, state, control, **kwargs):
-                self.times.append(time.perf_counter())
-
-            def on_train_end(self, args, state, control, **kwargs):
-                with open(os.path.join(output_dir, f'rank{rank}.times.json'), 'w', encoding='utf-8') as f:
-                    json.dump(self.times, f)
-
-        callbacks_map['step_timer'] = lambda args, trainer: StepTimer()
+        from swift_dynamic_callbacks.testing.timing import StepTimer
+        callbacks_map['step_timer'] = timers = StepTimer.factory()
     if spec.get('pack') is not None:
         sdc.register(spec.get('pack', {}))
     from swift import SftArguments, sft_main
@@ -279,6 +269,9 @@ def main(spec_path: str) -> None:
                         'SftArguments': SftArguments, 'spec': spec}, os.path.join(output_dir, 'rank0.prof'))
     else:
         sft_main(SftArguments(**spec['sft']))
+    if timers is not None:
+        with open(os.path.join(output_dir, f'rank{rank}.times.json'), 'w', encoding='utf-8') as f:
+            json.dump([wall for wall, _ in timers.last.step_ends], f)
     if injector is not None:
         with open(os.path.join(output_dir, f'rank{rank}.injected.json'), 'w', encoding='utf-8') as f:
             json.dump({**injector.counts, 'passes': injector.passes}, f)

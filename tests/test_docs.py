@@ -75,3 +75,42 @@ def test_architecture_module_table_matches_the_package():
     assert named <= modules, f'docs/architecture.md names modules that do not exist: {sorted(named - modules)}'
     missing = sorted(modules - covered - named)
     assert modules - covered <= named, f'modules docs/architecture.md does not name: {missing}'
+
+
+LINK = re.compile(r'\[[^\]]*\]\(([^)\s]+)\)')
+
+
+def _slug(header: str) -> str:
+    """GitHub's anchor of a markdown header."""
+    text = re.sub(r'[^\w\- ]', '', header.strip().lower())
+    return text.replace(' ', '-')
+
+
+def _anchors(path: str) -> set[str]:
+    with open(path, encoding='utf-8') as f:
+        return {_slug(line.lstrip('#')) for line in f if line.startswith('#')}
+
+
+@pytest.mark.parametrize('path', DOCS, ids=[os.path.relpath(p, ROOT) for p in DOCS])
+def test_every_link_stays_in_the_repository_and_finds_its_target(path):
+    """The project stands alone: a relative link names a file of this repository (and a header of it, when it has
+    an anchor); nothing points above the repository root."""
+    root = os.path.realpath(ROOT)
+    with open(path, encoding='utf-8') as f:
+        text = f.read()
+    for target in LINK.findall(text):
+        if re.match(r'^[a-z]+:', target):  # http(s), mailto: outside links are fine
+            continue
+        file, _, anchor = target.partition('#')
+        resolved = os.path.realpath(os.path.join(os.path.dirname(path), file)) if file else os.path.realpath(path)
+        assert resolved.startswith(root + os.sep), f'{path}: {target} points outside the repository'
+        assert os.path.exists(resolved), f'{path}: {target}: no such file'
+        if anchor and resolved.endswith('.md'):
+            assert anchor in _anchors(resolved), f'{path}: {target}: no such header'
+
+
+def test_the_readme_is_a_front_door_of_at_most_250_lines():
+    with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+        lines = f.read().split('\n')
+    assert len(lines) <= 250, f'README.md: {len(lines)} lines'
+    assert '../shared' not in '\n'.join(lines)

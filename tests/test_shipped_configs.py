@@ -39,16 +39,20 @@ def test_there_is_a_config_per_callback_and_model():
 
 @pytest.mark.parametrize('path', CONFIGS, ids=NAMES)
 def test_shipped_config_is_valid(path, tmp_path, monkeypatch):
-    from swift.arguments import SftArguments
+    from swift.arguments import PretrainArguments, SftArguments
     from swift.cli.main import parse_yaml_args
     from swift.utils.utils import _patch_get_type_hints
     from transformers import HfArgumentParser
 
-    config, pack = prepare(path, [])  # the pack section through parse_section, as `swift-dynamic sft` does
+    base = os.path.basename(path)
     with open(path, encoding='utf-8') as f:
-        raw = yaml.safe_load(f)
+        text = f.read()
+    command = 'pt' if f'swift-dynamic pt configs/{base}' in text else 'sft'  # the header's command
+    arguments = PretrainArguments if command == 'pt' else SftArguments
+    config, pack = prepare(path, [], command)  # the pack section through parse_section, as `swift-dynamic` does
+    raw = yaml.safe_load(text)
     assert parse_section(raw.get(SECTION), raw.get('callbacks')).to_json() == pack.to_json()
-    allowed = {f.name for f in dataclasses.fields(SftArguments)}
+    allowed = {f.name for f in dataclasses.fields(arguments)}
     unknown = sorted(set(config) - allowed)
     assert not unknown, f'{path}: not ms-swift settings: {unknown}'
     for name in config.get('callbacks', []):
@@ -62,7 +66,7 @@ def test_shipped_config_is_valid(path, tmp_path, monkeypatch):
     argv = [str(sanitized)]
     parse_yaml_args(argv)
     with _patch_get_type_hints():
-        parser = HfArgumentParser([SftArguments])
+        parser = HfArgumentParser([arguments])
     namespace, remaining = parser.parse_known_args(argv)  # types and choices; the dataclass is not built
     assert remaining == [], f'{path}: ms-swift rejects {remaining}'
     assert config['external_plugins'][-1] == PLUGIN_FILE
@@ -77,17 +81,16 @@ def test_shipped_config_is_valid(path, tmp_path, monkeypatch):
         name = dataset.split('#')[0]
         demo = name.startswith(('.cache/demo/', '.cache/main_job/'))
         assert name in known_datasets or demo, f'{path}: unknown dataset {name}'
-    base = os.path.basename(path)
     for prefix, model in MODELS.items():
         if base.startswith(prefix):
-            assert namespace.model == model and namespace.torch_dtype == 'bfloat16'
+            base_model = model.replace('-Instruct', '') if command == 'pt' else model  # pretraining: the base model
+            assert namespace.model == base_model and namespace.torch_dtype == 'bfloat16'
             assert namespace.output_dir == f'output/{base[:-5]}'
     if 'checkpoint_rotation' in config.get('callbacks', []):
         assert config.get('save_total_limit') is None, 'checkpoint_rotation deletes checkpoints itself'
 
-    with open(path, encoding='utf-8') as f:
-        header = [line for line in f.read().split('\n')[:12] if line.startswith('#')]
-    assert any(f'swift-dynamic sft configs/{base}' in line for line in header), 'header comment must give the command'
+    header = [line for line in text.split('\n')[:12] if line.startswith('#')]
+    assert any(f'swift-dynamic {command} configs/{base}' in line for line in header), 'the header gives the command'
 
 
 def test_main_job_is_smollm2_on_gsm8k_evaluated_at_start_and_end_once():
