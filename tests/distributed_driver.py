@@ -58,6 +58,44 @@ class FakeProbe:
         return MemorySample('fake', value, value, value, 100)
 
 
+def _count_pack_collectives() -> dict[str, int]:
+    """Count the collectives the pack itself calls (those made from ``swift_dynamic_callbacks/distributed.py``, the
+    pack's only collective calls for decisions): ``passes`` while a step's passes run (``StepRunner.run_micro_batch``),
+    ``boundary`` elsewhere. The engine's own collectives (FSDP2's gathers, DeepSpeed's reductions, the DDP adapter's
+    all-reduce) are not counted."""
+    import torch.distributed as dist
+
+    from swift_dynamic_callbacks.integrations.steps import StepRunner
+    calls = {'passes': 0, 'boundary': 0, 'in_passes': 0}
+    for name in ('all_gather_object', 'all_reduce', 'broadcast_object_list', 'all_gather', 'broadcast'):
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename.replace(os.sep, '/')
+            if caller.endswith('swift_dynamic_callbacks/distributed.py'):
+                calls['passes' if calls['in_passes'] else 'boundary'] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    run_micro_batch = StepRunner.run_micro_batch
+
+    def counted_micro_batch(self, *args, **kwargs):
+        calls['in_passes'] += 1
+        try:
+            return run_micro_batch(self, *args, **kwargs)
+        finally:
+            calls['in_passes'] -= 1
+
+    StepRunner.run_micro_batch = counted_micro_batch
+    return calls
+
+
+def _close_step(steps: list[dict], calls: dict[str, int]) -> None:
+    """The pack's collectives during the last traced step's passes, into its trace line (once)."""
+    if steps and 'passes_mark' in steps[-1]:
+        steps[-1]['pack_collectives_in_passes'] = calls['passes'] - steps[-1].pop('passes_mark')
+
+
 def _lift_cpu_to_fsdp() -> None:
     """Make accelerate run FSDP2 on CPU processes (test-only: it keeps ``MULTI_CPU`` when no accelerator exists)."""
     from accelerate.state import AcceleratorState
@@ -150,6 +188,7 @@ def main(spec_path: str) -> None:
         _replay_patch(spec['replay_samples'])
 
     steps: list[dict] = []
+    pack_calls = _count_pack_collectives()
     next_step = Integration.next_step
     # decided before training, the same on every rank (saving is collective); a resumed run keeps the first run's
     save_initial = not os.path.exists(os.path.join(output_dir, 'rank0.initial.pt'))
@@ -161,9 +200,13 @@ def main(spec_path: str) -> None:
         noise = getattr(self.trainer.control, 'grad_noise_sample', None)
         if noise is not None and steps:  # the previous step's gradient-noise measurement (cleared by next_step)
             steps[-1]['noise'] = {'small_sqnorm': noise.small_sqnorm, 'big_sqnorm': noise.big_sqnorm}
+        _close_step(steps, pack_calls)
+        before = pack_calls['boundary'] + pack_calls['passes']
         result = next_step(self, num_batches, device, original)
         if self.runner.batches:  # a real step (not the no-op of a run that has already stopped)
             steps.append({
+                'pack_collectives_boundary': pack_calls['boundary'] + pack_calls['passes'] - before,
+                'passes_mark': pack_calls['passes'],
                 'step': self.trainer.state.global_step + 1,
                 'batch_size': self.loader.batch_size,
                 'num_pieces': self.loader.num_pieces,
@@ -181,6 +224,7 @@ def main(spec_path: str) -> None:
         if sys.exc_info()[0] is not None:  # training failed on this rank: gathering the weights would be a collective
             end_train(self)                # the other ranks never enter (they wait where they are, or have ended)
             return
+        _close_step(steps, pack_calls)
         try:
             end_train(self)
         finally:

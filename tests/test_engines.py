@@ -325,6 +325,10 @@ def test_pass_tokens_on_ranks_with_other_pass_counts(engine, tmp_path, tiny_qwen
                   if 'loss' in row)
     expected = sum(abs(a - b) for a, b in zip(mine, theirs))  # every step: the shorter rank pads up to the longer
     assert padding == (expected if engine != 'ddp' else 0), (padding, mine, theirs)
+    for trace in (t0, t1):  # the pack's own collectives: none while passes run, whatever their number; after the
+        # first step's set-up, one agreement a boundary (two where an epoch starts) — measured [5, 1, 2, 1]
+        assert [s['pack_collectives_in_passes'] for s in trace['steps']] == [0] * len(trace['steps'])
+        assert max(s['pack_collectives_boundary'] for s in trace['steps'][1:]) <= 2, trace['steps']
     ref = reference(str(tmp_path / f'{engine}-ref'), tiny_qwen, mixed_15, out, gradient_accumulation_steps=2,
                     max_steps=4, max_length=300, truncation_strategy='right')
     assert_same_weights(out, ref)
