@@ -20,7 +20,9 @@ from swift_dynamic_callbacks.data.slots import EmptyMicroBatch
 from swift_dynamic_callbacks.data.rows import dataset_lengths
 from swift_dynamic_callbacks.policies.length import (BatchPlan, agreed_steps, epoch_layout, equalize_steps, even_split,
                                                       greedy_pieces, over_budget, padding, padding_fraction,
-                                                      plan_sizes, rule_size)
+                                                      plan_sizes)
+from swift_dynamic_callbacks.policies.length_modes import LENGTH_MODES
+from swift_dynamic_callbacks.policies.length_modes.rules import rule_size
 from swift_dynamic_callbacks.state import StateError
 
 # ---- pure policies -------------------------------------------------------------------------------------------
@@ -135,6 +137,34 @@ def test_token_budget_table():
     assert over_budget([100, 2000, 50], plan) == [1]
     assert even_split(10, 4) == [4, 3, 3]
     assert plan_sizes([100] * 12, 0, None, plan, 4) == [4, 3, 3, 2]
+
+
+def test_every_length_mode_is_one_strategy_the_settings_read():
+    """``policies/length_modes/``: the settings' choices and ``reads`` table come from the registry, and the loaders,
+    the integration and the settings ask a mode's properties instead of its name."""
+    assert list(LENGTH_MODES) == ['token_budget', 'rules', 'balanced']
+    [reads] = [r.by for r in LengthBatchingConfig.reads if r.selector == 'mode']
+    assert reads == {'token_budget': ('micro_batch_tokens', ), 'rules': ('rules', ), 'balanced': ('pass_tokens', )}
+    assert [m.name for m in LENGTH_MODES.values() if m.sizes_by_tokens] == ['token_budget']
+    assert [m.name for m in LENGTH_MODES.values() if m.balances_steps] == ['balanced']
+    for name, mode in LENGTH_MODES.items():
+        plan = BatchPlan(mode=name)
+        assert plan.length_mode is mode and plan.balanced == mode.balances_steps
+        assert all(plan.limit(n) >= 1 for n in (1, 100, 5000))
+        assert LengthBatchingConfig(mode=name).length_mode is mode
+    messages = {name: BatchPlan(mode=name, max_tokens=4096, padding_free=True, bucketing=name == 'balanced')
+                for name in LENGTH_MODES}
+    assert {name: plan.length_mode.describe(plan) for name, plan in messages.items()} == {
+        'token_budget': 'token_budget: max 4096 real tokens per micro-batch, bucketing off',
+        'rules': 'rules: sizes by >0: 8, >1024: 2 per micro-batch, bucketing off',
+        'balanced': 'balanced: every step the global batch, of similar lengths (jitter 0.03), ranks\' work even, '
+                    'micro-batches of the per-device size'}
+    with pytest.raises(ValueError, match='mode: must be one of token_budget, rules, balanced'):
+        BatchPlan(mode='sorted')
+    with pytest.raises(ConfigError, match="mode: must be one of 'token_budget', 'rules', 'balanced'"):
+        LengthBatchingConfig(mode='sorted')
+    with pytest.raises(ValueError, match='balanced has no pass limit'):
+        LENGTH_MODES['balanced'].pass_limit(BatchPlan(mode='balanced'))
 
 
 @settings(max_examples=150, deadline=None)

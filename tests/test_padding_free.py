@@ -14,7 +14,8 @@ import torch
 from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.integrations.packed_attention import best_packed_attention, check_packed_attention, \
     use_packed_attention
-from swift_dynamic_callbacks.integrations.padding_free import FLEX_BLOCK, PackedBatch, flatten_rows, split_packed
+from swift_dynamic_callbacks.integrations.attention.flex import FLEX_BLOCK
+from swift_dynamic_callbacks.integrations.padding_free import PackedBatch, flatten_rows, packed_rows_only, split_packed
 from swift_dynamic_callbacks.policies.length import BatchPlan, greedy_pieces
 
 
@@ -217,28 +218,68 @@ def test_flex_filler_is_cut_off_and_added_again_at_a_split():
     assert isinstance(plain, PackedBatch) and plain['input_ids'].shape == (1, 159) and 'cu_seq_lens_q' not in plain
 
 
+def machine(flash=None, flex=True):
+    """What :func:`~swift_dynamic_callbacks.integrations.attention.installed_kernels` finds: ``flash`` installed
+    (``None``: no flash-attn), ``flex`` available."""
+    return {'flash': (flash, ) if flash else (), 'flex': ('flex_attention', ) if flex else (), 'sdpa': ('sdpa', )}
+
+
 def test_the_best_packed_attention():
-    best = best_packed_attention
-    assert best('sdpa', mode='auto', cuda=True, flash='flash_attention_2', flex=True)[0] == 'flash_attention_2'
-    assert best('sdpa', mode='auto', cuda=True, flash=None, flex=True)[0] == 'flex_attention'
-    assert best('sdpa', mode='auto', cuda=True, flash=None, flex=False) == (
-        'sdpa', 'neither flash-attn nor flex_attention is available')
-    assert best('sdpa', mode='auto', cuda=False, flash=None, flex=True)[0] == 'sdpa'  # no flex backward on CPU
-    assert best('eager', mode='auto', cuda=True, flash='flash_attention_2', flex=True)[0] == 'eager'  # chosen
-    assert best('sdpa', mode='keep', cuda=True, flash='flash_attention_2', flex=True)[0] == 'sdpa'
+    def best(current, mode, cuda, **found):
+        return best_packed_attention(current, mode=mode, cuda=cuda, installed=machine(**found))
+    assert best('sdpa', 'auto', True, flash='flash_attention_2')[0] == 'flash_attention_2'
+    assert best('sdpa', 'auto', True) == ('flex_attention', 'flash-attn is not installed: flex_attention skips the '
+                                          'masked blocks between rows (sdpa computes all N^2 pairs)')
+    assert best('sdpa', 'auto', True, flex=False) == ('sdpa', 'neither flash-attn nor flex_attention is available')
+    assert best('sdpa', 'auto', False) == (  # no flex backward on CPU
+        'sdpa', 'not on CUDA (flex_attention has no backward on CPU; flash-attn needs CUDA)')
+    assert best('eager', 'auto', True, flash='flash_attention_2')[0] == 'eager'  # chosen
+    assert best('sdpa', 'keep', True, flash='flash_attention_2')[0] == 'sdpa'
 
 
 def test_explicit_packed_attention_modes_or_a_reason():
-    best = best_packed_attention
-    assert best('eager', mode='sdpa', cuda=False, flash=None, flex=True) == (
-        'sdpa', 'integration.packed_attention: sdpa')
-    assert best('sdpa', mode='flash', cuda=True, flash='flash_attention_3', flex=True)[0] == 'flash_attention_3'
-    assert best('eager', mode='flex', cuda=True, flash=None, flex=True)[0] == 'flex_attention'
+    def best(current, mode, cuda, **found):
+        return best_packed_attention(current, mode=mode, cuda=cuda, installed=machine(**found))
+    assert best('eager', 'sdpa', False) == ('sdpa', 'integration.packed_attention: sdpa')
+    assert best('sdpa', 'flash', True, flash='flash_attention_3')[0] == 'flash_attention_3'
+    assert best('eager', 'flex', True)[0] == 'flex_attention'
     with pytest.raises(ConfigError, match='packed_attention: flash needs CUDA and flash-attn installed .got no '
-                                          'flash-attn.; allowed here: auto, sdpa, keep, flex'):
-        best('sdpa', mode='flash', cuda=True, flash=None, flex=True)
-    with pytest.raises(ConfigError, match='packed_attention: flex needs CUDA .* no CUDA device'):
-        best('sdpa', mode='flex', cuda=False, flash=None, flex=True)
+                                          'flash-attn.; allowed here: auto, sdpa, keep, flex$'):
+        best('sdpa', 'flash', True)
+    with pytest.raises(ConfigError, match='packed_attention: flash needs .* .got no CUDA device.; allowed here: auto, '
+                                          'sdpa, keep$'):
+        best('sdpa', 'flash', False, flash='flash_attention_2')
+    with pytest.raises(ConfigError, match='packed_attention: flex needs CUDA .* no CUDA device: flex_attention has no '
+                                          'backward on CPU.; allowed here: auto, sdpa, keep$'):
+        best('sdpa', 'flex', False)
+
+
+def test_every_backend_has_a_setting_and_every_setting_a_backend():
+    """``integrations/attention/``: one backend per name of ``config/integration.py`` (the settings stay torch-free),
+    each claiming its implementations; ``auto`` ranks flash before flex and never switches to sdpa."""
+    from swift_dynamic_callbacks.config.integration import ATTENTION_BACKENDS, PACKED_ATTENTION
+    from swift_dynamic_callbacks.integrations.attention import BACKENDS, SUPPORTED_ATTENTION, auto_order, backend_for
+    assert tuple(BACKENDS) == ATTENTION_BACKENDS and PACKED_ATTENTION == ('auto', 'flash', 'flex', 'sdpa', 'keep')
+    assert SUPPORTED_ATTENTION == ('sdpa', 'eager', 'flex_attention', 'flash_attention_2', 'flash_attention_3',
+                                   'flash_attention_4')
+    assert all(backend_for(name) is BACKENDS[b] for b in BACKENDS for name in BACKENDS[b].implementations)
+    assert [b.name for b in auto_order()] == ['flash', 'flex']
+    assert backend_for('paged_attention').finish(PackedBatch({'input_ids': torch.ones(1, 3)}, [3]), 'x').fill == 0
+
+
+@pytest.mark.parametrize('implementation', ['sdpa', 'eager', 'flex_attention', 'flash_attention_2', 'unclaimed'])
+def test_a_finished_row_gives_its_packed_rows_back(implementation):
+    """Whatever a backend adds (flex's filler, flash's boundaries) :func:`packed_rows_only` takes off again."""
+    from swift_dynamic_callbacks.integrations.attention import finish_packed
+    rows = [torch.arange(1, n + 1) for n in (5, 3)]
+    batch = flatten_rows(padded_batch(rows, [r.clone() for r in rows]))
+    finished = finish_packed(batch, implementation)
+    assert finished.attention == implementation and finished.row_lengths == (5, 3)
+    plain = packed_rows_only(finished)
+    assert set(plain) == set(batch) and all(torch.equal(plain[k], v) for k, v in batch.items()
+                                            if isinstance(v, torch.Tensor))
+    if implementation == 'flash_attention_2':
+        assert finished['cu_seq_lens_q'].tolist() == [0, 5, 8] and finished['max_length_k'] == 5
 
 
 def test_auto_tries_the_next_installed_kernel_after_a_failure(monkeypatch):
@@ -251,8 +292,8 @@ def test_auto_tries_the_next_installed_kernel_after_a_failure(monkeypatch):
     base = SimpleNamespace(set_attn_implementation=switched.append)
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation='sdpa'),
                             parameters=lambda: iter([SimpleNamespace(device=torch.device('cuda'))]))
-    monkeypatch.setattr(packed_attention, 'installed_flash_attentions', lambda: ['flash_attention_3',
-                                                                                 'flash_attention_2'])
+    from swift_dynamic_callbacks.integrations.attention import flash
+    monkeypatch.setattr(flash, 'installed_flash_attentions', lambda: ['flash_attention_3', 'flash_attention_2'])
     monkeypatch.setattr(packed_attention, 'transformers_model', lambda m: base)
     monkeypatch.setattr(packed_attention, '_try_kernel', lambda m, b, kernel, *a: tried.append(kernel) or (
         'ImportError: broken build' if kernel == 'flash_attention_3' else None))
@@ -326,7 +367,7 @@ def test_the_backward_proof_runs_in_train_mode_under_reentrant_checkpointing(tin
 def test_flex_is_compiled_once_for_train_and_eval():
     from transformers.integrations.flex_attention import WrappedFlexAttention
 
-    from swift_dynamic_callbacks.integrations.packed_attention import keep_flex_compiled
+    from swift_dynamic_callbacks.integrations.attention.flex import keep_flex_compiled
     assert keep_flex_compiled() and keep_flex_compiled()  # idempotent
     first = WrappedFlexAttention(True)()
     assert WrappedFlexAttention(False)() is first and WrappedFlexAttention(True)() is first

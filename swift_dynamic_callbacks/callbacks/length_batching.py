@@ -43,20 +43,13 @@ class LengthBatchingCallback(DynamicCallback):
             return
         seed = getattr(args, 'data_seed', None)
         seed = seed if seed is not None else getattr(args, 'seed', 0)
-        plan = self.config.plan(int(seed or 0)).to_json()
+        batch_plan = self.config.plan(int(seed or 0))
+        plan = batch_plan.to_json()
         if plan == self.plan:
             return  # resumed with the same settings: the loader's state already holds the plan
         reason = 'start' if self.plan is None else 'settings_changed'
         protocol.request_batch_plan(control, plan)
-        if plan['mode'] == 'balanced':
-            message = (f'balanced: every step the global batch, of similar lengths (jitter {plan["bucket_width"]}), '
-                       'ranks\' work even, micro-batches of the per-device size')
-        else:
-            rules = ', '.join(f'>{t}: {s}' for t, s in plan['rules'])
-            what = (f'max {plan["max_tokens"]} {"real" if plan["padding_free"] else "padded"} tokens'
-                    if plan['mode'] == 'token_budget' else f'sizes by {rules}')
-            message = (f'{plan["mode"]}: {what} per micro-batch, bucketing '
-                       f'{"on (width " + str(plan["bucket_width"]) + ")" if plan["bucketing"] else "off"}')
+        message = batch_plan.length_mode.describe(batch_plan)
         if plan['padding_free']:
             message += '; padding-free (one packed row a micro-batch)'
         protocol.record_decision(

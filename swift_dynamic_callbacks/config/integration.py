@@ -7,6 +7,12 @@ from typing import Any, Mapping
 
 from . import Choice, Flag, Int, Reads, Settings, Text, from_mapping, setting
 
+#: the attention backends packed rows can be switched to, one a module under ``integrations/attention/`` (its registry
+#: checks these names on import; they are here so that the settings import no torch)
+ATTENTION_BACKENDS = ('flash', 'flex', 'sdpa')
+#: ``packed_attention``'s values: ``auto``, a backend, or ``keep`` (the model's own)
+PACKED_ATTENTION = ('auto', *ATTENTION_BACKENDS, 'keep')
+
 
 @dataclass(frozen=True)
 class IntegrationConfig(Settings):
@@ -81,7 +87,7 @@ class IntegrationConfig(Settings):
     replay: str | None = setting(Text('output/first_run/dynamic_decisions.jsonl', optional=True), None)
     allow_config_change: bool = setting(Flag(), False)
     stream_window: int = setting(Int(1, 10_000_000), 1024)
-    packed_attention: str = setting(Choice(('auto', 'flash', 'flex', 'sdpa', 'keep')), 'auto')
+    packed_attention: str = setting(Choice(PACKED_ATTENTION), 'auto')
 
     reads = (Reads('oom_recovery', {'auto': ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_probe_steps'),
                                     True: ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_probe_steps'),

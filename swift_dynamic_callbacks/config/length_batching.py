@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..policies.length import DEFAULT_RULES, MODES, BatchPlan, check_rules
+from ..policies.length import BatchPlan
+from ..policies.length_modes import LENGTH_MODES, LengthMode
+from ..policies.length_modes.rules import DEFAULT_RULES, check_rules
 from . import Check, Choice, ConfigError, Flag, Int, Number, Reads, Settings, setting
 
 #: How a length budget is enforced: by cutting micro-batches (fewer samples a step for long rows) or passes.
@@ -97,7 +99,7 @@ class LengthBatchingConfig(Settings):
     """
 
     split: str = setting(Choice(SPLITS), 'micro_batches')
-    mode: str = setting(Choice(MODES), 'token_budget')
+    mode: str = setting(Choice(tuple(LENGTH_MODES)), 'token_budget')
     micro_batch_tokens: int = setting(Int(1), 16384)
     rules: Mapping[int, int] = setting(LengthRules(), default_factory=lambda: dict(DEFAULT_RULES))
     bucketing: bool = setting(Flag(), True)
@@ -109,10 +111,14 @@ class LengthBatchingConfig(Settings):
 
     renamed = {'max_tokens': 'micro_batch_tokens'}
     reads = (
-        Reads('mode', {'token_budget': ('micro_batch_tokens', ), 'rules': ('rules', ),
-                       'balanced': ('pass_tokens', )}),
+        Reads('mode', {name: mode.reads for name, mode in LENGTH_MODES.items()}),
         Reads('bucketing', {True: ('bucket_width', 'bucket_fill', 'seed'), False: ()}),
     )
+
+    @property
+    def length_mode(self) -> LengthMode:
+        """The mode's strategy (``policies/length_modes/``)."""
+        return LENGTH_MODES[self.mode]
 
     @property
     def splits_passes(self) -> bool:
@@ -120,8 +126,8 @@ class LengthBatchingConfig(Settings):
         return self.split == 'passes'
 
     def cross_checks(self) -> None:
-        if self.mode == 'balanced' and (self.splits_passes or not self.bucketing):
-            raise ConfigError(f'mode: balanced lays every epoch out in balanced steps of micro-batches of the '
+        if self.length_mode.balances_steps and (self.splits_passes or not self.bucketing):
+            raise ConfigError(f'mode: {self.mode} lays every epoch out in balanced steps of micro-batches of the '
                               f'per-device size, so it needs split: micro_batches and bucketing: true (got split: '
                               f'{self.split}, bucketing: {str(self.bucketing).lower()}); for a pass limit add '
                               'memory_backoff')
@@ -134,13 +140,11 @@ class LengthBatchingConfig(Settings):
                               'micro_batches')
 
     def pass_limit(self) -> dict[str, Any]:
-        """The pass limit ``split: passes`` requests: ``{'tokens': micro_batch_tokens}`` (token_budget) or, for rules,
-        ``{'samples': rules[0], 'rules': [[longer_than, samples], ...]}`` (a pass of rows longer than
-        ``longer_than`` tokens holds at most ``samples``)."""
-        if self.mode == 'token_budget':
-            return {'samples': None, 'tokens': self.micro_batch_tokens, 'rules': []}
-        rules = sorted(self.rules.items())
-        return {'samples': rules[0][1], 'tokens': None, 'rules': [[t, n] for t, n in rules if t > 0]}
+        """The pass limit ``split: passes`` requests, the mode's (``LengthMode.pass_limit``):
+        ``{'tokens': micro_batch_tokens}`` (token_budget) or, for rules, ``{'samples': rules[0], 'rules':
+        [[longer_than, samples], ...]}`` (a pass of rows longer than ``longer_than`` tokens holds at most
+        ``samples``)."""
+        return self.length_mode.pass_limit(self.plan(0))
     controls = ('batch_plan', )  # composes with batch_size: the plan cuts micro-batches at most the current size
 
     def plan(self, default_seed: int) -> BatchPlan:

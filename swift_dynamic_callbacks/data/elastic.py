@@ -602,7 +602,7 @@ class ElasticDataLoader:
     def _note_over_estimate(self, indices: list[int], costs: list[int | None]) -> None:
         """A token-budget micro-batch whose real padded tokens exceed the budget (the estimates were low)."""
         known = [c for c in costs if c is not None]
-        if known and self.plan.mode == 'token_budget' and len(indices) > 1:
+        if known and self.plan.length_mode.sizes_by_tokens and len(indices) > 1:
             padded = len(indices) * max(known)
             if padded > self.plan.max_tokens:
                 self.stats.over_estimates.append({'indices': list(indices), 'padded': padded})

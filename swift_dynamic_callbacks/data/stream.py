@@ -183,7 +183,7 @@ class StreamLoader:
         self._window_rows = [rows[i] for i in order]
         self._window_costs = [costs[i] for i in order]
         self._window_chunks = chunks
-        if self.plan.mode == 'token_budget':
+        if self.plan.length_mode.sizes_by_tokens:
             self.stats.rows_over_budget.extend((rows[i][0], costs[i]) for i in range(len(rows))
                                          if costs[i] > self.plan.max_tokens)
         self._replan()
@@ -232,8 +232,8 @@ class StreamLoader:
         if plan == self.plan:
             return False
         if plan.balanced:
-            raise ConfigError('length_batching.mode: balanced is not supported with streaming: true (it lays out the '
-                              'whole epoch across ranks; a stream is read in windows); use token_budget or rules')
+            raise ConfigError(f'length_batching.mode: {plan.mode} is not supported with streaming: true (it lays out '
+                              'the whole epoch across ranks; a stream is read in windows); use token_budget or rules')
         if self.plan is not None and not self._window_done():  # the rest of the current window, in stream order
             rest = self._window_rows[self._window_taken:]
             rest.sort(key=lambda item: item[0])

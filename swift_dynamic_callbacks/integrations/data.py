@@ -183,7 +183,7 @@ class DataFeed:
             return None
         if loader.plan.cuts_passes:
             return loader.plan.pass_tokens
-        return loader.plan.max_tokens if loader.plan.mode == 'token_budget' else None
+        return loader.plan.max_tokens if loader.plan.length_mode.sizes_by_tokens else None
 
     def report_over_budget(self, plan: BatchPlan) -> None:
         """After a new plan: hold one record for the samples longer than its token budget (each runs alone in its

@@ -37,7 +37,7 @@ def prepare_slot(slot: Any, *, padding_free: bool, device: torch.device | None, 
 
 
 def prepare_batch(batch: Any, *, padding_free: bool, device: torch.device | None, attention: str = 'sdpa') -> Any:
-    """One collated batch, packed (for ``attention``: :func:`.padding_free.finish_packed`) or mask-free as the
+    """One collated batch, packed (for ``attention``: :func:`.attention.finish_packed`) or mask-free as the
     module docstring says, then on ``device`` (``None``: left where it is)."""
     if not isinstance(batch, Mapping):
         return batch

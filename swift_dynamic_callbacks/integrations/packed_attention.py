@@ -5,8 +5,11 @@
 - ``auto`` (default): a model on sdpa (the default nobody chose for packing) moves to the best kernel the machine has
   for packed rows: flash-attn's varlen kernel where it is installed, else ``flex_attention`` on CUDA; on a CPU sdpa
   stays. A kernel that fails to load or a proof is undone and said in the record.
-- ``flash`` / ``flex`` / ``sdpa``: that kernel (``flash``: the installed flash attention 3 or 2). Unavailable, or
+- ``flash`` / ``flex`` / ``sdpa``: that backend (``flash``: the installed flash attention 3 or 2). Unavailable, or
   failing its proof, it is refused at start with the reason (an explicit choice is never silently replaced).
+
+The backends (whether each can run here, what a packed row needs added for it, ``auto``'s ranking) are
+:mod:`.attention`'s, one module a backend; this module is the same for all of them.
 - ``keep``: the model's own attention.
 
 :class:`PackedAttention` (the integration's part) chooses (:func:`best_packed_attention`, pure), switches the
@@ -28,25 +31,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
-from typing import Any, Iterator, Mapping
+from typing import Any, ContextManager, Mapping, Sequence
 
 import torch
 
 from .. import distributed
 from ..config import ConfigError
 from ..records import DecisionRecord
-from .padding_free import SUPPORTED_ATTENTION, PackedBatch, finish_packed
+from .attention import BACKENDS, SUPPORTED_ATTENTION, PackedBatch, auto_order, backend_for, finish_packed, \
+    installed_kernels
 
 logger = logging.getLogger('swift_dynamic_callbacks')
 
-MODES = ('auto', 'flash', 'flex', 'sdpa', 'keep')
 SETTING = 'dynamic_callbacks.integration.packed_attention'
-#: torch's warning when flex_attention runs without torch.compile (the whole N x N score matrix): made an error
-#: inside the training passes while flex is in use, so the step falls back to sdpa instead of running out of memory
-FLEX_EAGER_WARNING = r'flex_attention called without torch\.compile'
-#: torch's once-per-process id of that warning (cleared before each training pass, so it is raised every time)
-FLEX_EAGER_WARNING_ID = 'flex_attention_performance'
+#: the attention ``auto`` switches from (the default nobody chose for packing); any other the model runs is kept
+SWITCHED_FROM = 'sdpa'
 
 
 def attention_implementation(model: Any) -> str | None:
@@ -54,57 +53,35 @@ def attention_implementation(model: Any) -> str | None:
     return getattr(config, '_attn_implementation', None) or getattr(config, 'attn_implementation', None)
 
 
-def best_packed_attention(current: str | None, *, mode: str, cuda: bool, flash: str | None,
-                          flex: bool) -> tuple[str | None, str]:
+def best_packed_attention(current: str | None, *, mode: str, cuda: bool,
+                          installed: Mapping[str, Sequence[str]]) -> tuple[str | None, str]:
     """The attention implementation packed rows should run with, and why (pure). ``mode``: ``keep`` (the model's),
-    ``sdpa`` / ``flash`` / ``flex`` (that one: ``flash`` the installed flash attention implementation; refused with the
-    reason when unavailable), ``auto`` (switch from sdpa, the default the user did not choose for packing, to the best
-    the machine has: ``flash``, else ``flex_attention`` on CUDA where ``flex``; eager, flash and flex chosen by the user
-    are kept).
+    a backend of :data:`~.attention.BACKENDS` (its best installed implementation; refused with the reason when it
+    cannot run here), ``auto`` (switch from :data:`SWITCHED_FROM` to the best-ranked backend ready here: flash, else
+    flex on CUDA; an implementation the user chose is kept). ``cuda``: the model is on a CUDA device; ``installed``:
+    every backend's implementations that load here, best first (:func:`~.attention.installed_kernels`).
 
     Raises:
-        ConfigError: an explicit ``flash`` / ``flex`` that this machine cannot run.
+        ConfigError: an explicit backend that this machine cannot run.
     """
     if mode == 'keep':
         return current, 'integration.packed_attention: keep'
-    if mode == 'sdpa':
-        return 'sdpa', 'integration.packed_attention: sdpa'
-    if mode == 'flash':
-        if not cuda or not flash:
-            raise ConfigError(f'{SETTING}: flash needs CUDA and flash-attn installed (got '
-                              f'{"no CUDA device" if not cuda else "no flash-attn"}); allowed here: auto, sdpa, keep' +
-                              (', flex' if cuda and flex else ''))
-        return flash, 'integration.packed_attention: flash'
-    if mode == 'flex':
-        if not cuda or not flex:
-            raise ConfigError(f'{SETTING}: flex needs CUDA and torch\'s flex_attention (got '
-                              f'{"no CUDA device: flex_attention has no backward on CPU" if not cuda else "no flex"}); '
-                              'allowed here: auto, sdpa, keep')
-        return 'flex_attention', 'integration.packed_attention: flex'
-    if current != 'sdpa':
-        return current, f'the model runs {current} (only sdpa is switched)'
+    ready = [b for b in BACKENDS.values() if b.missing(cuda, installed.get(b.name, ())) is None]
+    if mode in BACKENDS:
+        missing = BACKENDS[mode].missing(cuda, installed.get(mode, ()))
+        if missing is not None:
+            allowed = ['auto', *(b.name for b in ready if b.preference is None), 'keep',
+                       *(b.name for b in auto_order() if b in ready and b.name != mode)]
+            raise ConfigError(f'{SETTING}: {mode} {missing}; allowed here: {", ".join(allowed)}')
+        return installed[mode][0], f'integration.packed_attention: {mode}'
+    if current != SWITCHED_FROM:
+        return current, f'the model runs {current} (only {SWITCHED_FROM} is switched)'
+    best = next((b for b in auto_order() if b in ready), None)
+    if best is not None:
+        return installed[best.name][0], best.auto_why
     if not cuda:
-        return current, 'not on CUDA (flex_attention has no backward on CPU; flash-attn needs CUDA)'
-    if flash:
-        return flash, 'flash-attn is installed: its varlen kernel attends within each row only'
-    if flex:
-        return 'flex_attention', ('flash-attn is not installed: flex_attention skips the masked blocks between '
-                                  'rows (sdpa computes all N^2 pairs)')
-    return current, 'neither flash-attn nor flex_attention is available'
-
-
-def installed_flash_attentions() -> list[str]:
-    """The flash attention implementations transformers can load here, 3 before 2."""
-    from transformers.utils import import_utils
-    return [name for name, check in (('flash_attention_3', 'is_flash_attn_3_available'),
-                                     ('flash_attention_2', 'is_flash_attn_2_available'))
-            if getattr(import_utils, check, lambda: False)()]
-
-
-def installed_flash_attention() -> str | None:
-    """The first of :func:`installed_flash_attentions`, or ``None``."""
-    found = installed_flash_attentions()
-    return found[0] if found else None
+        return current, f'not on CUDA ({"; ".join(b.off_cuda for b in reversed(auto_order()))})'
+    return current, f'neither {" nor ".join(b.label for b in auto_order())} is available'
 
 
 def transformers_model(model: Any) -> Any:
@@ -112,36 +89,6 @@ def transformers_model(model: Any) -> Any:
     from transformers import PreTrainedModel
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
     return next((m for m in modules if isinstance(m, PreTrainedModel)), None)
-
-
-def keep_flex_compiled() -> bool:
-    """transformers' ``WrappedFlexAttention`` builds a new ``torch.compile`` of flex_attention whenever the model
-    flips between train and eval mode (every evaluation), although on torch 2.7+ both modes compile it the same way;
-    after the fix the one compiled function serves both, compiled with dynamic shapes from its first call (packed
-    lengths change every pass: a static first graph would be compiled again at the second length). Returns whether
-    it was applied (idempotent)."""
-    try:
-        from transformers.integrations import flex_attention as hf_flex
-    except ImportError:
-        return False
-    wrapped = getattr(hf_flex, 'WrappedFlexAttention', None)
-    if wrapped is None or getattr(wrapped, '_sdc_compiled_once', False):
-        return wrapped is not None
-    from packaging import version
-    if version.parse(torch.__version__).release < (2, 7):
-        return False  # older torch compiles differently in training: leave transformers' rule
-
-    @torch.compiler.disable(recursive=False)
-    def compile_once(self, training):
-        if not self._is_flex_compiled:  # dynamic shapes from the first call: one graph for every packed length
-            from torch.nn.attention.flex_attention import flex_attention
-            self._compiled_flex_attention = torch.compile(flex_attention, dynamic=True)
-            self._is_flex_compiled = True
-        self.training = training
-
-    wrapped.__init__ = compile_once
-    wrapped._sdc_compiled_once = True
-    return True
 
 
 def probe_rows(model: Any, attention: str, shift: int, length: int = 4) -> PackedBatch:
@@ -166,7 +113,7 @@ def check_packed_backward(model: Any, attention: str) -> None:
     saved = [p.grad for p in params]
     devices = [next(model.parameters()).device] if next(model.parameters()).device.type == 'cuda' else []
     was_training = model.training
-    lengths = (4, 68) if attention == 'flex_attention' else (4, )
+    lengths = backend_for(attention).probe_lengths
     try:
         with torch.random.fork_rng(devices=devices):
             model.train()
@@ -188,9 +135,9 @@ def check_packed_backward(model: Any, attention: str) -> None:
 
 def check_packed_attention(model: Any, setting: str = 'length_batching.padding_free') -> None:
     """Refuse padding-free micro-batches where the model would attend across packed rows: an attention
-    implementation outside :data:`SUPPORTED_ATTENTION`, or a model whose second row's logits change with the first
-    row's tokens (two tiny forwards of :func:`probe_rows` finished for the model's attention, in eval mode, on the
-    model's device; causal attention never lets the first row see the second, so the second is the one to watch).
+    implementation outside :data:`~.attention.SUPPORTED_ATTENTION`, or a model whose second row's logits change with
+    the first row's tokens (two tiny forwards of :func:`probe_rows` finished for the model's attention, in eval mode,
+    on the model's device; causal attention never lets the first row see the second, so the second is the one to watch).
     On CUDA the forwards run with gradients enabled, as training runs them (grad mode is part of a compiled kernel's
     guards: a no-grad check would compile a graph training never uses); nothing is backpropagated."""
     implementation = attention_implementation(model)
@@ -234,8 +181,7 @@ def _try_kernel(model: Any, base: Any, kernel: str, setting: str, probe_backward
     learns every rank's outcome and returns the first failure of any."""
     failure = None
     try:
-        if kernel == 'flex_attention':
-            keep_flex_compiled()
+        backend_for(kernel).prepare()
         base.set_attn_implementation(kernel)
         check_packed_attention(model, setting)
         if probe_backward:
@@ -257,11 +203,10 @@ def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.
     is undone and the next candidate is tried (the other installed flash attention, then flex_attention on CUDA),
     then the model's own is proven; an explicit mode that fails is refused. Returns what was decided (``old``, ``new``,
     ``why``)."""
-    from transformers.utils import is_torch_flex_attn_available
     old = attention_implementation(model)
     cuda = next(model.parameters()).device.type == 'cuda'
-    flex = is_torch_flex_attn_available()
-    new, why = best_packed_attention(old, mode=mode, cuda=cuda, flash=installed_flash_attention(), flex=flex)
+    installed = installed_kernels()
+    new, why = best_packed_attention(old, mode=mode, cuda=cuda, installed=installed)
     base = transformers_model(model) if new != old else None
     if new != old and base is None:
         new, why = old, f'no transformers model inside {type(model).__name__} to switch to {new}; kept {old}'
@@ -270,8 +215,7 @@ def use_packed_attention(model: Any, mode: str, setting: str = 'length_batching.
         return {'old': old, 'new': new, 'why': why}
     candidates = [new]
     if mode == 'auto' and cuda:  # the fallback chain: a broken FA3 build next to a working FA2 ends on FA2
-        candidates += [k for k in installed_flash_attentions() + (['flex_attention'] if flex else [])
-                       if k not in candidates]
+        candidates += [k for b in auto_order() for k in installed[b.name] if k not in candidates]
     ranks = distributed.gather_objects(candidates)  # one chain for every rank: what every rank has, in rank 0's order
     candidates = [k for k in ranks[0] if all(k in other for other in ranks)]
     failed = []
@@ -322,20 +266,10 @@ class PackedAttention:
         if self.fallen_back:
             self.kernel, self.original = state.get('kernel') or self.kernel, state.get('original')
 
-    @contextlib.contextmanager
-    def training_pass(self) -> Iterator[None]:
-        """Around one training pass: while packed rows run on ``flex_attention``, torch's warning that flex runs
-        uncompiled (the whole ``N x N`` scores) is an error there, and there only (evaluation, the proofs and other
-        code keep the warning a warning); torch's once-per-process mark is cleared first, so it is raised every
-        time."""
-        if self.kernel != 'flex_attention' or self.fallen_back:
-            yield
-            return
-        from torch.nn.attention import flex_attention as torch_flex
-        getattr(torch_flex, '_WARNINGS_SHOWN', set()).discard(FLEX_EAGER_WARNING_ID)
-        with warnings.catch_warnings():
-            warnings.filterwarnings('error', message=FLEX_EAGER_WARNING)
-            yield
+    def training_pass(self) -> ContextManager[None]:
+        """Around one training pass: what the kernel's backend needs there (flex: running uncompiled, the whole
+        ``N x N`` scores, is an error), unless it was fallen back from."""
+        return contextlib.nullcontext() if self.fallen_back else backend_for(self.kernel).training_pass()
 
     @property
     def switched(self) -> bool:
@@ -348,7 +282,7 @@ class PackedAttention:
         the forward holds collectives, so a proof failing on one rank would leave the others waiting): the model's
         own attention is kept (``auto``), an explicit kernel refused."""
         mode = self.mode
-        if sharded and mode in ('flash', 'flex', 'sdpa'):
+        if sharded and mode in BACKENDS:
             raise ConfigError(f'{SETTING}: {mode} is not supported under FSDP2 / DeepSpeed (their forward holds '
                               'collectives: a kernel proof failing on one rank would leave the others waiting); '
                               'allowed there: auto (the model\'s own attention is kept) or keep')

@@ -10,90 +10,30 @@ predicts a row's first token; here the previous row's last token would), ``use_c
 (:func:`split_packed`: OOM recovery, pass limits) without reading the device. The loss is the same sum over the same
 (prediction, label) pairs, so with ms-swift's token-sum normalisation the gradient is the padded batch's.
 
-What each attention implementation computes for a packed row of ``N`` tokens in rows of ``L_i`` (what
-:func:`finish_packed` adds for it):
-
-- ``sdpa`` / ``eager``: a dense ``N x N`` mask from the positions, every masked pair computed (``N^2``); nothing added;
-- ``flex_attention``: a block mask from the positions, whole masked ``128 x 128`` blocks skipped (about
-  ``sum L_i^2``); the row is filled up to a multiple of 128 tokens with a filler row of its own (labels ignored,
-  positions restarting), so the compiled kernels see few distinct lengths (and torch 2.13's CPU kernel, wrong at some
-  lengths that are not multiples of 16, is never asked for them);
-- ``flash_attention_2`` / ``_3`` / ``_4``: the varlen kernel (``sum L_i^2``), given the rows' boundaries
-  (``cu_seq_lens_q`` / ``_k``, ``max_length_q`` / ``_k``) from the host: without them transformers finds the rows
-  from the positions on the device, a synchronisation in every layer.
-
-Which of them the rows run with, and the proof that it keeps rows apart, is :mod:`.packed_attention`'s (this module
-only packs: host tensors in, host tensors out).
+What a packed row of ``N`` tokens in rows of ``L_i`` costs, and what is added to it on the host before it runs
+(flex's filler, flash's boundaries), is its attention backend's (:mod:`.attention`, one module a backend:
+:func:`~.attention.finish_packed`). Which of them the rows run with, and the proof that it keeps rows apart, is
+:mod:`.packed_attention`'s (this module only packs: host tensors in, host tensors out).
 """
 
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
-#: attention implementations that keep packed rows apart by ``position_ids`` (proven by
-#: :func:`.packed_attention.check_packed_attention`)
-DENSE_ATTENTION = ('sdpa', 'eager')
-FLASH_ATTENTION = ('flash_attention_2', 'flash_attention_3', 'flash_attention_4')
-SUPPORTED_ATTENTION = DENSE_ATTENTION + ('flex_attention', ) + FLASH_ATTENTION
-#: ``flex_attention``: a packed row is filled up to a multiple of this many tokens (its block size)
-FLEX_BLOCK = 128
+from .attention import PackedBatch, backend_for, finish_packed
+
 #: per-token tensors that are flattened with the tokens
 TOKEN_KEYS = ('input_ids', 'labels', 'attention_mask', 'position_ids', 'loss_scale')
-#: the rows' boundaries handed to flash attention's varlen kernel
-VARLEN_KEYS = ('cu_seq_lens_q', 'cu_seq_lens_k', 'max_length_q', 'max_length_k')
-
-
-class PackedBatch(dict):
-    """A micro-batch flattened by :func:`flatten_rows`: ``input_ids`` ``[1, N]`` and the rest, plus ``row_lengths``
-    (host ints: the real tokens of each packed row, in order), the ``attention`` it was finished for
-    (:func:`finish_packed`) and ``fill`` (filler tokens after the rows)."""
-
-    def __init__(self, values: Mapping[str, Any], row_lengths: Sequence[int], attention: str = 'sdpa',
-                 fill: int = 0) -> None:
-        super().__init__(values)
-        self.row_lengths = tuple(int(n) for n in row_lengths)
-        self.attention = attention
-        self.fill = int(fill)
-
-
-def finish_packed(batch: PackedBatch, attention: str) -> PackedBatch:
-    """``batch`` (packed rows only: no filler, no boundaries) made ready for ``attention`` (module docstring): a
-    filler row up to a multiple of :data:`FLEX_BLOCK` for ``flex_attention``, the rows' boundaries for flash
-    attention, nothing for the others. Built from host ints on the batch's device, without reading it."""
-    if attention == 'flex_attention':
-        tokens = sum(batch.row_lengths)
-        fill = -tokens % FLEX_BLOCK
-        if not fill:
-            return PackedBatch(batch, batch.row_lengths, attention)
-        values = dict(batch)
-        ids = batch['input_ids']
-        filler = {'input_ids': torch.zeros(1, fill, dtype=ids.dtype, device=ids.device),
-                  'labels': torch.full((1, fill), -100, dtype=ids.dtype, device=ids.device),
-                  'position_ids': torch.arange(fill, device=ids.device)[None]}
-        for key, value in batch.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[-1] == tokens:
-                extra = filler.get(key, torch.zeros(1, fill, dtype=value.dtype, device=value.device))  # loss_scale: 0
-                values[key] = torch.cat([value, extra.to(value.dtype)], dim=1)
-        return PackedBatch(values, batch.row_lengths, attention, fill)
-    if attention in FLASH_ATTENTION:
-        device = batch['input_ids'].device
-        bounds = torch.tensor([0, *accumulate(batch.row_lengths)], dtype=torch.int32)
-        bounds = bounds.pin_memory().to(device, non_blocking=True) if device.type == 'cuda' else bounds.to(device)
-        longest = max(batch.row_lengths, default=0)
-        values = {**batch, 'cu_seq_lens_q': bounds, 'cu_seq_lens_k': bounds, 'max_length_q': longest,
-                  'max_length_k': longest}
-        return PackedBatch(values, batch.row_lengths, attention)
-    return PackedBatch(batch, batch.row_lengths, attention)
-
 
 def packed_rows_only(batch: PackedBatch) -> PackedBatch:
-    """``batch`` without what :func:`finish_packed` added (the filler row, the rows' boundaries)."""
+    """``batch`` without what :func:`finish_packed` added (the filler row, the keys its backend adds)."""
     tokens = sum(batch.row_lengths)
+    added = backend_for(batch.attention).added_keys
     values = {k: (v[:, :tokens] if batch.fill and isinstance(v, torch.Tensor) and v.dim() == 2
-                  and v.shape[-1] == tokens + batch.fill else v) for k, v in batch.items() if k not in VARLEN_KEYS}
+                  and v.shape[-1] == tokens + batch.fill else v) for k, v in batch.items() if k not in added}
     return PackedBatch(values, batch.row_lengths)
 
 

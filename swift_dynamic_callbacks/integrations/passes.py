@@ -55,7 +55,7 @@ class SampleTooLargeError(RuntimeError):
 
 
 def batch_shape(inputs: Mapping[str, Any]) -> tuple[int, int]:
-    """(rows, padded length) of a collated micro-batch; a packed one (:class:`.padding_free.PackedBatch`): its rows
+    """(rows, padded length) of a collated micro-batch; a packed one (:class:`.attention.PackedBatch`): its rows
     and the longest of them."""
     if isinstance(inputs, PackedBatch):
         return len(inputs.row_lengths), max(inputs.row_lengths, default=0)

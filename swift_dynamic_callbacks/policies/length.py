@@ -5,14 +5,9 @@ Terms (a collator that pads every micro-batch to its longest member, as ms-swift
 - *padded tokens* of a micro-batch = ``samples x longest``; *real tokens* = the sum of its lengths;
 - *padding fraction* = ``1 - real / padded`` (over a set of micro-batches: sums of both).
 
-A :class:`BatchPlan` says how many samples a micro-batch may hold, given its longest sample:
-
-- ``token_budget``: ``floor(max_tokens / longest)`` (at least 1), so ``samples x longest <= max_tokens``; a single
-  sample longer than ``max_tokens`` goes alone (:func:`over_budget` lists them for a warning);
-- ``rules``: the size of the last rule ``[longer_than, samples]`` with ``longest > longer_than`` (the seed's rule
-  ``[[0, 8], [1024, 2]]``: longest > 1024 tokens -> 2 samples, else 8);
-- ``balanced``: every micro-batch holds the per-device batch size, and the epoch is laid out in balanced global
-  steps (:mod:`.balance`; the layout and sizes there, not here).
+A :class:`BatchPlan` says how many samples a micro-batch may hold, given its longest sample: its mode's
+(:mod:`.length_modes`, one module a mode: ``token_budget``, ``rules``, ``balanced``). A mode sized by a token budget
+has the samples longer than ``max_tokens`` go alone (:func:`over_budget` lists them for a warning).
 
 With ``padding_free`` a micro-batch runs as one concatenated row, so it costs its real tokens: the token budget
 bounds ``sum of lengths`` instead of ``samples x longest``.
@@ -44,8 +39,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-MODES = ('token_budget', 'rules', 'balanced')
-DEFAULT_RULES: tuple[tuple[int, int], ...] = ((0, 8), (1024, 2))
+from .length_modes import LENGTH_MODES, LengthMode
+from .length_modes.rules import DEFAULT_RULES, check_rules
 
 
 @dataclass(frozen=True)
@@ -53,7 +48,7 @@ class BatchPlan:
     """How micro-batches are formed from sample lengths (the value of ``control.new_batch_plan``).
 
     Attributes:
-        mode: ``token_budget`` or ``rules``.
+        mode: a name of :data:`~.length_modes.LENGTH_MODES` (:attr:`length_mode`).
         max_tokens: most padded tokens (``samples x longest``) of a micro-batch (``token_budget``).
         rules: ``((longer_than, samples), ...)``, ascending, the first ``longer_than`` is 0 (``rules``).
         bucketing: lay each epoch out in shuffled chunks of similar length (else keep the given order).
@@ -82,8 +77,8 @@ class BatchPlan:
     pass_tokens: int | str | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f'mode: must be one of {", ".join(MODES)}, got {self.mode!r}')
+        if self.mode not in LENGTH_MODES:
+            raise ValueError(f'mode: must be one of {", ".join(LENGTH_MODES)}, got {self.mode!r}')
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f'max_tokens: must be an int >= 1, got {self.max_tokens!r}')
         object.__setattr__(self, 'rules', check_rules(self.rules))
@@ -105,13 +100,18 @@ class BatchPlan:
         if tokens is not None and tokens != 'auto' and (isinstance(tokens, bool) or not isinstance(tokens, int)
                                                         or tokens < 1):
             raise ValueError(f'pass_tokens: must be an int >= 1, auto or null, got {tokens!r}')
-        if tokens is not None and self.mode != 'balanced':
+        if tokens is not None and not self.length_mode.balances_steps:
             raise ValueError(f'pass_tokens: only mode balanced cuts a step into passes by tokens, got mode {self.mode}')
+
+    @property
+    def length_mode(self) -> LengthMode:
+        """The mode's strategy (:mod:`.length_modes`)."""
+        return LENGTH_MODES[self.mode]
 
     @property
     def balanced(self) -> bool:
         """Whether epochs are laid out in balanced global steps (``mode: balanced``)."""
-        return self.mode == 'balanced'
+        return self.length_mode.balances_steps
 
     @property
     def lays_out(self) -> bool:
@@ -125,11 +125,7 @@ class BatchPlan:
 
     def limit(self, longest: int) -> int:
         """Most samples of a micro-batch whose longest sample has ``longest`` tokens (at least 1)."""
-        if self.mode == 'token_budget':
-            return max(1, self.max_tokens // max(longest, 1))
-        if self.mode == 'balanced':
-            return 1 << 30  # the per-device batch size (the cap) decides
-        return rule_size(self.rules, longest)
+        return self.length_mode.limit(self, longest)
 
     def to_json(self) -> dict[str, Any]:
         return {'mode': self.mode, 'max_tokens': self.max_tokens, 'rules': [list(r) for r in self.rules],
@@ -148,44 +144,13 @@ class BatchPlan:
         return cls(**dict(mapping))
 
 
-def check_rules(rules: Any) -> tuple[tuple[int, int], ...]:
-    """``{longer_than: samples}`` or ``[[longer_than, samples], ...]`` -> sorted tuple; the first threshold is 0."""
-    items = list(rules.items()) if isinstance(rules, Mapping) else list(rules or ())
-    out = []
-    for item in items:
-        if not isinstance(item, (list, tuple)) or len(item) != 2:
-            raise ValueError(f'rules: each rule is [longer_than, samples], got {item!r}')
-        threshold, size = item
-        if isinstance(threshold, str) and threshold.strip().isdigit():
-            threshold = int(threshold)
-        for what, value, low in (('longer_than', threshold, 0), ('samples', size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f'rules: {what} must be an int >= {low}, got {value!r} in {item!r}')
-        out.append((threshold, size))
-    out.sort()
-    if not out or out[0][0] != 0:
-        raise ValueError(f'rules: need a rule for longer_than 0 (the size of short batches), got {out!r}')
-    if len({t for t, _ in out}) != len(out):
-        raise ValueError(f'rules: a longer_than threshold appears twice in {out!r}')
-    return tuple(out)
-
-
-def rule_size(rules: Sequence[tuple[int, int]], longest: int) -> int:
-    """Samples allowed by the last rule with ``longest > longer_than`` (the first rule when none matches)."""
-    size = rules[0][1]
-    for threshold, samples in rules:
-        if longest > threshold:
-            size = samples
-    return size
-
-
 def greedy_pieces(lengths: Sequence[int], plan: BatchPlan, cap: int | None = None) -> list[int]:
     """Cut consecutive samples into pieces: add a sample while the piece (with it) stays within the plan's limit
     for its longest sample (and ``cap``); padding-free under a token budget, while its real tokens stay within
     ``max_tokens``. A sample that the limit does not allow next to anything goes alone."""
     sizes: list[int] = []
     count, longest, total = 0, 0, 0
-    by_sum = plan.padding_free and plan.mode == 'token_budget'
+    by_sum = plan.padding_free and plan.length_mode.sizes_by_tokens
     for length in lengths:
         new_longest = max(longest, length)
         limit = plan.limit(new_longest) if not by_sum else (count + 1 if total + length <= plan.max_tokens else count)
@@ -277,8 +242,8 @@ def plan_sizes(ordered_lengths: Sequence[int], start: int, chunk_sizes: Sequence
 
 
 def over_budget(lengths: Iterable[int], plan: BatchPlan) -> list[int]:
-    """Positions of samples longer than ``max_tokens`` (token_budget mode; they run alone, over the budget)."""
-    if plan.mode != 'token_budget':
+    """Positions of samples longer than ``max_tokens`` (a mode sized by tokens; they run alone, over the budget)."""
+    if not plan.length_mode.sizes_by_tokens:
         return []
     return [k for k, length in enumerate(lengths) if length > plan.max_tokens]
 
