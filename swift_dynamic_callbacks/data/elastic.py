@@ -44,12 +44,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .. import distributed
 from ..policies import length as length_policy
-from ..policies.balance import DEFAULT_WORK_COEF, pad_passes, step_passes
+from ..policies.balance import DEFAULT_WORK_COEF
 from ..policies.data_plan import (before, epoch_steps, micro_batches_to, planned_steps_to_budget, redeal,
                                   redealt_to_draw, step_sizes, steps_in_epoch, steps_to_budget)
 from .cursor import PlanCursor
 from .interface import BudgetReports
 from .layout import EpochLayout
+from .planner import plan_micro_batches, plan_passes
 from .position import ShardPosition, saved_rests
 from .prefetch import Prefetch
 from .rows import RowLengths
@@ -350,41 +351,21 @@ class ElasticDataLoader:
                                  self.entries_per_step)
 
     def _replan(self) -> None:
-        """Plan the rest of the epoch's micro-batches; under data parallelism agree on its optimizer steps."""
+        """Plan the rest of the epoch (:mod:`.planner`: agreed with the other ranks) and hand it to the cursor."""
         if self.plan is None:
             return
         if self.cuts_passes:
-            self._plan_passes()
-            return
-        sizes = self._plan_rest()
-        entries = self.entries_per_step
-        counts = distributed.gather_objects((len(sizes), self.remaining))
-        steps = max((length_policy.steps_for(m, entries) for m, _ in counts), default=0)
-        # a rank with too few samples to fill as many steps (a shard a sample short, every sample alone) runs each
-        # of its samples alone and then placeholder steps, so every rank still ends the epoch at the same step
-        own = min(steps, length_policy.steps_for(self.remaining, entries))
-        if self.plan.balanced:  # the steps are the layout's: a rank with fewer ends with placeholder steps
-            own = length_policy.steps_for(len(sizes), entries)
-        self.cursor.set(length_policy.equalize_steps(sizes, entries, own), steps)
-
-    def _plan_passes(self) -> None:
-        """The rest of the epoch as steps of passes (:func:`~..policies.balance.step_passes`); every rank then runs
-        as many steps as the rank that needs most (a rank with fewer ends with steps of empty slots) and, under an
-        engine whose every pass communicates (:attr:`equal_passes`), as many passes in each step as the rank that
-        needs most (:func:`~..policies.balance.pad_passes`: empty passes, run as zero-weight passes). Collective:
-        one gather of every rank's passes a step."""
-        lengths, plan = self.lengths, self.plan
-        max_rows = -(-self.batch_size // self.num_pieces) if self.num_pieces > 1 else None
-        steps = step_passes([lengths[i] for i in self.shard.rest], self.batch_size * self.entries_per_step,
-                            self.pass_tokens, padding_free=plan.padding_free, max_rows=max_rows) \
-            if self.remaining else []
-        counts = distributed.gather_objects([len(step) for step in steps])
-        agreed = max(len(c) for c in counts)
-        steps += [[] for _ in range(agreed - len(steps))]
-        self.padding_passes = 0
-        if self.equal_passes:
-            steps, self.padding_passes = pad_passes(steps, counts)
-        self.cursor.set([rows for step in steps for rows in step], agreed, [len(step) for step in steps])
+            lengths = self.lengths
+            max_rows = -(-self.batch_size // self.num_pieces) if self.num_pieces > 1 else None
+            planned = plan_passes([lengths[i] for i in self.shard.rest] if self.remaining else [],
+                                  self.batch_size * self.entries_per_step, self.pass_tokens,
+                                  padding_free=self.plan.padding_free, max_rows=max_rows,
+                                  equal_passes=self.equal_passes)
+            self.padding_passes = planned.padding
+        else:
+            planned = plan_micro_batches(self._plan_rest(), self.remaining, self.entries_per_step,
+                                         balanced=self.plan.balanced)
+        self.cursor.set(planned.sizes, planned.steps, planned.passes)
 
     def steps_to_budget(self, budget_epochs: float) -> int:
         """Optimizer steps still needed to use ``budget_epochs`` epochs of data (at the current batch size/plan).
