@@ -11,7 +11,8 @@ A state belongs to its checkpoint (:func:`check_binding`): the file records the 
 the optimizer step and the samples seen, and the checkpoint's ``trainer_state.json`` (which HF writes after it)
 records the run, the step and the file's SHA-256 under ``stateful_callbacks[BINDING_KEY]``. A state file copied from
 another step or another run into a checkpoint no longer matches and is refused: used, it would skip or repeat samples.
-The settings it was written with are compared too (:func:`settings_changes`).
+The settings it was written with are saved in it too (``settings``); the resumed run compares them with its own
+(:mod:`swift_dynamic_callbacks.config.snapshot`).
 """
 
 from __future__ import annotations
@@ -128,43 +129,6 @@ def check_binding(checkpoint_dir: str | os.PathLike, payload: Mapping[str, Any])
                          'by another run (or edited). Used, it would skip or repeat samples; resume from the '
                          'checkpoint it was written in')
     return dict(binding)
-
-
-def renamed_settings(snapshot: Mapping[str, Any]) -> dict[str, Any]:
-    """A settings snapshot with every setting a later version renamed under its new name (a checkpoint written
-    before a rename resumes as the same settings)."""
-    from .config.pack import CALLBACK_CONFIGS
-    from .config.integration import IntegrationConfig
-    classes = {**CALLBACK_CONFIGS, 'integration': IntegrationConfig}
-    out: dict[str, Any] = {}
-    for section, values in snapshot.items():
-        renamed = getattr(classes.get(section), 'renamed', {})
-        if isinstance(values, Mapping) and renamed:
-            values = {renamed.get(key, key): value for key, value in values.items()}
-        out[section] = values
-    return out
-
-
-def settings_changes(old: Mapping[str, Any], new: Mapping[str, Any], *, ignore: Iterable[str] = ()
-                     ) -> dict[str, list[Any]]:
-    """``{dotted.key: [old, new]}`` for every setting that differs between two normalised settings snapshots
-    (``{section: {setting: value}}``); a section present in one only is one change. ``ignore``: dotted keys or
-    whole sections that do not change training (logging)."""
-    skip = set(ignore)
-    old = renamed_settings(old)
-    changes: dict[str, list[Any]] = {}
-    for section in sorted(set(old) | set(new)):
-        if section in skip:
-            continue
-        a, b = old.get(section), new.get(section)
-        if a is None or b is None:
-            changes[section] = [a, b]
-            continue
-        for key in sorted(set(a) | set(b)):
-            dotted = f'{section}.{key}'
-            if dotted not in skip and a.get(key) != b.get(key):
-                changes[dotted] = [a.get(key), b.get(key)]
-    return changes
 
 
 def write_state(checkpoint_dir: str | os.PathLike, payload: Mapping[str, Any]) -> str:

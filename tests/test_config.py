@@ -341,7 +341,7 @@ def test_a_renamed_setting_is_read_with_a_note_and_both_at_once_refused():
     from swift_dynamic_callbacks.config.length_batching import LengthBatchingConfig
     from swift_dynamic_callbacks.config.memory_backoff import MemoryBackoffConfig
     from swift_dynamic_callbacks.config import from_mapping
-    from swift_dynamic_callbacks.state import settings_changes
+    from swift_dynamic_callbacks.config.snapshot import settings_changes
     pack = parse_section({'length_batching': {'max_tokens': 4096}, 'memory_backoff': {
         'max_pass_tokens': 8192, 'cpu_budget_gib': 4}}, listed=['length_batching', 'memory_backoff'])
     assert pack.callback_config('length_batching').micro_batch_tokens == 4096

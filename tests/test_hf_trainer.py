@@ -97,7 +97,7 @@ def test_plain_trainer_with_install(tmp_path, tiny_llama, gsm8k_16):
 
 
 def test_flags_without_integration_warn_once(tmp_path, tiny_llama, gsm8k_16, monkeypatch):
-    monkeypatch.setattr(protocol, '_warned_unhonoured', False)
+    monkeypatch.setattr(protocol.requests, '_warned_unhonoured', False)
     callback = sdc.BatchScheduleCallback(sdc.BatchScheduleConfig(schedule={0: 2, 1: 4}))
     trainer = _trainer(tiny_llama, gsm8k_16, str(tmp_path / 'hf'), [callback], max_steps=3)
     with pytest.warns(RuntimeWarning, match='not honoured') as caught:

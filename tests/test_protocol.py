@@ -11,6 +11,7 @@ from transformers import TrainerControl
 
 from swift_dynamic_callbacks import protocol
 from swift_dynamic_callbacks.protocol import BatchRequest
+from swift_dynamic_callbacks.protocol import requests as protocol_requests
 from swift_dynamic_callbacks.records import DecisionRecord
 
 DATASET = list(range(10))
@@ -23,7 +24,7 @@ def control():
 
 @pytest.fixture
 def fresh_watchdog(monkeypatch):
-    monkeypatch.setattr(protocol, '_warned_unhonoured', False)  # restored after the test
+    monkeypatch.setattr(protocol_requests, '_warned_unhonoured', False)  # restored after the test
 
 
 # ---- request helpers -------------------------------------------------------------------------------------
@@ -217,7 +218,7 @@ def test_warn_if_unhonoured_warns_once(control, fresh_watchdog):
     with warnings.catch_warnings():
         warnings.simplefilter('error')  # a second warning would raise
         assert protocol.warn_if_unhonoured(control, 'cb, step 3') is True
-    assert protocol._warned_unhonoured is True
+    assert protocol_requests._warned_unhonoured is True
 
 
 def test_warn_if_unhonoured_silent_with_integration(control, fresh_watchdog):
@@ -226,7 +227,7 @@ def test_warn_if_unhonoured_silent_with_integration(control, fresh_watchdog):
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         assert protocol.warn_if_unhonoured(control, 'with integration') is False
-    assert protocol._warned_unhonoured is False
+    assert protocol_requests._warned_unhonoured is False
     # the watchdog is still armed for a control without integration
     other = TrainerControl()
     protocol.request_num_pieces(other, 2)
@@ -273,3 +274,14 @@ def test_every_request_kind_is_one_declaration_the_rest_derives_from():
             protocol.request(control, kind.field, object())
         assert protocol.is_request_record(DecisionRecord('cb', kind.records[0], 'test', {}))
     assert not protocol.is_request_record(DecisionRecord('integration', 'oom', 'recovered', {}))
+
+
+def test_the_flag_table_in_the_docs_names_every_flag():
+    """docs/control-flags.md is the one reference for the flags: its table has a row for each, and only for them."""
+    import os
+    import re
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'docs', 'control-flags.md')
+    with open(path, encoding='utf-8') as f:
+        rows = [line for line in f if line.startswith('| `')]
+    named = {flag for row in rows for flag in re.findall(r'`(\w+)`', row.split('|')[1])}
+    assert named == set(protocol.ALL_FLAGS)

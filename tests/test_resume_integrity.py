@@ -15,10 +15,10 @@ import shutil
 import pytest
 
 from swift_dynamic_callbacks.config import ConfigError
+from swift_dynamic_callbacks.config.snapshot import settings_changes
 from swift_dynamic_callbacks.integrations import swift as plugin
 from swift_dynamic_callbacks.state import (BINDING_KEY, STATE_FILE, StateError, build_payload, check_binding,
-                                           file_digest, read_state, restore_components, settings_changes,
-                                           write_state)
+                                           file_digest, read_state, restore_components, write_state)
 from swift_runs import decisions, run_sft
 
 GROWTH = {'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 4}

@@ -19,10 +19,11 @@ from .. import distributed
 from ..config import to_mapping
 from ..config.integration import IntegrationConfig
 from ..config.launch import ignore_data_skip_error
+from ..config.snapshot import settings_changes
 from ..policies.data_plan import per_device_batch
 from ..records import DecisionRecord
 from ..state import (BINDING_KEY, STATE_FILE, StateError, binding_entry, build_payload, check_binding, file_digest,
-                     new_run_id, read_state, restore_components, settings_changes, write_state)
+                     new_run_id, read_state, restore_components, write_state)
 from .decisions import Decisions
 from .layout import Layout
 
