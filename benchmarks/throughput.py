@@ -254,39 +254,78 @@ def run_arms_in_one_process(specs: list[dict], threads: int, quiet: bool, done, 
 
 def oom_phase(args: argparse.Namespace, spec_of, threads: int, done) -> None:
     """``--oom-fraction``: ``pack_passes`` at ``--oom-pass-tokens`` with only that fraction of the GPU (it runs out of
-    memory, the pack lowers its token budget and grows it back), then ``pack_passes`` planned from the start at the
-    budget the first one ended at, with the same fraction; prints their tokens/s over the second half of the epoch
-    (after the recovery) and the ratio (goal >= 0.9)."""
+    memory, the pack lowers its token budget and grows it back), and ``pack_passes`` planned from the start at the
+    budget the first run ended at, with the same fraction, alternating ``--oom-repeats`` times (oom, planned, oom,
+    planned, ...); each pair compared over the second half of the epoch step by step (:func:`second_halves`), with
+    the allocator's counters (goal: tokens/s after the recovery >= 0.9 x the planned run's)."""
     tokens = args.oom_pass_tokens or 2 * args.pass_tokens
-    first = {**spec_of({'label': f'pack_passes:{tokens}', 'arm': 'pack_passes', 'tokens': tokens, 'batch': None,
-                        'ga': None}, 1, tag='-oom'), 'memory_fraction': args.oom_fraction, 'deadline': None}
-    first['label'] = f'pack_passes:{tokens} (memory {args.oom_fraction:g})'
     results: dict[str, dict] = {}
+    raw: dict[str, list[dict]] = {}
 
     def keep(spec: dict, ranks: list[dict]) -> None:
         results[spec['label']] = summarize(spec['label'], 1, ranks)
         results[spec['label']]['pack'] = ranks[0].get('pack') or {}
+        raw[spec['label']] = ranks
         done(spec, ranks)
 
-    run_arms_in_one_process([first], threads, args.quiet, keep, Path(first['out']).parent / 'child.log')
-    ran = results.get(first['label'])
-    if ran is None:
-        print('[oom] the OOM arm did not finish (its cause above): no comparison', file=sys.stderr, flush=True)
-        return
-    budget = ran['pack'].get('final_pass_budget') or tokens
-    second = {**spec_of({'label': f'pack_passes:{budget}', 'arm': 'pack_passes', 'tokens': budget, 'batch': None,
-                         'ga': None}, 1, tag='-recovered'), 'memory_fraction': args.oom_fraction, 'deadline': None}
-    second['label'] = f'pack_passes:{budget} (memory {args.oom_fraction:g}, planned at the recovered budget)'
-    run_arms_in_one_process([second], threads, args.quiet, keep, Path(second['out']).parent / 'child.log')
-    planned = results.get(second['label'])
-    late = ran.get('late_tokens_per_s')
-    print(f'[oom] {first["label"]}: {ran["pack"].get("ooms", 0)} OOMs, budgets {ran["pack"].get("pass_budgets")}, '
-          f'second half {late and round(late)} tokens/s', flush=True)
-    if planned is not None and late and planned.get('late_tokens_per_s'):
-        ratio = late / planned['late_tokens_per_s']
-        print(f'[oom] after recovery {ratio:.2f} x the run planned at {budget} from the start '
-              f'({round(planned["late_tokens_per_s"])} tokens/s; goal >= 0.9); its OOMs: '
-              f'{planned["pack"].get("ooms", 0)}', flush=True)
+    def run(budget: int, kind: str, repeat: int) -> str:
+        spec = {**spec_of({'label': f'pack_passes:{budget}', 'arm': 'pack_passes', 'tokens': budget, 'batch': None,
+                           'ga': None}, 1, tag=f'-{kind}{repeat}'), 'memory_fraction': args.oom_fraction,
+                'deadline': None}
+        spec['label'] = f'pack_passes:{budget} (memory {args.oom_fraction:g}, {kind}, repeat {repeat})'
+        run_arms_in_one_process([spec], threads, args.quiet, keep, Path(spec['out']).parent / 'child.log')
+        if spec['label'] not in results:
+            print(f'[oom] {spec["label"]} did not finish (its cause above)', file=sys.stderr, flush=True)
+        return spec['label']
+
+    budget = None
+    ratios = []
+    for repeat in range(1, args.oom_repeats + 1):
+        oom = run(tokens, 'oom', repeat)
+        if oom not in results:
+            return
+        if budget is None:  # the budget the first OOM run ended at: every planned run's
+            budget = results[oom]['pack'].get('final_pass_budget') or tokens
+        pack = results[oom]['pack']
+        print(f'[oom] repeat {repeat}: {pack.get("ooms", 0)} OOMs, budgets {pack.get("pass_budgets")}', flush=True)
+        planned = run(budget, 'planned', repeat)
+        if planned not in results:
+            continue
+        compared = second_halves(raw[oom], raw[planned])
+        ratios.append(compared['tokens_ratio'])
+        print(f'[oom] repeat {repeat}: after recovery {compared["tokens_ratio"]:.2f} x the run planned at {budget} '
+              f'(second halves; step by step: median {compared["median_step_ratio"]:.2f}, worst '
+              f'{compared["worst_step_ratio"]:.2f} x its time); allocator, second half: retries '
+              f'{compared["retries"]} vs {compared["planned_retries"]}, inactive split '
+              f'{compared["inactive_gib"]:.2f} vs {compared["planned_inactive_gib"]:.2f} GiB; the planned run\'s '
+              f'OOMs: {results[planned]["pack"].get("ooms", 0)}', flush=True)
+    if ratios:
+        print(f'[oom] after recovery, median over {len(ratios)} alternating repeats: '
+              f'{statistics.median(ratios):.2f} x (goal >= 0.9)', flush=True)
+
+
+def second_halves(oom: list[dict], planned: list[dict]) -> dict:
+    """The run after an OOM (``oom``: every rank's record) against the run planned at its recovered budget over
+    the second half of their steps (the same samples a step: the steps pair up by index): the tokens/s ratio, each
+    step's time against its twin's (median, worst), and the allocator's retries over the half and inactive split
+    bytes at its end (CUDA only; 0 without the counters)."""
+    def half(ranks: list[dict]) -> tuple[list[float], float, int, float]:
+        ends = ranks[0]['step_end']
+        start = len(ends) // 2
+        durations = [b - a for a, b in zip(ends[start - 1:], ends[start:])] if start else []
+        alloc = ranks[0].get('alloc') or []
+        retries = (alloc[-1]['num_alloc_retries'] - alloc[start - 1]['num_alloc_retries']) if len(alloc) > start \
+            and start else 0
+        inactive = alloc[-1]['inactive_split_bytes.all.current'] / 2**30 if alloc else 0.0
+        return durations, late_tokens_per_s(ranks) or 0.0, retries, inactive
+
+    mine, mine_tps, retries, inactive = half(oom)
+    theirs, their_tps, their_retries, their_inactive = half(planned)
+    steps = [a / b for a, b in zip(mine, theirs) if b > 0]
+    return {'tokens_ratio': mine_tps / their_tps if their_tps else 0.0,
+            'median_step_ratio': statistics.median(steps) if steps else 0.0,
+            'worst_step_ratio': max(steps, default=0.0), 'retries': retries, 'planned_retries': their_retries,
+            'inactive_gib': inactive, 'planned_inactive_gib': their_inactive}
 
 
 def summarize(arm: str, procs: int, ranks: list[dict]) -> dict:
@@ -434,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                         help='one process, CUDA: after the arms, pack_passes at --oom-pass-tokens with only this '
                         'fraction of the GPU (it runs out of memory and recovers), then pack_passes planned at the '
                         'budget it recovered to, with the same fraction; their tokens/s over the second half compared')
+    parser.add_argument('--oom-repeats', type=int, default=3,
+                        help='the OOM phase: alternating OOM and planned runs, this many pairs')
     parser.add_argument('--oom-pass-tokens', type=int, default=None, help='the OOM phase\'s budget (default 2 x '
                         '--pass-tokens)')
     parser.add_argument('--profile-rows', type=int, default=96)

@@ -149,6 +149,12 @@ def write_record(spec: dict, record: dict) -> None:
         json.dump(record, f)
 
 
+#: the allocator counters recorded at every step's end on CUDA: retries (a cudaMalloc that failed, the cache freed,
+#: tried again), OOMs, and reserved, active and inactive-split bytes (fragmentation near the limit)
+ALLOC_KEYS = ('num_alloc_retries', 'num_ooms', 'reserved_bytes.all.current', 'active_bytes.all.current',
+              'inactive_split_bytes.all.current')
+
+
 def swift_arm(spec: dict) -> dict:
     import torch
     from swift import SftArguments, sft_main
@@ -241,6 +247,9 @@ def swift_arm(spec: dict) -> dict:
 
         def on_step_end(self, args, state, control, **kwargs):
             record['step_end'].append(time.perf_counter())
+            if cuda:  # the caching allocator's counters (host-side: no synchronisation)
+                stats = torch.cuda.memory_stats()
+                record.setdefault('alloc', []).append({key: stats.get(key, 0) for key in ALLOC_KEYS})
             first, last = spec.get('profile_steps') or (None, None)
             if self.window is not None and state.global_step >= last:
                 self.window.__exit__(None, None, None)

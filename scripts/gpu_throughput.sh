@@ -19,10 +19,11 @@
 #   length: $OUT/growth_clock.jsonl (commit it as docs/figures/growth_39_clock.jsonl). Needs the shape folder
 #   $GROWTH_SHAPE (default .gpu/smollm2-135m-shape: the study's model folder without its weights, see below).
 # MAIN_ARMS replaces phase main's arms, DEADLINE its --deadline (240).
-# - oom (about 3 minutes): phase main's OOM comparison alone, twice: as main runs it, then with
-#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the H200 run of 2026-11-27 recovered to 0.80 x the run planned
-#   at the recovered budget, with slow steps after the OOM: a fragmented caching allocator near the limit would show
-#   as the difference between the two).
+# - oom (about 8 minutes, a call of its own): phase main's OOM comparison alone, as 3 alternating pairs (the run
+#   that meets the OOM, then a run planned at the budget it recovered to), compared over the second halves step by
+#   step with the allocator's retries and inactive split bytes; twice: as main runs it, then with
+#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the H200 run recovered to 0.80 x the planned run in one pair:
+#   a fragmented caching allocator near the limit would show in the retries and between the two settings).
 # - 7b (about 6 minutes, a second call): the Qwen2.5-7B shape, pass_tokens 8192 and auto against group_by_length at
 #   the largest per-device batch that fits.
 # - liger (about 2 minutes, needs liger-kernel): pass_tokens P and 2 P with ms-swift's use_liger_kernel (fused linear
@@ -82,7 +83,7 @@ if [[ " $PHASES " == *" main "* ]]; then
   TORCH_LOGS=recompiles "$PY" scripts/bench_throughput.py "${common[@]}" --model random:qwen2.5-1.5b \
     --pass-tokens "$PASS_TOKENS" --deadline "${DEADLINE:-240}" \
     --arms ${MAIN_ARMS:-random "$GBL" pack_passes pack_passes_auto pack_passes_padding_free bare_loop} \
-    --oom-fraction 0.75 --oom-pass-tokens $((2 * PASS_TOKENS)) "${profile[@]}" \
+    --oom-fraction 0.75 --oom-repeats 1 --oom-pass-tokens $((2 * PASS_TOKENS)) "${profile[@]}" \
     --jsonl "$OUT/throughput.jsonl" "$@" 2>&1 | tee "$OUT/log.txt"
 fi
 if [[ " $PHASES " == *" oom "* ]]; then

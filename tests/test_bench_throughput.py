@@ -55,3 +55,30 @@ def test_a_failing_arm_says_why_and_the_next_one_runs(bench, tmp_path, capsys):
         assert f"[arm-skipped] bare_loop#{k}: failed after" in err and "needs the rows' lengths" in err
     assert 'child process died' not in err
     assert 'Traceback' in (tmp_path / 'child.log').read_text()  # the whole cause, in the log
+
+
+def _record(step_s: list[float], tokens: int, retries: list[int] | None = None) -> dict:
+    """One rank's record: a step's end after each of ``step_s`` seconds, ``tokens`` real tokens a step, the
+    allocator's retry count at each step's end."""
+    ends, t = [], 0.0
+    for s in step_s:
+        t += s
+        ends.append(t)
+    record = {'step_end': ends, 'micro': [{'step': i, 'real': tokens, 'padded': tokens, 'work': 1}
+                                          for i in range(len(step_s))]}
+    if retries is not None:
+        record['alloc'] = [{'num_alloc_retries': r, 'inactive_split_bytes.all.current': 2**30} for r in retries]
+    return record
+
+
+def test_the_oom_phase_compares_the_second_halves_step_by_step(bench):
+    """After an OOM, a run whose second half is slower than its planned twin's at two steps of four: the tokens/s
+    ratio over the half, each step against its twin, and the allocator retries counted over the half only."""
+    oom = _record([5.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0, 2.0], 100, retries=[0, 3, 3, 3, 4, 4, 4, 6])
+    planned = _record([1.0] * 8, 100, retries=[0] * 8)
+    compared = bench.second_halves([oom], [planned])
+    assert compared['worst_step_ratio'] == 2.0 and compared['median_step_ratio'] == 1.5
+    assert abs(compared['tokens_ratio'] - 4 / 6) < 1e-9  # 400 tokens in 6 s against 400 in 4 s
+    assert compared['retries'] == 3 and compared['planned_retries'] == 0  # the first half's 3 not counted
+    assert compared['inactive_gib'] == 1.0
+    assert bench.second_halves([planned], [planned])['tokens_ratio'] == 1.0
