@@ -764,6 +764,32 @@ def frontier(results: list[dict], tune: list[int], report: list[int], clock: lis
         print(f'figure: {png}')
 
 
+
+def run_grid(args: argparse.Namespace, done: set, run) -> None:
+    """Every run of ``args.seeds`` x ``args.lrs`` x ``args.arms`` whose ``(run name, seed, beta2)`` is not in
+    ``done``: claimed when ``args.claims`` is set (another stream's claim skips it; a failed run gives its claim
+    back), run (``run(arm, lr, seed) -> result``), its JSON line printed and appended to ``args.jsonl``."""
+    for seed in args.seeds:
+        for lr in args.lrs:
+            for arm in args.arms:
+                if (run_name(arm, lr), seed, args.beta2) in done:
+                    continue
+                key = run_key(run_name(arm, lr), seed, args.beta2)
+                if args.claims and not claim(args.claims, key):
+                    print(f'{key}: claimed by another stream, skipped', flush=True)
+                    continue
+                try:
+                    result = run(arm, lr, seed)
+                except BaseException:
+                    if args.claims:  # failed: another try may run it
+                        os.remove(os.path.join(args.claims, key))
+                    raise
+                line = json.dumps(result)
+                print(line, flush=True)
+                if args.jsonl:
+                    with open(args.jsonl, 'a', encoding='utf-8') as f:
+                        f.write(line + '\n')
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--samples', type=int, default=128, help='GSM8K train rows (one epoch), at most 500')
@@ -829,27 +855,12 @@ def main(argv: list[str] | None = None) -> int:
     done = set()
     if args.skip_done:
         done = {(r['arm'], r['seed'], r['adam_beta2']) for r in read_jsonl([args.jsonl])}
-    for seed in args.seeds:
-        for lr in args.lrs:
-            for arm in args.arms:
-                if (run_name(arm, lr), seed, args.beta2) in done:
-                    continue
-                key = run_key(run_name(arm, lr), seed, args.beta2)
-                if args.claims and not claim(args.claims, key):
-                    print(f'{key}: claimed by another stream, skipped', flush=True)
-                    continue
-                try:
-                    with heavy_run(args.out, arm):
-                        result = run_arm(arm, lr, seed, args.beta2, args, model, flags, train, test)
-                except BaseException:
-                    if args.claims:  # failed: another try may run it
-                        os.remove(os.path.join(args.claims, key))
-                    raise
-                line = json.dumps(result)
-                print(line, flush=True)
-                if args.jsonl:
-                    with open(args.jsonl, 'a', encoding='utf-8') as f:
-                        f.write(line + '\n')
+
+    def run(arm: str, lr: float, seed: int) -> dict:
+        with heavy_run(args.out, arm):
+            return run_arm(arm, lr, seed, args.beta2, args, model, flags, train, test)
+
+    run_grid(args, done, run)
     return 0
 
 

@@ -310,26 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     done = set()
     if args.skip_done:
         done = {(r['arm'], r['seed'], r['adam_beta2']) for r in read([args.jsonl], args.reuse, args.data)}
-    for seed in args.seeds:
-        for lr in args.lrs:
-            for arm in args.arms:
-                if (growth.run_name(arm, lr), seed, args.beta2) in done:
-                    continue
-                key = growth.run_key(growth.run_name(arm, lr), seed, args.beta2)
-                if args.claims and not growth.claim(args.claims, key):
-                    print(f'{key}: claimed by another stream, skipped', flush=True)
-                    continue
-                try:
-                    result = run_arm(arm, lr, seed, args.beta2, args, model, flags, train, test)
-                except BaseException:
-                    if args.claims:
-                        os.remove(os.path.join(args.claims, key))
-                    raise
-                line = json.dumps(result)
-                print(line, flush=True)
-                if args.jsonl:
-                    with open(args.jsonl, 'a', encoding='utf-8') as f:
-                        f.write(line + '\n')
+    growth.run_grid(args, done, lambda arm, lr, seed: run_arm(arm, lr, seed, args.beta2, args, model, flags, train,
+                                                            test))
     return 0
 
 

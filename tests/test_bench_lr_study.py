@@ -1,0 +1,88 @@
+"""The LR schedule study's harness (benchmarks/lr_study.py): each arm's settings, the reuse of issue 39's lines and
+its reproduction check, the picks on the tuning seeds, the arms it reports, and the run grid it shares with the
+growth study (no training)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import growth_study, lr_study
+
+
+def line(arm: str, lr: float, seed: int, loss: float, **extra) -> dict:
+    return {'arm': growth_study.run_name(arm, lr), 'seed': seed, 'adam_beta2': 0.95, 'lr': lr, 'data': 'gsm8k',
+            'eval_loss': loss, **extra}
+
+
+def test_each_arm_is_a_schedule_the_pack_or_hf_runs():
+    assert lr_study.arm_settings('baseline', 64) == ({}, {}, [])
+    swift, pack, callbacks = lr_study.arm_settings('wsd', 64)
+    assert swift['lr_scheduler_type'] == 'warmup_stable_decay' and callbacks == [] and pack == {}
+    assert swift['lr_scheduler_kwargs'] == {'num_decay_steps': 13, 'decay_type': '1-sqrt'}  # the last 20 % of 64
+    assert lr_study.arm_settings('wsd_linear', 64)[0]['lr_scheduler_kwargs']['decay_type'] == 'linear'
+    for arm in ('whc', 'restarts', 'step_early', 'step_late'):
+        swift, pack, callbacks = lr_study.arm_settings(arm, 64)
+        assert swift == {} and callbacks == ['lr_schedule'] and set(pack) == {'lr_schedule'}
+    assert lr_study.arm_settings('restarts', 64)[1]['lr_schedule'].get('max_restarts', 1) > 0
+    with pytest.raises(ValueError, match='--arms: one of'):
+        lr_study.arm_settings('cosine', 64)
+
+
+def test_issue_39s_lines_are_reused_renamed_and_the_own_run_wins(tmp_path):
+    mine, reused = tmp_path / 'lr.jsonl', tmp_path / 'growth.jsonl'
+    mine.write_text(json.dumps(line('baseline', 0.00141, 2, 0.8375)) + '\n', encoding='utf-8')
+    reused.write_text('\n'.join(json.dumps(r) for r in [
+        {**line('baseline', 0.00141, 2, 0.8374), 'data': None},
+        {**line('twin_c', 0.002, 2, 0.8301)},
+        {**line('seesaw_c', 0.002, 2, 0.9)}]) + '\n', encoding='utf-8')
+    results = lr_study.read([str(mine)], [str(reused)], 'gsm8k')
+    assert sorted(r['arm'] for r in results) == ['baseline@0.00141', 'baseline@0.00141', 'step_early@0.002']
+    assert lr_study.reproduction(results) == (0.8375, 0.8374)
+    kept = lr_study.dedupe(results)
+    assert [r['eval_loss'] for r in kept if r['arm'] == 'baseline@0.00141'] == [0.8375]  # this study's own
+    assert lr_study.read([str(mine)], [str(reused)], 'alpaca') == []  # issue 39's lines are GSM8K's only
+
+
+def test_the_picks_and_the_reported_arms_come_from_the_tuning_seeds_only():
+    results = []
+    for seed, shift in ((0, 0.0), (1, 0.002)):
+        results += [line('baseline', 0.00141, seed, 0.836 + shift), line('whc', 0.00141, seed, 0.833 + shift),
+                    line('whc', 0.002, seed, 0.839 + shift), line('step_early', 0.002, seed, 0.830 + shift),
+                    line('step_late', 0.00141, seed, 0.826 + shift), line('wsd', 0.001, seed, 0.834 + shift),
+                    line('wsd_linear', 0.001, seed, 0.831 + shift)]
+    results.append(line('step_early', 0.002, 2, 0.5))  # a reporting seed: never part of a pick
+    assert lr_study.best_lrs(results, [0, 1], 0.95)['whc'] == '0.00141'
+    assert lr_study.winners(results, [0, 1], 0.95) == {'step': 'step_late', 'wsd': 'wsd_linear'}
+    assert lr_study.report_arms(results, [0, 1], 0.95) == ['whc 0.00141', 'step_late 0.00141',
+                                                           'wsd_linear 0.001', 'restarts 0.00141']
+
+
+def test_the_run_grid_skips_done_and_claimed_runs_and_gives_a_failed_claim_back(tmp_path, capsys):
+    claims = tmp_path / 'claims'
+    claims.mkdir()
+    args = argparse.Namespace(seeds=[0, 1], lrs=[0.002], arms=['whc'], beta2=0.95, claims=str(claims),
+                              jsonl=str(tmp_path / 'out.jsonl'))
+    assert growth_study.claim(str(claims), growth_study.run_key(growth_study.run_name('whc', 0.002), 1, 0.95))
+    ran = []
+
+    def run(arm, lr, seed):
+        ran.append((arm, lr, seed))
+        return line(arm, lr, seed, 0.8)
+
+    growth_study.run_grid(args, {('whc@0.002', 0, 0.95)}, run)  # seed 0 done, seed 1 claimed by another stream
+    assert ran == [] and 'claimed by another stream' in capsys.readouterr().out
+    args.seeds = [2]
+
+    def fails(arm, lr, seed):
+        raise RuntimeError('out of disk')
+
+    with pytest.raises(RuntimeError):
+        growth_study.run_grid(args, set(), fails)
+    assert growth_study.claim(str(claims), growth_study.run_key('whc@0.002', 2, 0.95)), 'the claim was given back'
+    args.claims = None
+    growth_study.run_grid(args, set(), run)
+    assert ran == [('whc', 0.002, 2)]
+    assert [json.loads(x)['seed'] for x in open(args.jsonl, encoding='utf-8')] == [2]
