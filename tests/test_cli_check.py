@@ -156,7 +156,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize('command', ['check', 'sft', 'rlhf'])
+@pytest.mark.parametrize('command', ['check', 'sft', 'rlhf', 'pt'])
 @pytest.mark.parametrize('name,data,extra,words', BAD, ids=[b[0] for b in BAD])
 def test_a_mistake_is_refused_before_launch(tmp_path, capsys, monkeypatch, command, name, data, extra, words):
     def launched(*args, **kwargs):
@@ -405,7 +405,7 @@ def test_env_config_good_forms(tmp_path):
 # ---- launching -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('command', ['sft', 'rlhf'])
+@pytest.mark.parametrize('command', ['sft', 'rlhf', 'pt'])
 def test_launch_runs_swift_command_on_the_rest_of_the_file(tmp_path, monkeypatch, command):
     seen = {}
 
@@ -426,7 +426,7 @@ def test_launch_runs_swift_command_on_the_rest_of_the_file(tmp_path, monkeypatch
     assert json.loads(seen['env'][ENV_CONFIG])['batch_growth'] == {'initial': 2}
     assert cli.build_command('rlhf', 'x.yaml', ['--a', '1'])[3:] == ['rlhf', 'x.yaml', '--a', '1']
     with pytest.raises(ValueError, match='command'):
-        cli.build_command('pt', 'x.yaml', [])
+        cli.build_command('infer', 'x.yaml', [])
 
 
 _PROBE = r'''
