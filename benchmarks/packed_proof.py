@@ -28,7 +28,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-ATTENTIONS = ('sdpa', 'eager', 'flex_attention', 'flash_attention_2', 'flash_attention_3')
+
+
+def attentions() -> tuple[str, ...]:
+    """Every attention implementation a registered backend runs packed rows with (the pack's registry)."""
+    from swift_dynamic_callbacks.integrations.attention import SUPPORTED_ATTENTION
+    return SUPPORTED_ATTENTION
 
 
 def padded_rows(lengths: list[int], vocab: int, seed: int) -> dict:
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--model', default='tiny', help='tiny or random:<shape> (scripts/bench_throughput.py SHAPES)')
     parser.add_argument('--device', choices=('cpu', 'cuda'), default='cpu')
-    parser.add_argument('--attentions', nargs='+', default=list(ATTENTIONS), choices=ATTENTIONS,
+    parser.add_argument('--attentions', nargs='+', default=list(attentions()), choices=attentions(),
                         help='the attention implementations to try (those that do not load here are reported so)')
     parser.add_argument('--lengths', type=int, nargs='+', default=[37, 250, 5, 300, 129])
     parser.add_argument('--seed', type=int, default=0)
