@@ -7,10 +7,10 @@
   stays. A kernel that fails to load or a proof is undone and said in the record.
 - ``flash`` / ``flex`` / ``sdpa``: that backend (``flash``: the installed flash attention 3 or 2). Unavailable, or
   failing its proof, it is refused at start with the reason (an explicit choice is never silently replaced).
+- ``keep``: the model's own attention.
 
 The backends (whether each can run here, what a packed row needs added for it, ``auto``'s ranking) are
 :mod:`.attention`'s, one module a backend; this module is the same for all of them.
-- ``keep``: the model's own attention.
 
 :class:`PackedAttention` (the integration's part) chooses (:func:`best_packed_attention`, pure), switches the
 transformers model inside any wrapper, and proves the choice before training: :func:`check_packed_attention` (two rows

@@ -181,12 +181,28 @@ class PassBudget:
         self.folded = int(state.get('folded', -1))
 
 
+#: the note an OOM that ended a run leaves in the output folder, one a rank (written by the runner, read on resume)
+OOM_NOTE = 'dynamic_oom.rank{rank}.json'
+
+
+def oom_note_name(rank: int) -> str:
+    """The file name of rank ``rank``'s OOM note (:data:`OOM_NOTE`)."""
+    return OOM_NOTE.format(rank=rank)
+
+
+def write_oom_note(output_dir: str, note: Mapping[str, Any]) -> None:
+    """Leave ``note`` (``step``, ``rank``, ``pass_size``, ``pass_tokens``, ``unit``, ``fitted``, ``engine``,
+    ``error``) in ``output_dir`` for :func:`oom_notes` of a resumed run."""
+    with open(os.path.join(output_dir, oom_note_name(int(note['rank']))), 'w', encoding='utf-8') as f:
+        json.dump(dict(note), f)
+
+
 def oom_notes(output_dir: str, after_step: int) -> list[DecisionRecord]:
     """The OOMs that ended a run (under an engine without OOM recovery) after step ``after_step``: every rank's note
     ``dynamic_oom.rank<R>.json`` in ``output_dir``, as ``oom`` records (reason ``unrecovered``) to fold into the pass
     budget of a run resumed from that step's checkpoint. Read by every rank (the same notes: the same budget)."""
     records = []
-    for path in sorted(glob.glob(os.path.join(output_dir, 'dynamic_oom.rank*.json'))):
+    for path in sorted(glob.glob(os.path.join(output_dir, OOM_NOTE.format(rank='*')))):
         try:
             with open(path, encoding='utf-8') as f:
                 note = json.load(f)

@@ -45,7 +45,7 @@ from ..records import DecisionRecord
 from .engines import Engine, select_engine
 from .loss_kind import LossKind, loss_kind, piece_weights
 from .packed_attention import PackedAttention
-from .pass_budget import PassBudget
+from .pass_budget import PassBudget, oom_note_name, write_oom_note
 from .padding_free import PackedBatch
 from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, pass_lengths, restore_grads, \
     row_tokens, split_micro_batch
@@ -322,8 +322,12 @@ class StepRunner:
     def _pad(self, model: Any, run: Run, pads: int, last_of_step: bool) -> None:
         """``pads`` padding passes after a slot's own (the last one ends the step when the slot does)."""
         for k in range(pads):
-            self.engine.padding_pass(model, run, self._template, sync=last_of_step and k == pads - 1)
-            self._pass_stats[2] += 1
+            self._padding_pass(model, run, sync=last_of_step and k == pads - 1)
+
+    def _padding_pass(self, model: Any, run: Run, *, sync: bool) -> None:
+        """One zero-weight pass so that this rank runs as many passes in the step as the others (counted)."""
+        self.engine.padding_pass(model, run, self._template, sync=sync)
+        self._pass_stats[2] += 1
 
     def _run_with_recovery(self, model: Any, inputs: Any, run: Run, num_items_in_batch: Any, index: int,
                            last_of_step: bool) -> torch.Tensor:
@@ -371,8 +375,7 @@ class StepRunner:
         for k, batch in enumerate(inputs.passes):
             last = final and k == len(inputs.passes) - 1
             if isinstance(batch, EmptyMicroBatch):  # a padding pass the planner added (equal passes)
-                self.engine.padding_pass(model, run, self._template, sync=last)
-                self._pass_stats[2] += 1
+                self._padding_pass(model, run, sync=last)
                 continue
             loss = self._run_batch(model, batch, run, num_items_in_batch, index, offset, final=last)
             total = loss if total is None else total + loss
@@ -486,8 +489,6 @@ class StepRunner:
         to lower, and leave a note in the output folder (``dynamic_oom.rank<R>.json``) that a run resumed from an
         earlier checkpoint folds into its pass budget before its first step (a ``pass_budget`` record), so it does
         not run out of memory at the same pass again. The error is raised again: the launcher ends every rank."""
-        import json
-        import os
         current = self._current
         size = current[2] - current[1] if current is not None else 0
         cost, unit = self._current_cost, self.budget.unit
@@ -502,15 +503,13 @@ class StepRunner:
                    f'{self.budget.budget or ceiling} {unit} ({of}). '
                    f'Lower {lower}, or resume from the last checkpoint: the resumed run plans its passes within '
                    f'{max(1, (cost if unit == "tokens" else size) // 2)} {unit} from its first step (the note '
-                   f'dynamic_oom.rank{distributed.rank()}.json in the output folder). Memory: {device_figures()}')
+                   f'{oom_note_name(distributed.rank())} in the output folder). Memory: {device_figures()}')
         logger.error(message)
         if self.output_dir:
             try:
-                with open(os.path.join(self.output_dir, f'dynamic_oom.rank{distributed.rank()}.json'), 'w',
-                          encoding='utf-8') as f:
-                    json.dump({'step': step, 'rank': distributed.rank(), 'pass_size': size, 'pass_tokens': cost,
-                               'unit': unit, 'fitted': self.budget.fitted, 'engine': self.engine.name,
-                               'error': str(error)[:300]}, f)
+                write_oom_note(self.output_dir, {'step': step, 'rank': distributed.rank(), 'pass_size': size,
+                                                 'pass_tokens': cost, 'unit': unit, 'fitted': self.budget.fitted,
+                                                 'engine': self.engine.name, 'error': str(error)[:300]})
             except OSError as e:  # the note is best effort: the error itself is what the user must see
                 logger.error(f'could not write the OOM note: {e}')
 

@@ -60,6 +60,13 @@ class Engine:
         the whole model (``pass_tokens: auto``): all of it here; sharded engines hold their part."""
         return later
 
+    @staticmethod
+    def sharded(trainer: Any, later: dict[str, int], *, grads: bool, optimizer: bool) -> dict[str, int]:
+        """``later`` with the gradients (``grads``) and optimizer states (``optimizer``) split over the ranks."""
+        world = max(1, int(getattr(trainer.args, 'world_size', 1) or 1))
+        return {**later, 'grad_bytes': later['grad_bytes'] // (world if grads else 1),
+                'optimizer_bytes': later['optimizer_bytes'] // (world if optimizer else 1)}
+
     # ---- what the engine is ------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """Facts for the start record: engine, accelerate's distributed type, world size."""

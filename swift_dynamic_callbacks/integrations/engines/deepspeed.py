@@ -45,10 +45,8 @@ class DeepSpeedEngineAdapter(Engine):
     @classmethod
     def held_bytes(cls, trainer: Any, later: dict[str, int]) -> dict[str, int]:
         """ZeRO-1 and up partition the optimizer states, ZeRO-2 and up the gradients too, over the ranks."""
-        world = max(1, int(getattr(trainer.args, 'world_size', 1) or 1))
         stage = cls.stage(trainer) or 0
-        return {**later, 'grad_bytes': later['grad_bytes'] // (world if stage >= 2 else 1),
-                'optimizer_bytes': later['optimizer_bytes'] // (world if stage >= 1 else 1)}
+        return cls.sharded(trainer, later, grads=stage >= 2, optimizer=stage >= 1)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), 'zero_stage': self.stage(self.trainer)}

@@ -44,9 +44,7 @@ class FSDP2Engine(Engine):
     @classmethod
     def held_bytes(cls, trainer: Any, later: dict[str, int]) -> dict[str, int]:
         """Gradients and optimizer states are sharded evenly over the ranks."""
-        world = max(1, int(getattr(trainer.args, 'world_size', 1) or 1))
-        return {**later, 'grad_bytes': later['grad_bytes'] // world,
-                'optimizer_bytes': later['optimizer_bytes'] // world}
+        return cls.sharded(trainer, later, grads=True, optimizer=True)
 
     def check_wrapped(self, model: Any) -> None:
         from torch.distributed.fsdp import FSDPModule
