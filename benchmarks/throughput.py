@@ -19,9 +19,15 @@ gradient accumulation, LR, seed and number of processes, so the same global batc
   tokens (``pass_tokens``) instead of ``--ga`` micro-batches of ``--batch``: the same samples a step, fewer and fuller
   passes;
 - ``pack_passes_padding_free``: the same, each pass one packed row (``--pass-tokens`` real tokens);
+- ``pack_passes_auto`` / ``pack_passes_auto_padding_free``: ``pass_tokens: auto`` (the budget from the device's memory
+  and the model's shape), padded or packed passes;
 - ``bare_loop``: the physical reference, no ms-swift and no Trainer: transformers + PEFT forward/backward over the same
   rows' lengths (random token ids) in a seeded random order, micro-batches of ``--batch``, AdamW every ``--ga``
   (run after an ms-swift arm of the same process, whose encoded lengths it takes).
+
+An arm can train under a sharded engine: ``ARM+zero2``, ``+zero3`` (ms-swift's DeepSpeed presets) or ``+fsdp2``
+(:data:`ENGINES`), launched by torchrun even with one process; its ratios compare it with the arms under the same
+engine, and the engine the trainer really ran is recorded (``engine_ran``; a mismatch is printed).
 
 Per arm and process count (medians over ``--repeats``, run alternately, the arm order rotated each repeat): real
 (non-padding) tokens per second of training, padded-token fraction, rank work spread (per step: max over ranks of
@@ -48,6 +54,8 @@ From a fresh clone: ``bash scripts/setup_env.sh`` (the ``.venv``), and for ``--m
     python scripts/bench_throughput.py --model tiny --rows 48 --repeats 1 --procs 1       # smoke run
     python scripts/bench_throughput.py --model random:qwen2.5-test --rows 48 --repeats 1 --procs 1 \
         --arms random pack_passes bare_loop --profile-arms pack_passes                     # the GPU path, on CPU
+    python scripts/bench_throughput.py --model random:qwen2.5-test --rows 48 --repeats 1 --procs 1 --batch 4 --ga 2 \
+        --pass-tokens 4096 --arms 'group_by_length@8x1+zero3' pack_passes+zero3 pack_passes+fsdp2  # sharded, on CPU
     python scripts/bench_throughput.py --rows 256 --repeats 3 --procs 1 2 --png throughput.png
 """
 
@@ -69,22 +77,32 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CHILD = HERE / 'throughput_child.py'
 ARMS = ('random', 'group_by_length', 'batch_rebalance', 'pack_buckets', 'pack_token_budget', 'pack_balanced',
-        'pack_balanced_padding_free', 'pack_passes', 'pack_passes_padding_free', 'pack_passes_auto', 'bare_loop')
+        'pack_balanced_padding_free', 'pack_passes', 'pack_passes_padding_free', 'pack_passes_auto', 'pack_passes_auto_padding_free', 'bare_loop')
 #: random-weight shapes of real models (hidden, intermediate, layers, heads, kv heads, tied embeddings)
 SHAPES = {'qwen2.5-1.5b': (1536, 8960, 28, 12, 2, True), 'qwen2.5-7b': (3584, 18944, 28, 28, 4, False),
           'qwen2.5-test': (128, 512, 2, 4, 2, True)}
+#: the sharded engines an arm can train under (``+zero3``): ms-swift's own ``deepspeed`` presets (bf16 from the
+#: model's dtype) and FSDP2 as ms-swift's ``fsdp2`` preset without activation checkpointing (as every arm here: no
+#: gradient checkpointing) and rank-0 loading
+ENGINES = {'zero2': {'deepspeed': 'zero2'}, 'zero3': {'deepspeed': 'zero3'},
+           'fsdp2': {'fsdp': str(HERE / 'engine_configs' / 'fsdp2.json')}}
 KEYS = ('arm', 'procs', 'real_tokens_per_s', 'padding', 'rank_spread', 'p50_step_s', 'p90_step_s', 'peak_rss_gib',
         'optimizer_steps', 'train_loss')
 
 
 def parse_arm(label: str) -> dict:
-    """An arm as written on the command line: ``ARM[:PASS_TOKENS][@BATCHxGA]`` (``group_by_length@16x1``,
-    ``pack_passes:8192``), or a chain ``A|B|C``: the first of them that runs (``group_by_length@16x1|...@8x2|...@4x4``:
-    the largest per-device batch that fits the global batch). Returns ``{'label', 'arms': [{'label', 'arm', 'tokens',
-    'batch', 'ga'}]}`` (``None``: the command line's)."""
+    """An arm as written on the command line: ``ARM[:PASS_TOKENS][@BATCHxGA][+ENGINE]`` (``group_by_length@16x1``,
+    ``pack_passes:8192``, ``pack_passes+zero3``), or a chain ``A|B|C``: the first of them that runs
+    (``group_by_length@16x1|...@8x2|...@4x4``: the largest per-device batch that fits the global batch). ``ENGINE``
+    (:data:`ENGINES`) trains the arm under that sharded engine, launched by torchrun even with one process. Returns
+    ``{'label', 'arms': [{'label', 'arm', 'tokens', 'batch', 'ga', 'engine'}]}`` (``None``: the command line's;
+    engine ``None``: no engine, plain DDP under several processes)."""
     arms = []
     for part in label.split('|'):
-        rest, _, layout = part.partition('@')
+        rest, _, engine = part.partition('+')
+        if engine and engine not in ENGINES:
+            raise ValueError(f'arm {part!r}: the engine after + must be one of {", ".join(ENGINES)}, got {engine!r}')
+        rest, _, layout = rest.partition('@')
         arm, _, tokens = rest.partition(':')
         if arm not in ARMS:
             raise ValueError(f'arm {part!r}: {arm!r} is not one of {", ".join(ARMS)}')
@@ -96,7 +114,11 @@ def parse_arm(label: str) -> dict:
                 raise ValueError(f'arm {part!r}: the layout after @ must be BATCHxGA, e.g. 16x1') from None
         if tokens and not tokens.isdigit():
             raise ValueError(f'arm {part!r}: the pass budget after : must be an integer')
-        arms.append({'label': part, 'arm': arm, 'tokens': int(tokens) if tokens else None, 'batch': batch, 'ga': ga})
+        arms.append({'label': part, 'arm': arm, 'tokens': int(tokens) if tokens else None, 'batch': batch, 'ga': ga,
+                     'engine': engine or None})
+    engines = {one['engine'] for one in arms}
+    if len(engines) > 1:
+        raise ValueError(f'arm {label!r}: every layout of a chain runs under the same engine, got {sorted(map(str, engines))}')
     return {'label': label, 'arms': arms}
 
 
@@ -104,6 +126,8 @@ def pack_settings(arm: str, batch: int, max_tokens: int, pass_tokens: int | str 
     """The ``dynamic_callbacks`` settings of an arm (empty: the pack is not installed)."""
     if arm == 'pack_passes_auto':
         return {'length_batching': {'mode': 'balanced', 'pass_tokens': 'auto'}}
+    if arm == 'pack_passes_auto_padding_free':
+        return {'length_batching': {'mode': 'balanced', 'pass_tokens': 'auto', 'padding_free': True}}
     if arm == 'pack_passes':
         return {'length_batching': {'mode': 'balanced', 'pass_tokens': pass_tokens}}
     if arm == 'pack_passes_padding_free':
@@ -230,13 +254,20 @@ def run_arms_in_one_process(specs: list[dict], threads: int, quiet: bool, done, 
     """Several one-process arms in one child process, in order; ``done(spec, ranks)`` as soon as each one ends. An arm
     that fails is reported with its cause (``[arm-skipped] ...: failed ...``) and the next one runs; the child's
     stderr goes to ``log`` (appended), whose tail is printed if the child itself dies (a crash, a kill), and the
-    arms after it are reported as not run."""
+    arms after it are reported as not run. Arms under a sharded engine (one engine for all ``specs``) run in a child
+    launched by torchrun with one process (DeepSpeed and FSDP2 need the process group)."""
     paths = [str(write_spec(spec)) for spec in specs]
+    engines = {spec.get('engine') for spec in specs}
+    assert len(engines) == 1, f'one child runs one engine, got {engines}'
+    launcher = [sys.executable]
+    if engines != {None}:
+        launcher += ['-m', 'torch.distributed.run', '--nproc_per_node', '1', '--master_addr', '127.0.0.1',
+                     '--master_port', str(free_port())]
     by_out = {spec['out']: spec for spec in specs}
     finished: set[str] = set()
     log = log or Path(specs[0]['out']).parent / 'child.log'
     with open(log, 'a', encoding='utf-8') as err, \
-            subprocess.Popen([sys.executable, str(CHILD), *paths], env=child_env(threads), stdout=subprocess.PIPE,
+            subprocess.Popen([*launcher, str(CHILD), *paths], env=child_env(threads), stdout=subprocess.PIPE,
                              stderr=err if quiet else None, text=True, bufsize=1) as child:
         for line in child.stdout:
             if line.startswith('[arm-done] '):
@@ -383,19 +414,25 @@ def median_row(runs: list[dict]) -> dict:
 
 
 def table(rows: list[dict], procs: int) -> list[str]:
-    base: dict[str, float] = {}
-    for r in rows:  # the best row of each base arm (a layout variant: group_by_length@16x1 ...)
-        name = r['arm'].split('@')[0].split(':')[0]
-        base[name] = max(base.get(name, 0.0), r['real_tokens_per_s'])
+    def base_of(label: str) -> tuple[str, str]:  # (arm, engine): group_by_length@16x1+zero3 -> group_by_length, zero3
+        rest, _, engine = label.partition('+')
+        return rest.split('@')[0].split(':')[0], engine
+
+    base: dict[tuple[str, str], float] = {}
+    for r in rows:  # the best row of each base arm under each engine (a layout variant: group_by_length@16x1 ...)
+        key = base_of(r['arm'])
+        base[key] = max(base.get(key, 0.0), r['real_tokens_per_s'])
     lines = [f'**{procs} process(es)**', '',
-             '| arm | real tokens/s (min-max) | x random | x group_by_length | padding | passes a step | rank spread | '
+             '| arm | real tokens/s (min-max) | x random | x group_by_length (same engine) | padding | passes a step | rank spread | '
              'p50 / p90 step s | first step s | after it, tokens/s | peak RSS GiB | peak GPU GiB | steps | '
              'train loss |',
              '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|']
     for r in rows:
-        ratio = r['real_tokens_per_s'] / base['random'] if base.get('random') else float('nan')
-        by_group = (r['real_tokens_per_s'] / base['group_by_length'] if base.get('group_by_length')
-                    else float('nan'))
+        engine = base_of(r['arm'])[1]  # compared with the arms under the same engine
+        ratio = (r['real_tokens_per_s'] / base[('random', engine)] if base.get(('random', engine))
+                 else float('nan'))
+        by_group = (r['real_tokens_per_s'] / base[('group_by_length', engine)]
+                    if base.get(('group_by_length', engine)) else float('nan'))
         lo, hi = r['real_tokens_per_s_range']
         per_step = r['passes'] / r['optimizer_steps'] if r['optimizer_steps'] else float('nan')
         name = r['arm'] + (f' ({r["attention"]})' if r.get('attention', 'sdpa') != 'sdpa' else '')
@@ -520,11 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     def spec_of(arm: str | dict, procs: int, rows_file: str = data, tag: str = '') -> dict:
         one = arm if isinstance(arm, dict) else {'label': arm, 'arm': arm, 'tokens': None, 'batch': None, 'ga': None}
         name = one['arm']
-        folder = one['label'].replace('@', '_at_').replace(':', '_')
+        folder = one['label'].replace('@', '_at_').replace(':', '_').replace('+', '_on_')
+        engine = one.get('engine')
         return {'arm': name, 'label': one['label'], 'procs': procs, 'model': model, 'flags': flags, 'data': rows_file,
                 'out': str(work / f'out-{folder}-{procs}{tag}'), 'batch': one['batch'] or args.batch,
                 'ga': one['ga'] or args.ga, 'max_length': args.max_length, 'seed': args.seed, 'device': args.device,
-                'swift': swift_args, 'deadline': deadline,
+                'swift': {**swift_args, **(ENGINES[engine] if engine else {})}, 'deadline': deadline,
+                'engine': engine,
                 'pack': pack_settings(name, one['batch'] or args.batch, args.max_tokens,
                                       one['tokens'] or args.pass_tokens)}
 
@@ -544,7 +583,12 @@ def main(argv: list[str] | None = None) -> int:
             result = summarize(spec.get('label', spec['arm']), procs, ranks)
             runs.setdefault(result['arm'], []).append(result)
             line = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in result.items()}
-            print(f'[bench] procs {procs} repeat {repeat} {spec["arm"]}: {result["real_tokens_per_s"]:.0f} real '
+            ran = ranks[0].get('engine_ran') or {}
+            if spec.get('engine') and spec['engine'] != ran.get('name'):
+                print(f'[bench] {spec["label"]}: asked for {spec["engine"]}, the trainer ran {ran}', file=sys.stderr,
+                      flush=True)
+            result['engine_ran'] = ran
+            print(f'[bench] procs {procs} repeat {repeat} {spec["label"]}: {result["real_tokens_per_s"]:.0f} real '
                   f'tokens/s, padding {100 * result["padding"]:.1f} %, {result["optimizer_steps"]} steps, '
                   f'{result["passes"]} passes, train {result["train_s"]:.1f} s (at {time.monotonic() - begun:.0f} s)',
                   file=sys.stderr, flush=True)
@@ -562,9 +606,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.warmup and repeat == 0:
                     warm, _ = write_rows(Path(args.data), 32, args.seed + 2, work / f'rows-32-{args.seed + 2}.jsonl')
                     specs.insert(0, {**spec_of('random', procs, warm, '-warmup'), 'warmup': True, 'deadline': None})
-                run_arms_in_one_process(specs, threads, args.quiet,
-                                        lambda spec, ranks, repeat=repeat: done(spec, ranks, repeat),
-                                        work / 'child.log')
+                by_engine: dict[str | None, list[dict]] = {}  # one child per engine, in the order they first come
+                for spec in specs:
+                    by_engine.setdefault(spec['engine'], []).append(spec)
+                for mine in by_engine.values():
+                    run_arms_in_one_process(mine, threads, args.quiet,
+                                            lambda spec, ranks, repeat=repeat: done(spec, ranks, repeat),
+                                            work / 'child.log')
                 continue
             for group in order:
                 if group['label'] == 'bare_loop':

@@ -232,6 +232,7 @@ def swift_arm(spec: dict) -> dict:
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             trainer_state['step'] = lambda: self.trainer.state.global_step
+            record['engine_ran'] = engine_ran(self.trainer)
             config = getattr(model, 'config', None) or self.trainer.model.config
             coef['a'] = work_coefficient(getattr(config, 'hidden_size', None),
                                          getattr(config, 'intermediate_size', None))
@@ -277,7 +278,13 @@ def swift_arm(spec: dict) -> dict:
         data_seed=spec['seed'], max_length=spec['max_length'], truncation_strategy='right',
         gradient_checkpointing=False, save_strategy='no', logging_steps=1000, lora_dropout=0.0, attn_impl='sdpa',
         group_by_length=spec['arm'] == 'group_by_length',
-        use_cpu=spec['procs'] > 1 and spec.get('device', 'cpu') == 'cpu')
+        use_cpu=(spec['procs'] > 1 or bool(spec.get('engine'))) and spec.get('device', 'cpu') == 'cpu')
+    if spec.get('engine') and spec.get('device', 'cpu') == 'cpu':
+        settings['ddp_backend'] = 'gloo'
+        if spec['engine'].startswith('zero'):  # fp32 on CPU: the presets' "auto" precision would ask for fp16
+            settings.update(fp16=False, bf16=False)
+        if spec['engine'] == 'fsdp2':
+            lift_cpu_to_fsdp()
     settings.update(spec['flags'])
     settings.update(spec.get('swift') or {})  # the benchmark's --swift settings win
     kwargs = offline_sft_kwargs(spec['model'], spec['data'], spec['out'], **settings)
@@ -289,6 +296,43 @@ def swift_arm(spec: dict) -> dict:
         LENGTHS.extend(n for m in record['micro'] for n in m['lengths'])
     release_memory()
     return record
+
+
+def engine_ran(trainer: Any) -> dict[str, Any]:
+    """The engine the trainer's accelerator runs, as the arm syntax names it (``single``, ``ddp``, ``zero2``,
+    ``zero3``, ``fsdp2``, ``fsdp1``), with accelerate's distributed type and the wrapped model's class: an arm that
+    asked for an engine and ran another is reported, never measured as if it had."""
+    state = trainer.accelerator.state
+    kind = str(getattr(state.distributed_type, 'name', state.distributed_type))
+    name = 'single' if kind == 'NO' else 'ddp'
+    if kind == 'DEEPSPEED':
+        name = f'zero{state.deepspeed_plugin.zero_stage}'
+    elif kind == 'FSDP':
+        name = f'fsdp{getattr(state.fsdp_plugin, "fsdp_version", 1)}'
+    wrapped = getattr(trainer, 'model_wrapped', None) or trainer.model
+    return {'name': name, 'distributed_type': kind, 'wrapper': type(wrapped).__name__}
+
+
+def lift_cpu_to_fsdp() -> None:
+    """A CPU check of the ``+fsdp2`` arms: accelerate keeps ``MULTI_CPU`` (``NO`` with one process) when no
+    accelerator exists and never starts FSDP there; lift that state to ``FSDP`` when an FSDP plugin is given (as
+    the engine tests' driver does). Not used on CUDA, where accelerate starts FSDP itself."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+    if getattr(AcceleratorState.__init__, 'lifted', False):
+        return
+    init = AcceleratorState.__init__
+
+    def lifted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        plugin = kwargs.get('fsdp_plugin')
+        if plugin is not None and self.distributed_type in (DistributedType.MULTI_CPU, DistributedType.NO):
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = plugin
+            PartialState._shared_state['distributed_type'] = self.distributed_type
+
+    lifted.lifted = True
+    AcceleratorState.__init__ = lifted
 
 
 def bare_loop(spec: dict) -> dict:

@@ -28,6 +28,15 @@
 #   the largest per-device batch that fits.
 # - liger (about 2 minutes, needs liger-kernel): pass_tokens P and 2 P with ms-swift's use_liger_kernel (fused linear
 #   cross-entropy: no fp32 logits), for the peak memory and whether twice the pass fits.
+# - sharded (issue 47, about 8 minutes, one call of its own; needs the DeepSpeed wheels, see below): 256 rows on the
+#   1.5B shape, one process, in priority order, every arm's figures printed as it ends: under ZeRO-3 (torchrun, one
+#   process: the engine's code paths on CUDA) group_by_length at the largest per-device batch that fits, pass_tokens P
+#   and pass_tokens: auto; without an engine group_by_length at the largest that fits (16 x 1, 8 x 2, 4 x 4: each
+#   tried, the first that runs kept), pass_tokens: auto with and without padding-free; under FSDP2 group_by_length at
+#   the largest that fits and pass_tokens P; then the 7B shape (160 rows): group_by_length at the largest that fits
+#   (down to 2 x 8) and pass_tokens: auto. No arm starts after SHARDED_DEADLINE (330 s) on the 1.5B shape, none on the
+#   7B shape after 470 s from the phase's start. Ratios compare arms under the same engine; "[bench] ... asked for"
+#   flags an arm whose trainer ran another engine. Lines in $OUT/log-sharded.txt and $OUT/log-7b.txt.
 # P (PASS_TOKENS): 16384 on a card with 100 GB or more (H200), else 8192 (16384 peaked at 85 GB on the H200).
 # PROFILE=1 adds a profiled window of random, group_by_length and pack_passes to phase main (about a minute).
 # Not run in CI (no GPU there). Record the output in docs/throughput.md ("On a GPU").
@@ -36,10 +45,12 @@
 #   bash ../shared/gpu/fetch_wheels.sh .gpu/whl && mkdir -p .gpu/data && cp -r ../shared/data/{gsm8k,alpaca-gpt4-en-demo,lima,glaive-toolcall-en-demo} .gpu/data/
 #   mkdir -p .gpu/smollm2-135m-shape && cp .cache/bench/smollm2-135m-instruct/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/smollm2-135m-shape/   # after one study run (or bench_growth_study.py --prepare)
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .gpu/whl liger-kernel==0.8.5
+#   DEEPSPEED=1 PYTHON=.venv/bin/python bash ../shared/gpu/fetch_wheels.sh .gpu/whl      # phase sharded
 # and run, each as one device call (carry [".gpu"], timeout_s 600; the wheels go to /tmp/site, PYTHONPATH):
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT bash scripts/gpu_throughput.sh                 # proof, main, OOM
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=7b bash scripts/gpu_throughput.sh       # the 7B shape
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=liger bash scripts/gpu_throughput.sh
+#   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=sharded bash scripts/gpu_throughput.sh     # timeout_s 560
 # Usage: bash scripts/gpu_throughput.sh [extra bench_throughput.py args for phase main]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +107,28 @@ if [[ " $PHASES " == *" oom "* ]]; then
       --oom-pass-tokens $((2 * PASS_TOKENS)) \
       --jsonl "$OUT/throughput-oom.jsonl" 2>&1 | grep -E '^\[oom|^\[bench\]|^\[arm' | tee -a "$OUT/log-oom.txt" || true
   done
+fi
+if [[ " $PHASES " == *" sharded "* ]]; then
+  began=$SECONDS
+  if [ "$gib" -ge 100 ]; then chain=(16x1 8x2 4x4); else chain=(8x2 4x4); fi  # 16 x 2,048 tokens: over 80 GiB
+  gbl() { local IFS='|' out=(); for layout in "${chain[@]}" "$@"; do out+=("group_by_length@$layout${engine:++$engine}"); done; echo "${out[*]}"; }
+  engine=zero3; zero3=("$(gbl)" pack_passes+zero3 pack_passes_auto+zero3)
+  engine=; plain=("$(gbl)" pack_passes_auto pack_passes_auto_padding_free)
+  engine=fsdp2; fsdp2=("$(gbl)" pack_passes+fsdp2)
+  sharded=(--device cuda --procs 1 --rows 256 --batch 4 --ga 4 --max-length 2048 --threads 4 --repeats 1
+           ${DATA:+--data "$DATA"} --work "$WORK")
+  timeout 420 "$PY" scripts/bench_throughput.py "${sharded[@]}" --model random:qwen2.5-1.5b \
+    --pass-tokens "$PASS_TOKENS" --deadline "${SHARDED_DEADLINE:-330}" --arms "${zero3[@]}" "${plain[@]}" "${fsdp2[@]}" \
+    --jsonl "$OUT/throughput-sharded.jsonl" 2>&1 | tee "$OUT/log-sharded.txt" || echo "sharded: failed or timed out"
+  left=$((500 - (SECONDS - began)))
+  engine=; chain+=(2x8)
+  if [ "$left" -gt 90 ]; then
+    timeout "$left" "$PY" scripts/bench_throughput.py "${sharded[@]}" --rows 160 --model random:qwen2.5-7b \
+      --deadline $((left - 60)) --arms "$(gbl)" pack_passes_auto \
+      --jsonl "$OUT/throughput-7b.jsonl" 2>&1 | tee "$OUT/log-7b.txt" || echo "7b: failed or timed out"
+  else
+    echo "7b: not started, $left s left of the phase's 500" | tee "$OUT/log-7b.txt"
+  fi
 fi
 if [[ " $PHASES " == *" 7b "* ]]; then
   "$PY" scripts/bench_throughput.py "${common[@]}" --model random:qwen2.5-7b --pass-tokens 8192 --deadline 300 \

@@ -18,15 +18,60 @@ def bench():
 
 def test_arms_with_a_budget_a_layout_or_a_chain(bench):
     assert bench.parse_arm('pack_passes:8192') == {'label': 'pack_passes:8192', 'arms': [
-        {'label': 'pack_passes:8192', 'arm': 'pack_passes', 'tokens': 8192, 'batch': None, 'ga': None}]}
+        {'label': 'pack_passes:8192', 'arm': 'pack_passes', 'tokens': 8192, 'batch': None, 'ga': None,
+         'engine': None}]}
     chain = bench.parse_arm('group_by_length@16x1|group_by_length@8x2')
     assert [(a['arm'], a['batch'], a['ga']) for a in chain['arms']] == [('group_by_length', 16, 1),
                                                                         ('group_by_length', 8, 2)]
-    for bad, words in (('pack_everything', 'is not one of'), ('random@16', 'BATCHxGA'), ('pack_passes:big', 'integer')):
+    sharded = bench.parse_arm('group_by_length@8x2+zero3|group_by_length@4x4+zero3')
+    assert [(a['batch'], a['engine']) for a in sharded['arms']] == [(8, 'zero3'), (4, 'zero3')]
+    assert bench.parse_arm('pack_passes:4096+fsdp2')['arms'][0]['tokens'] == 4096
+    for bad, words in (('pack_everything', 'is not one of'), ('random@16', 'BATCHxGA'), ('pack_passes:big', 'integer'),
+                       ('pack_passes+zero4', 'engine after \\+ must be one of zero2, zero3, fsdp2'),
+                       ('random+zero3|random+fsdp2', 'same engine')):
         with pytest.raises(ValueError, match=words):
             bench.parse_arm(bad)
     assert bench.pack_settings('pack_passes_auto', 4, 2048) == {
         'length_batching': {'mode': 'balanced', 'pass_tokens': 'auto'}}
+    assert bench.pack_settings('pack_passes_auto_padding_free', 4, 2048) == {
+        'length_batching': {'mode': 'balanced', 'pass_tokens': 'auto', 'padding_free': True}}
+
+
+def test_an_arm_under_an_engine_is_compared_with_the_arms_under_it(bench):
+    def row(arm, tps):
+        return {'arm': arm, 'real_tokens_per_s': tps, 'real_tokens_per_s_range': [tps, tps], 'passes': 4,
+                'optimizer_steps': 4, 'padding': 0.1, 'rank_spread': 0.0, 'p50_step_s': 1.0, 'p90_step_s': 1.0,
+                'peak_rss_gib': 1.0, 'peak_cuda_gib': 1.0, 'train_loss': 1.0}
+
+    lines = bench.table([row('group_by_length@4x4', 100.0), row('pack_passes', 300.0),
+                         row('group_by_length@4x4+zero3', 50.0), row('pack_passes+zero3', 80.0)], 1)
+    ratios = {line.split(' | ')[0].strip('| '): line.split(' | ')[3] for line in lines if line.startswith('| ')}
+    assert ratios['pack_passes'] == '3.00' and ratios['pack_passes+zero3'] == '1.60'
+    assert ratios['group_by_length@4x4+zero3'] == '1.00'
+
+
+def test_a_sharded_arm_runs_under_torchrun_with_one_process(bench, monkeypatch, tmp_path):
+    launched = []
+
+    class Child:
+        def __init__(self, command, **kwargs):
+            launched.append(command)
+            self.stdout, self.returncode = iter(()), 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(bench.subprocess, 'Popen', Child)
+    spec = {'arm': 'pack_passes', 'out': str(tmp_path / 'a'), 'engine': 'zero3'}
+    bench.run_arms_in_one_process([spec], 1, True, lambda *a: None, tmp_path / 'child.log')
+    bench.run_arms_in_one_process([{**spec, 'engine': None}], 1, True, lambda *a: None, tmp_path / 'child.log')
+    assert launched[0][1:5] == ['-m', 'torch.distributed.run', '--nproc_per_node', '1']
+    assert launched[1][1] == str(bench.CHILD)
+    with pytest.raises(AssertionError, match='one engine'):
+        bench.run_arms_in_one_process([spec, {**spec, 'engine': 'fsdp2'}], 1, True, lambda *a: None)
 
 
 def test_a_layout_must_keep_the_global_batch(bench, capsys):
