@@ -209,6 +209,8 @@ def build_random_model(dest: Path, shape: str, device: str, dtype: str) -> Path:
         model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(built)
     del model
+    if device == 'cuda':  # the arms run in child processes: this one must not keep the GPU's memory cached (the
+        torch.cuda.empty_cache()  # 7B shape's 30 GiB did, and every 7B arm ran out of memory: H100, 2026-11-28)
     move_model_into_place(built, dest)
     shutil.rmtree(built, ignore_errors=True)
     return dest
@@ -503,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--oom-only', action='store_true',
                         help='with --oom-fraction: the OOM phase alone (no arms before it)')
     parser.add_argument('--deadline', type=float, default=None, help='seconds after which no arm starts')
-    parser.add_argument('--profile-arms', nargs='*', default=[], choices=ARMS)
+    parser.add_argument('--profile-arms', nargs='*', default=[],
+                        help='ARM[:PASS_TOKENS][@BATCHxGA][+ENGINE] (no chains): a short profiled run of each')
     parser.add_argument('--warmup', action='store_true',
                         help='one process: a short unmeasured run (random, 32 rows) before the first measured arm')
     parser.add_argument('--oom-fraction', type=float, default=None,
@@ -532,6 +535,12 @@ def main(argv: list[str] | None = None) -> int:
             if one['batch'] and one['batch'] * one['ga'] != args.batch * args.ga:
                 parser.error(f'--arms: {one["label"]} is {one["batch"]} x {one["ga"]} = {one["batch"] * one["ga"]} '
                              f'samples a step; every arm trains --batch x --ga = {args.batch * args.ga}')
+    try:
+        profiled_arms = [parse_arm(label) for label in args.profile_arms]
+    except ValueError as error:
+        parser.error(f'--profile-arms: {error}')
+    if any(len(group['arms']) > 1 or group['arms'][0]['arm'] == 'bare_loop' for group in profiled_arms):
+        parser.error('--profile-arms: one arm each (no A|B chains) and not bare_loop (it has no Trainer steps)')
     if args.oom_only and args.oom_fraction is None:
         parser.error('--oom-only: needs --oom-fraction (the OOM phase is all it runs)')
     if args.oom_fraction is not None and not 0 < args.oom_fraction < 1:
@@ -636,25 +645,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_arms:
         small, _ = write_rows(Path(args.data), args.profile_rows, args.seed + 1,
                               work / f'rows-{args.profile_rows}-{args.seed + 1}.jsonl')
-        specs = [{**spec_of(arm, 1, small, '-profile'), 'profile_steps': [2, 3], 'deadline': None}
-                 for arm in args.profile_arms]  # a few steps each: run even past --deadline
-        if 'bare_loop' in args.profile_arms:
-            raise SystemExit('--profile-arms: bare_loop is not profiled (it has no Trainer steps)')
+        by_engine: dict[str | None, list[dict]] = {}  # a few steps each: run even past --deadline
+        for group in profiled_arms:
+            spec = {**spec_of(group['arms'][0], 1, small, '-profile'), 'profile_steps': [2, 3], 'deadline': None}
+            by_engine.setdefault(spec['engine'], []).append(spec)
 
         def profiled(spec: dict, ranks: list[dict]) -> None:
-            print_profile(json.loads((Path(spec['out']) / 'profile.json').read_text()))
+            print_profile(json.loads((Path(spec['out']) / 'profile.json').read_text()), spec['label'])
 
-        run_arms_in_one_process(specs, args.threads or 2, args.quiet, profiled)
+        for specs in by_engine.values():
+            run_arms_in_one_process(specs, args.threads or 2, args.quiet, profiled)
     if args.png and rows:
         plot(rows, args.png)
     print(f'[bench] done in {time.monotonic() - begun:.0f} s', file=sys.stderr, flush=True)
     return 0
 
 
-def print_profile(profile: dict) -> None:
+def print_profile(profile: dict, label: str | None = None) -> None:
     """A profiled window in a few lines: wall vs GPU busy, the synchronisations and their causes, top host ops."""
     busy = profile['gpu_busy_s']
-    print(f'**profile {profile["arm"]}** ({profile["steps"]} steps): wall {profile["wall_s"]:.3f} s, GPU busy '
+    print(f'**profile {label or profile["arm"]}** ({profile["steps"]} steps): wall {profile["wall_s"]:.3f} s, GPU busy '
           f'{busy:.3f} s ({100 * busy / max(profile["wall_s"], 1e-9):.0f} %)')
     print(f'- synchronising calls (profiler): {profile["sync_calls"] or "none"}')
     for site, count in list(profile['sync_sites'].items())[:12]:

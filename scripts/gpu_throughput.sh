@@ -25,18 +25,20 @@
 #   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the H200 run recovered to 0.80 x the planned run in one pair:
 #   a fragmented caching allocator near the limit would show in the retries and between the two settings).
 # - 7b (about 6 minutes, a second call): the Qwen2.5-7B shape, pass_tokens 8192 and auto against group_by_length at
-#   the largest per-device batch that fits.
+#   the largest per-device batch that fits (16 x 1 down to 2 x 8).
 # - liger (about 2 minutes, needs liger-kernel): pass_tokens P and 2 P with ms-swift's use_liger_kernel (fused linear
 #   cross-entropy: no fp32 logits), for the peak memory and whether twice the pass fits.
 # - sharded (issue 47, about 8 minutes, one call of its own; needs the DeepSpeed wheels, see below): 256 rows on the
-#   1.5B shape, one process, in priority order, every arm's figures printed as it ends: under ZeRO-3 (torchrun, one
-#   process: the engine's code paths on CUDA) group_by_length at the largest per-device batch that fits, pass_tokens P
-#   and pass_tokens: auto; without an engine group_by_length at the largest that fits (16 x 1, 8 x 2, 4 x 4: each
-#   tried, the first that runs kept), pass_tokens: auto with and without padding-free; under FSDP2 group_by_length at
-#   the largest that fits and pass_tokens P; then the 7B shape (160 rows): group_by_length at the largest that fits
-#   (down to 2 x 8) and pass_tokens: auto. No arm starts after SHARDED_DEADLINE (330 s) on the 1.5B shape, none on the
-#   7B shape after 470 s from the phase's start. Ratios compare arms under the same engine; "[bench] ... asked for"
-#   flags an arm whose trainer ran another engine. Lines in $OUT/log-sharded.txt and $OUT/log-7b.txt.
+#   1.5B shape, one process, every arm's figures printed as it ends, in this order: under FSDP2 (torchrun with one
+#   process: the engine's code paths on CUDA) group_by_length at the largest per-device batch that fits and
+#   pass_tokens P; without an engine group_by_length at the largest that fits, pass_tokens: auto with and without
+#   padding-free; under ZeRO-3 group_by_length at the largest that fits and pass_tokens: auto (its activation factor,
+#   measured on 2026-11-28, in use). The largest that fits: 16 x 1, 8 x 2, 4 x 4 tried in turn (on a card under
+#   100 GiB from 8 x 2: 16 x 2,048 padded tokens need over 80 GiB). No arm starts after SHARDED_DEADLINE (330 s).
+#   PROFILE=1 adds a profiled window (steps 2-3) of pass_tokens P and group_by_length 4 x 4 under ZeRO-3 (on
+#   2026-11-28 a ZeRO-3 step cost about 4.4 s with 1.4 passes as with 4). Ratios compare arms under the same engine;
+#   "[bench] ... asked for" flags an arm whose trainer ran another engine. Lines in $OUT/log-sharded.txt.
+#   Measured on an H100 on 2026-11-28 (ZeRO-3 only; the rest past the deadline): docs/throughput.md.
 # P (PASS_TOKENS): 16384 on a card with 100 GB or more (H200), else 8192 (16384 peaked at 85 GB on the H200).
 # PROFILE=1 adds a profiled window of random, group_by_length and pack_passes to phase main (about a minute).
 # Not run in CI (no GPU there). Record the output in docs/throughput.md ("On a GPU").
@@ -109,30 +111,23 @@ if [[ " $PHASES " == *" oom "* ]]; then
   done
 fi
 if [[ " $PHASES " == *" sharded "* ]]; then
-  began=$SECONDS
   if [ "$gib" -ge 100 ]; then chain=(16x1 8x2 4x4); else chain=(8x2 4x4); fi  # 16 x 2,048 tokens: over 80 GiB
-  gbl() { local IFS='|' out=(); for layout in "${chain[@]}" "$@"; do out+=("group_by_length@$layout${engine:++$engine}"); done; echo "${out[*]}"; }
-  engine=zero3; zero3=("$(gbl)" pack_passes+zero3 pack_passes_auto+zero3)
-  engine=; plain=("$(gbl)" pack_passes_auto pack_passes_auto_padding_free)
+  gbl() { local IFS='|' out=(); for layout in "${chain[@]}"; do out+=("group_by_length@$layout${engine:++$engine}"); done
+          echo "${out[*]}"; }
   engine=fsdp2; fsdp2=("$(gbl)" pack_passes+fsdp2)
-  sharded=(--device cuda --procs 1 --rows 256 --batch 4 --ga 4 --max-length 2048 --threads 4 --repeats 1
-           ${DATA:+--data "$DATA"} --work "$WORK")
-  timeout 420 "$PY" scripts/bench_throughput.py "${sharded[@]}" --model random:qwen2.5-1.5b \
-    --pass-tokens "$PASS_TOKENS" --deadline "${SHARDED_DEADLINE:-330}" --arms "${zero3[@]}" "${plain[@]}" "${fsdp2[@]}" \
-    --jsonl "$OUT/throughput-sharded.jsonl" 2>&1 | tee "$OUT/log-sharded.txt" || echo "sharded: failed or timed out"
-  left=$((500 - (SECONDS - began)))
-  engine=; chain+=(2x8)
-  if [ "$left" -gt 90 ]; then
-    timeout "$left" "$PY" scripts/bench_throughput.py "${sharded[@]}" --rows 160 --model random:qwen2.5-7b \
-      --deadline $((left - 60)) --arms "$(gbl)" pack_passes_auto \
-      --jsonl "$OUT/throughput-7b.jsonl" 2>&1 | tee "$OUT/log-7b.txt" || echo "7b: failed or timed out"
-  else
-    echo "7b: not started, $left s left of the phase's 500" | tee "$OUT/log-7b.txt"
-  fi
+  engine=; plain=("$(gbl)" pack_passes_auto pack_passes_auto_padding_free)
+  engine=zero3; zero3=("$(gbl)" pack_passes_auto+zero3)
+  profile=()
+  if [ -n "${PROFILE:-}" ]; then profile=(--profile-rows 48 --profile-arms pack_passes+zero3 'group_by_length@4x4+zero3'); fi
+  timeout 500 "$PY" scripts/bench_throughput.py --device cuda --procs 1 --rows 256 --batch 4 --ga 4 --max-length 2048 \
+    --threads 4 --repeats 1 ${DATA:+--data "$DATA"} --work "$WORK" --model random:qwen2.5-1.5b \
+    --pass-tokens "$PASS_TOKENS" --deadline "${SHARDED_DEADLINE:-330}" --arms "${fsdp2[@]}" "${plain[@]}" "${zero3[@]}" \
+    "${profile[@]}" --jsonl "$OUT/throughput-sharded.jsonl" 2>&1 | tee "$OUT/log-sharded.txt" \
+    || echo "sharded: failed or timed out (rc $?)"
 fi
 if [[ " $PHASES " == *" 7b "* ]]; then
   "$PY" scripts/bench_throughput.py "${common[@]}" --model random:qwen2.5-7b --pass-tokens 8192 --deadline 300 \
-    --arms "$GBL" pack_passes pack_passes_auto --jsonl "$OUT/throughput-7b.jsonl" 2>&1 | tee "$OUT/log-7b.txt"
+    --arms "$GBL|group_by_length@2x8" pack_passes pack_passes_auto --jsonl "$OUT/throughput-7b.jsonl" 2>&1 | tee "$OUT/log-7b.txt"
 fi
 if [[ " $PHASES " == *" liger "* ]]; then
   if "$PY" -c 'import liger_kernel' 2>/dev/null; then

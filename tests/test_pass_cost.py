@@ -234,6 +234,30 @@ def test_auto_counts_what_a_full_fine_tune_will_hold(tiny_model_object):
     assert figures['dtype_bytes'] == 2
 
 
+def test_auto_under_zero3_counts_what_zero3_holds_a_token(tiny_model_object):
+    """ZeRO-3 held 1.37 x the estimated activation memory a token on an H100 (auto without it chose 9,728 tokens
+    and ran out of memory at 8,883): its adapter asks for 1.5 x; ZeRO-2, DDP and one process for none."""
+    from types import SimpleNamespace
+
+    from swift_dynamic_callbacks.integrations.auto_budget import resolve_auto_pass_tokens
+    from swift_dynamic_callbacks.integrations.engines import DDPEngine, DeepSpeedEngineAdapter, Engine
+
+    def trainer(stage):
+        plugin = SimpleNamespace(zero_stage=stage)
+        return SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+
+    assert DeepSpeedEngineAdapter.activation_factor(trainer(3)) == 1.5
+    assert DeepSpeedEngineAdapter.activation_factor(trainer(2)) == 1.0
+    assert Engine.activation_factor(trainer(3)) == DDPEngine.activation_factor(trainer(3)) == 1.0
+    plain, figures = resolve_auto_pass_tokens(tiny_model_object, 'cpu', checkpointing=False, cpu_budget_gib=0.05)
+    zero3, zero3_figures = resolve_auto_pass_tokens(tiny_model_object, 'cpu', checkpointing=False,
+                                                    cpu_budget_gib=0.05, activation_factor=1.5)
+    assert zero3_figures['bytes_per_token'] == int(figures['bytes_per_token'] * 1.5)
+    assert zero3_figures['engine_activation_factor'] == 1.5 and 'x 1.5 under this engine' in zero3_figures['how']
+    assert zero3 == auto_pass_tokens(zero3_figures['left_gib'] * 2**30, zero3_figures['bytes_per_token'],
+                                     multiple=16, minimum=16, maximum=8192) < plain
+
+
 def test_auto_reads_a_moe_shape():
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 

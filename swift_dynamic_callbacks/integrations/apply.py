@@ -121,7 +121,8 @@ class RequestApplier:
                                                    cpu_budget_gib=budget, optimizer=getattr(trainer, 'optimizer',
                                                                                             None),
                                                    args=trainer.args,
-                                                   held=lambda later: self.runner.engine.held_bytes(trainer, later))
+                                                   held=lambda later: self.runner.engine.held_bytes(trainer, later),
+                                                   activation_factor=self.runner.engine.activation_factor(trainer))
         chosen = min(distributed.gather_objects(tokens))
         self.decisions.write(DecisionRecord(
             'integration', 'pass_tokens', 'auto', {'pass_tokens': chosen, 'rank_pass_tokens': tokens, **figures},

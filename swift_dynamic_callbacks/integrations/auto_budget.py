@@ -104,15 +104,16 @@ def model_shape(model: Any) -> dict[str, Any]:
 
 def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cpu_budget_gib: float | None = None,
                              optimizer: Any = None, args: Any = None,
-                             held: Callable[[dict[str, int]], dict[str, int]] | None = None
-                             ) -> tuple[int, dict[str, Any]]:
+                             held: Callable[[dict[str, int]], dict[str, int]] | None = None,
+                             activation_factor: float = 1.0) -> tuple[int, dict[str, Any]]:
     """``pass_tokens: auto`` on this rank: the budget and the figures it came from (for the record).
 
     On CUDA the free memory now (the model loaded), on a CPU ``cpu_budget_gib`` (``memory_backoff``'s) or half the
     available memory; less what the run will hold that is not allocated yet (:func:`held_later`: gradients and
     optimizer states, which decide a full fine-tune; ``held``: this rank's part of them under a sharded engine,
     ``Engine.held_bytes``); a margin of 10 %; at
-    :func:`~..policies.pass_cost.bytes_per_token` of the model's shape in the compute dtype. On a CPU at most
+    :func:`~..policies.pass_cost.bytes_per_token` of the model's shape in the compute dtype, times
+    ``activation_factor`` (what the engine holds a token beyond it: ``Engine.activation_factor``, ZeRO-3's). On a CPU at most
     :data:`CPU_MAX_PASS_TOKENS`. A model whose shape cannot be read takes the hand-set table by device memory."""
     import torch
 
@@ -143,10 +144,12 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
     per_token = bytes_per_token(hidden=dims['hidden_size'], intermediate=dims['intermediate_size'],
                                 layers=dims['num_hidden_layers'], vocab=dims['vocab_size'], dtype_bytes=dtype_bytes,
                                 checkpointing=checkpointing)
+    per_token = int(per_token * activation_factor)
     multiple = 256 if cuda else 16  # a kernel-friendly size on a GPU; on a CPU only the memory counts
     tokens = auto_pass_tokens(left, per_token, multiple=multiple, minimum=multiple,
                               maximum=131072 if cuda else CPU_MAX_PASS_TOKENS)
-    figures.update(bytes_per_token=per_token, margin=0.1,
+    figures.update(bytes_per_token=per_token, engine_activation_factor=activation_factor, margin=0.1,
                    how='(free memory - gradients and optimizer states not allocated yet) x 0.9 / bytes a token '
-                       '(model shape, compute dtype)')
+                       '(model shape, compute dtype' + (f', x {activation_factor:g} under this engine)'
+                                                       if activation_factor != 1.0 else ')'))
     return tokens, figures

@@ -60,6 +60,12 @@ class Engine:
         the whole model (``pass_tokens: auto``): all of it here; sharded engines hold their part."""
         return later
 
+    @classmethod
+    def activation_factor(cls, trainer: Any) -> float:
+        """How many times the activation memory a token costs here what
+        :func:`~...policies.pass_cost.bytes_per_token` counts (measured without an engine) (``pass_tokens: auto``)."""
+        return 1.0
+
     @staticmethod
     def sharded(trainer: Any, later: dict[str, int], *, grads: bool, optimizer: bool) -> dict[str, int]:
         """``later`` with the gradients (``grads``) and optimizer states (``optimizer``) split over the ranks."""
