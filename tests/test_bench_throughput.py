@@ -127,3 +127,23 @@ def test_the_oom_phase_compares_the_second_halves_step_by_step(bench):
     assert compared['retries'] == 3 and compared['planned_retries'] == 0  # the first half's 3 not counted
     assert compared['inactive_gib'] == 1.0
     assert bench.second_halves([planned], [planned])['tokens_ratio'] == 1.0
+
+
+def test_the_engine_an_arm_ran_is_read_from_the_trainer():
+    """An arm that asked for ZeRO-3 and trained without it must be seen: the child names the engine from accelerate's
+    state (the zero stage, the FSDP version), not from what the arm asked for."""
+    from types import SimpleNamespace
+
+    from benchmarks.throughput_child import engine_ran
+
+    def trainer(kind, **plugins):
+        state = SimpleNamespace(distributed_type=SimpleNamespace(name=kind), **plugins)
+        return SimpleNamespace(accelerator=SimpleNamespace(state=state), model_wrapped=SimpleNamespace(), model=None)
+
+    assert engine_ran(trainer('DEEPSPEED', deepspeed_plugin=SimpleNamespace(zero_stage=3)))['name'] == 'zero3'
+    assert engine_ran(trainer('DEEPSPEED', deepspeed_plugin=SimpleNamespace(zero_stage=2)))['name'] == 'zero2'
+    assert engine_ran(trainer('FSDP', fsdp_plugin=SimpleNamespace(fsdp_version=2)))['name'] == 'fsdp2'
+    assert engine_ran(trainer('FSDP', fsdp_plugin=SimpleNamespace()))['name'] == 'fsdp1'
+    assert engine_ran(trainer('MULTI_GPU'))['name'] == 'ddp'
+    ran = engine_ran(trainer('NO'))
+    assert ran == {'name': 'single', 'distributed_type': 'NO', 'wrapper': 'SimpleNamespace'}
