@@ -77,7 +77,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 CHILD = HERE / 'throughput_child.py'
 ARMS = ('random', 'group_by_length', 'batch_rebalance', 'pack_buckets', 'pack_token_budget', 'pack_balanced',
-        'pack_balanced_padding_free', 'pack_passes', 'pack_passes_padding_free', 'pack_passes_auto', 'pack_passes_auto_padding_free', 'bare_loop')
+        'pack_balanced_padding_free', 'pack_passes', 'pack_passes_padding_free', 'pack_passes_auto',
+        'pack_passes_auto_padding_free', 'bare_loop')
 #: random-weight shapes of real models (hidden, intermediate, layers, heads, kv heads, tied embeddings)
 SHAPES = {'qwen2.5-1.5b': (1536, 8960, 28, 12, 2, True), 'qwen2.5-7b': (3584, 18944, 28, 28, 4, False),
           'qwen2.5-test': (128, 512, 2, 4, 2, True)}
@@ -118,7 +119,8 @@ def parse_arm(label: str) -> dict:
                      'engine': engine or None})
     engines = {one['engine'] for one in arms}
     if len(engines) > 1:
-        raise ValueError(f'arm {label!r}: every layout of a chain runs under the same engine, got {sorted(map(str, engines))}')
+        raise ValueError(f'arm {label!r}: every layout of a chain runs under the same engine, '
+                         f'got {sorted(map(str, engines))}')
     return {'label': label, 'arms': arms}
 
 
@@ -425,7 +427,8 @@ def table(rows: list[dict], procs: int) -> list[str]:
         key = base_of(r['arm'])
         base[key] = max(base.get(key, 0.0), r['real_tokens_per_s'])
     lines = [f'**{procs} process(es)**', '',
-             '| arm | real tokens/s (min-max) | x random | x group_by_length (same engine) | padding | passes a step | rank spread | '
+             '| arm | real tokens/s (min-max) | x random | x group_by_length (same engine) | padding | passes a step | '
+             'rank spread | '
              'p50 / p90 step s | first step s | after it, tokens/s | peak RSS GiB | peak GPU GiB | steps | '
              'train loss |',
              '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|']

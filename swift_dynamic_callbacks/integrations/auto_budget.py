@@ -111,10 +111,10 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
     On CUDA the free memory now (the model loaded), on a CPU ``cpu_budget_gib`` (``memory_backoff``'s) or half the
     available memory; less what the run will hold that is not allocated yet (:func:`held_later`: gradients and
     optimizer states, which decide a full fine-tune; ``held``: this rank's part of them under a sharded engine,
-    ``Engine.held_bytes``); a margin of 10 %; at
-    :func:`~..policies.pass_cost.bytes_per_token` of the model's shape in the compute dtype, times
-    ``activation_factor`` (what the engine holds a token beyond it: ``Engine.activation_factor``, ZeRO-3's). On a CPU at most
-    :data:`CPU_MAX_PASS_TOKENS`. A model whose shape cannot be read takes the hand-set table by device memory."""
+    ``Engine.held_bytes``); a margin of 10 %; at :func:`~..policies.pass_cost.bytes_per_token` of the model's shape
+    in the compute dtype, times ``activation_factor`` (what the engine holds a token beyond it:
+    ``Engine.activation_factor``, ZeRO-3's). On a CPU at most :data:`CPU_MAX_PASS_TOKENS`. A model whose shape
+    cannot be read takes the hand-set table by device memory."""
     import torch
 
     from ..policies.pass_cost import auto_pass_tokens, bytes_per_token
