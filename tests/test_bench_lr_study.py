@@ -86,3 +86,12 @@ def test_the_run_grid_skips_done_and_claimed_runs_and_gives_a_failed_claim_back(
     growth_study.run_grid(args, set(), run)
     assert ran == [('whc', 0.002, 2)]
     assert [json.loads(x)['seed'] for x in open(args.jsonl, encoding='utf-8')] == [2]
+
+
+def test_one_seed_shows_nothing_against_the_cosine():
+    """A single paired seed has no interval: it must not read as "below the cosine" (the table said so for the
+    restarts arm after its first reporting seed)."""
+    assert lr_study.against_cosine([-0.009]) == 'one seed: no interval yet'
+    assert lr_study.against_cosine([-0.009, -0.011, -0.010]) == 'below the cosine'
+    assert lr_study.against_cosine([0.009, 0.011, 0.010]) == 'above the cosine'
+    assert lr_study.against_cosine([-0.05, 0.04]) == 'not shown either way'
