@@ -29,14 +29,15 @@
 # - liger (about 2 minutes, needs liger-kernel): pass_tokens P and 2 P with ms-swift's use_liger_kernel (fused linear
 #   cross-entropy: no fp32 logits), for the peak memory and whether twice the pass fits.
 # - sharded (issue 47, about 8 minutes, one call of its own; needs the DeepSpeed wheels, see below): 256 rows on the
-#   1.5B shape, one process, every arm's figures printed as it ends, in this order: under FSDP2 (torchrun with one
-#   process: the engine's code paths on CUDA) group_by_length at the largest per-device batch that fits and
-#   pass_tokens P; without an engine group_by_length at the largest that fits, pass_tokens: auto with and without
-#   padding-free; under ZeRO-3 group_by_length at the largest that fits and pass_tokens: auto (its activation factor,
-#   measured on 2026-11-28, in use). The largest that fits: 16 x 1, 8 x 2, 4 x 4 tried in turn (on a card under
-#   100 GiB from 8 x 2: 16 x 2,048 padded tokens need over 80 GiB). No arm starts after SHARDED_DEADLINE (330 s).
-#   PROFILE=1 adds a profiled window (steps 2-3) of pass_tokens P and group_by_length 4 x 4 under ZeRO-3 (on
-#   2026-11-28 a ZeRO-3 step cost about 4.4 s with 1.4 passes as with 4). Ratios compare arms under the same engine;
+#   1.5B shape, one process, every arm's figures printed as it ends, in this order: without an engine
+#   group_by_length at the largest per-device batch that fits, pass_tokens: auto with and without padding-free; under
+#   FSDP2 (torchrun with one process: the engine's code paths on CUDA) group_by_length at the largest that fits and
+#   pass_tokens P; under ZeRO-3 pass_tokens: auto alone (does it fit now, with its activation factor measured on
+#   2026-11-28; group_by_length under ZeRO-3 ran then). The largest that fits: 16 x 1, 8 x 2, 4 x 4 tried in turn (on
+#   a card under 100 GiB from 8 x 2: 16 x 2,048 padded tokens need over 80 GiB). No arm starts after
+#   SHARDED_DEADLINE (330 s). PROFILE=1 then adds a profiled window (steps 2-3, about 2 minutes) of pass_tokens P and
+#   group_by_length 4 x 4 under ZeRO-3 (on 2026-11-28 a ZeRO-3 step cost about 4.4 s with 1.4 passes as with 4, where
+#   a step without an engine takes 0.4-1.3 s). Ratios compare arms under the same engine;
 #   "[bench] ... asked for" flags an arm whose trainer ran another engine. Lines in $OUT/log-sharded.txt.
 #   Measured on an H100 on 2026-11-28 (ZeRO-3 only; the rest past the deadline): docs/throughput.md.
 # P (PASS_TOKENS): 16384 on a card with 100 GB or more (H200), else 8192 (16384 peaked at 85 GB on the H200).
@@ -114,14 +115,14 @@ if [[ " $PHASES " == *" sharded "* ]]; then
   if [ "$gib" -ge 100 ]; then chain=(16x1 8x2 4x4); else chain=(8x2 4x4); fi  # 16 x 2,048 tokens: over 80 GiB
   gbl() { local IFS='|' out=(); for layout in "${chain[@]}"; do out+=("group_by_length@$layout${engine:++$engine}"); done
           echo "${out[*]}"; }
-  engine=fsdp2; fsdp2=("$(gbl)" pack_passes+fsdp2)
   engine=; plain=("$(gbl)" pack_passes_auto pack_passes_auto_padding_free)
-  engine=zero3; zero3=("$(gbl)" pack_passes_auto+zero3)
+  engine=fsdp2; fsdp2=("$(gbl)" pack_passes+fsdp2)
+  zero3=(pack_passes_auto+zero3)
   profile=()
   if [ -n "${PROFILE:-}" ]; then profile=(--profile-rows 48 --profile-arms pack_passes+zero3 'group_by_length@4x4+zero3'); fi
   timeout 500 "$PY" scripts/bench_throughput.py --device cuda --procs 1 --rows 256 --batch 4 --ga 4 --max-length 2048 \
     --threads 4 --repeats 1 ${DATA:+--data "$DATA"} --work "$WORK" --model random:qwen2.5-1.5b \
-    --pass-tokens "$PASS_TOKENS" --deadline "${SHARDED_DEADLINE:-330}" --arms "${fsdp2[@]}" "${plain[@]}" "${zero3[@]}" \
+    --pass-tokens "$PASS_TOKENS" --deadline "${SHARDED_DEADLINE:-330}" --arms "${plain[@]}" "${fsdp2[@]}" "${zero3[@]}" \
     "${profile[@]}" --jsonl "$OUT/throughput-sharded.jsonl" 2>&1 | tee "$OUT/log-sharded.txt" \
     || echo "sharded: failed or timed out (rc $?)"
 fi
