@@ -287,6 +287,16 @@ def run_arms_in_one_process(specs: list[dict], threads: int, quiet: bool, done, 
               f'{", ".join(left)}; the end of its log ({log}):\n{tail}', file=sys.stderr, flush=True)
 
 
+def run_by_engine(specs: list[dict], threads: int, quiet: bool, done, log: Path | None = None) -> None:
+    """:func:`run_arms_in_one_process` for each engine of ``specs`` in turn (one child per engine, the engines in
+    the order they first come, the arms of one engine in their order)."""
+    by_engine: dict[str | None, list[dict]] = {}
+    for spec in specs:
+        by_engine.setdefault(spec['engine'], []).append(spec)
+    for mine in by_engine.values():
+        run_arms_in_one_process(mine, threads, quiet, done, log)
+
+
 def oom_phase(args: argparse.Namespace, spec_of, threads: int, done) -> None:
     """``--oom-fraction``: ``pack_passes`` at ``--oom-pass-tokens`` with only that fraction of the GPU (it runs out of
     memory, the pack lowers its token budget and grows it back), and ``pack_passes`` planned from the start at the
@@ -618,13 +628,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.warmup and repeat == 0:
                     warm, _ = write_rows(Path(args.data), 32, args.seed + 2, work / f'rows-32-{args.seed + 2}.jsonl')
                     specs.insert(0, {**spec_of('random', procs, warm, '-warmup'), 'warmup': True, 'deadline': None})
-                by_engine: dict[str | None, list[dict]] = {}  # one child per engine, in the order they first come
-                for spec in specs:
-                    by_engine.setdefault(spec['engine'], []).append(spec)
-                for mine in by_engine.values():
-                    run_arms_in_one_process(mine, threads, args.quiet,
-                                            lambda spec, ranks, repeat=repeat: done(spec, ranks, repeat),
-                                            work / 'child.log')
+                run_by_engine(specs, threads, args.quiet, lambda spec, ranks, repeat=repeat: done(spec, ranks, repeat),
+                              work / 'child.log')
                 continue
             for group in order:
                 if group['label'] == 'bare_loop':
@@ -648,16 +653,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_arms:
         small, _ = write_rows(Path(args.data), args.profile_rows, args.seed + 1,
                               work / f'rows-{args.profile_rows}-{args.seed + 1}.jsonl')
-        by_engine: dict[str | None, list[dict]] = {}  # a few steps each: run even past --deadline
-        for group in profiled_arms:
-            spec = {**spec_of(group['arms'][0], 1, small, '-profile'), 'profile_steps': [2, 3], 'deadline': None}
-            by_engine.setdefault(spec['engine'], []).append(spec)
+        specs = [{**spec_of(group['arms'][0], 1, small, '-profile'), 'profile_steps': [2, 3], 'deadline': None}
+                 for group in profiled_arms]  # a few steps each: run even past --deadline
 
         def profiled(spec: dict, ranks: list[dict]) -> None:
             print_profile(json.loads((Path(spec['out']) / 'profile.json').read_text()), spec['label'])
 
-        for specs in by_engine.values():
-            run_arms_in_one_process(specs, args.threads or 2, args.quiet, profiled)
+        run_by_engine(specs, args.threads or 2, args.quiet, profiled)
     if args.png and rows:
         plot(rows, args.png)
     print(f'[bench] done in {time.monotonic() - begun:.0f} s', file=sys.stderr, flush=True)
