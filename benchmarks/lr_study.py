@@ -198,9 +198,12 @@ def winners(results: list[dict], tune: list[int], beta2: float) -> dict[str, str
     return out
 
 
-def report_arms(results: list[dict], tune: list[int], beta2: float) -> list[str]:
-    """``"arm lr"`` lines: the arms run on the reporting seeds, at their best LRs (``restarts`` at ``whc``'s)."""
+def report_arms(results: list[dict], tune: list[int], beta2: float, data: str = 'gsm8k') -> list[str]:
+    """``"arm lr"`` lines: the arms run on the reporting seeds, at their best LRs. GSM8K: ``whc``, the two picks and
+    ``restarts`` at ``whc``'s LR; a second data set: every arm tuned there but the baseline (``ALPACA_ARMS``)."""
     best = best_lrs(results, tune, beta2)
+    if data != 'gsm8k':
+        return [f'{a} {lr}' for a, lr in best.items() if a != 'baseline']
     picks = winners(results, tune, beta2)
     arms = ['whc', *picks.values()]
     out = [f'{a} {best[a]}' for a in arms if a in best]
@@ -215,7 +218,8 @@ def look(results: list[dict], seeds: list[int], beta2: float, chosen: dict[str, 
     return growth.futility(dedupe(results), seeds, beta2, chosen, limit=LOOK_LIMIT)
 
 
-def tables(results: list[dict], tune: list[int], report: list[int], beta2: float, look_at: int) -> None:
+def tables(results: list[dict], tune: list[int], report: list[int], beta2: float, look_at: int,
+           data: str = 'gsm8k') -> None:
     """The tuning grid, the picks, and each reported arm against the baseline paired by seed."""
     check = reproduction(results)  # before the dedupe: it compares this study's line with the reused one
     results = dedupe(results)
@@ -229,12 +233,13 @@ def tables(results: list[dict], tune: list[int], report: list[int], beta2: float
         cells = [('–' if lr not in grid[arm] else
                   f'**{grid[arm][lr]:.4f}**' if grid[arm][lr] == best else f'{grid[arm][lr]:.4f}') for lr in lrs]
         print(f'| {arm} | ' + ' | '.join(cells) + ' |')
-    print(f'\npicks on the tuning seeds: {winners(results, tune, beta2)}')
+    if data == 'gsm8k':
+        print(f'\npicks on the tuning seeds: {winners(results, tune, beta2)}')
     if check:
         print(f'reproduction check (baseline at 1.41e-3, seed 2): {check[0]:.5f} now, {check[1]:.5f} in issue 39 '
               f'({"reuse allowed" if abs(check[0] - check[1]) <= 5e-4 else "REUSE NOT ALLOWED"})')
     chosen = {'baseline': best_lrs(results, tune, beta2).get('baseline', '0.00141'),
-              **dict(line.split() for line in report_arms(results, tune, beta2))}
+              **dict(line.split() for line in report_arms(results, tune, beta2, data))}
     stopped = look(results, report[:look_at], beta2, chosen) if look_at <= len(report) else []
     by = {(r['arm'], r['seed']): r for r in results if r['adam_beta2'] == beta2}
     ref = growth.run_name('baseline', float(chosen['baseline']))
@@ -302,15 +307,15 @@ def main(argv: list[str] | None = None) -> int:
                      pick(dedupe(results), args.tune_seeds, args.beta2, args.pick))
             print('\n'.join(lines))
         elif args.pick == 'report':
-            print('\n'.join(report_arms(results, args.tune_seeds, args.beta2)))
+            print('\n'.join(report_arms(results, args.tune_seeds, args.beta2, args.data)))
         elif args.pick == 'winners':
             print('\n'.join(f'{k} {v}' for k, v in winners(results, args.tune_seeds, args.beta2).items()))
         elif args.pick == 'look':
             chosen = {'baseline': best_lrs(results, args.tune_seeds, args.beta2).get('baseline', '0.00141'),
-                      **dict(line.split() for line in report_arms(results, args.tune_seeds, args.beta2))}
+                      **dict(line.split() for line in report_arms(results, args.tune_seeds, args.beta2, args.data))}
             print('\n'.join(look(results, args.report_seeds[:args.look_at], args.beta2, chosen)))
         else:
-            tables(results, args.tune_seeds, args.report_seeds, args.beta2, args.look_at)
+            tables(results, args.tune_seeds, args.report_seeds, args.beta2, args.look_at, args.data)
         return 0
     model, flags, train, test = prepare(args.data, args.model, args.samples, args.eval_rows,
                                         os.path.join(ROOT, '.cache', 'bench'))

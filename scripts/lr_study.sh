@@ -9,13 +9,18 @@
 # 2. the reported arms (bench_lr_study.py --pick report) on the look's seeds, the futility look, the rest of the seeds
 #    for the arms it leaves;
 # 3. the tables.
+# DATA=alpaca: the second data set (its own JSONL and OUT): $ALPACA_ARMS (the baseline among them) tuned there on the
+# tuning seeds, one more rung past an edge ($EXTEND rounds), all of them at their best LR on the look's seeds, the
+# futility look, the rest of the seeds, the tables.
 # Usage: bash scripts/lr_study.sh [JSONL]
+#        DATA=alpaca EXTEND=1 bash scripts/lr_study.sh docs/figures/lr_49_alpaca.jsonl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 JSONL=${1:-docs/figures/lr_49.jsonl}
 REUSE=${REUSE:-docs/figures/growth_39.jsonl}
-OUT=${OUT:-output/lr_study}
+DATA=${DATA:-gsm8k}
+if [ "$DATA" = gsm8k ]; then OUT=${OUT:-output/lr_study}; else OUT=${OUT:-output/lr_study_$DATA}; fi
 STOP=${STOP:-$OUT/stop}
 CORE=${CORE-1}
 read -r -a TUNE <<< "${TUNE_SEEDS:-0 1}"
@@ -24,8 +29,9 @@ LOOK_AT=${LOOK_AT:-4}
 read -r -a LRS <<< "${LRS:-0.00141 0.002 0.001}"
 EXTEND=${EXTEND:-2}
 mkdir -p "$(dirname "$JSONL")" "$OUT"
-S=("$PY" scripts/bench_lr_study.py --out "$OUT" --tune-seeds "${TUNE[@]}" --report-seeds "${REPORT[@]}"
-   --model "${MODEL:-smollm2}" --samples "${SAMPLES:-128}" --eval-rows "${EVAL_ROWS:-500}")
+S=("$PY" scripts/bench_lr_study.py --data "$DATA" --out "$OUT" --tune-seeds "${TUNE[@]}" --report-seeds "${REPORT[@]}"
+   --model "${MODEL:-smollm2}" --samples "${SAMPLES:-128}")
+if [ -n "${EVAL_ROWS:-}" ]; then S+=(--eval-rows "$EVAL_ROWS"); fi  # default: 500 GSM8K rows, 400 Alpaca rows
 PIN=()
 if [ -n "$CORE" ]; then PIN=(env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE"); fi
 
@@ -41,6 +47,31 @@ one() {  # one ARM LR SEED [fresh]: a run, unless its line is in $JSONL (or, wit
 pick() { "${S[@]}" --from-jsonl "$JSONL" --reuse "$REUSE" --look-at "$LOOK_AT" --pick "$1"; }
 
 "${PIN[@]}" "${S[@]}" --prepare
+if [ "$DATA" != gsm8k ]; then  # the second data set: every arm tuned there, then reported at its best LR
+  read -r -a ARMS <<< "${ALPACA_ARMS:-baseline step_late restarts}"
+  for lr in "${LRS[@]}"; do
+    for arm in "${ARMS[@]}"; do for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed"; done; done
+  done
+  for ((i = 0; i < EXTEND; i++)); do
+    more=$(pick extend || true)
+    [ -n "$more" ] || break
+    while read -r arm lr; do for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed"; done; done <<< "$more"
+  done
+  reported=$(pick best | grep '^baseline '; pick report)
+  echo "reported arms at their LRs (chosen on seeds ${TUNE[*]}):"; echo "$reported"
+  for seed in "${REPORT[@]:0:LOOK_AT}"; do
+    while read -r arm lr; do one "$arm" "$lr" "$seed"; done <<< "$reported"
+  done
+  stopped=$(pick look | xargs)
+  echo "futility look after seeds ${REPORT[*]:0:LOOK_AT}: stopped: ${stopped:-none}"
+  for seed in "${REPORT[@]:LOOK_AT}"; do  # the baseline runs on: it is every arm's control
+    while read -r arm lr; do
+      if [[ " $stopped " != *" $arm "* ]]; then one "$arm" "$lr" "$seed"; fi
+    done <<< "$reported"
+  done
+  "${S[@]}" --from-jsonl "$JSONL" --look-at "$LOOK_AT"
+  exit 0
+fi
 one baseline 0.00141 2 fresh  # the reproduction check: run even though issue 39 has its line
 for lr in "${LRS[@]}"; do
   for arm in step_late wsd whc; do
@@ -59,7 +90,7 @@ echo "reported arms at their LRs (chosen on seeds ${TUNE[*]}):"; echo "$reported
 for seed in "${REPORT[@]:0:LOOK_AT}"; do
   while read -r arm lr; do one "$arm" "$lr" "$seed"; done <<< "$reported"
 done
-stopped=$(pick look | tr '\n' ' ')
+stopped=$(pick look | xargs)
 echo "futility look after seeds ${REPORT[*]:0:LOOK_AT}: stopped: ${stopped:-none}"
 for seed in "${REPORT[@]:LOOK_AT}"; do
   while read -r arm lr; do
