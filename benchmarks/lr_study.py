@@ -68,7 +68,7 @@ WSD = {'wsd': ('1-sqrt', 0.2), 'wsd_linear': ('linear', 0.2)}
 LOOK_LIMIT = 0.005
 ALPACA_FILE = os.path.join(ROOT, 'scripts', 'assets', 'alpaca-gpt4-en-demo.json.gz')
 #: the second data set's held-out rows (the last of a fixed permutation; the train rows are its first ``--samples``)
-ALPACA_TEST_ROWS = 400
+ALPACA_TEST_ROWS = 300
 #: the data sets: default held-out rows and max_length (Alpaca's answers run to 560 tokens: none is cut or dropped)
 DATA = {'gsm8k': {'eval_rows': growth.TEST_ROWS, 'max_length': 512},
         'alpaca': {'eval_rows': ALPACA_TEST_ROWS, 'max_length': 1024}}
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--data', choices=tuple(DATA), default='gsm8k')
     parser.add_argument('--samples', type=int, default=128)
-    parser.add_argument('--eval-rows', type=int, default=None, help='held-out rows (default: 500 GSM8K, 400 Alpaca)')
+    parser.add_argument('--eval-rows', type=int, default=None, help='held-out rows (default: 500 GSM8K, 300 Alpaca)')
     parser.add_argument('--seeds', type=int, nargs='+', default=[0])
     parser.add_argument('--arms', nargs='+', default=['baseline'], choices=ARMS)
     parser.add_argument('--lrs', type=float, nargs='+', default=[1.41e-3])

@@ -31,7 +31,7 @@ EXTEND=${EXTEND:-2}
 mkdir -p "$(dirname "$JSONL")" "$OUT"
 S=("$PY" scripts/bench_lr_study.py --data "$DATA" --out "$OUT" --tune-seeds "${TUNE[@]}" --report-seeds "${REPORT[@]}"
    --model "${MODEL:-smollm2}" --samples "${SAMPLES:-128}")
-if [ -n "${EVAL_ROWS:-}" ]; then S+=(--eval-rows "$EVAL_ROWS"); fi  # default: 500 GSM8K rows, 400 Alpaca rows
+if [ -n "${EVAL_ROWS:-}" ]; then S+=(--eval-rows "$EVAL_ROWS"); fi  # default: 500 GSM8K rows, 300 Alpaca rows
 PIN=()
 if [ -n "$CORE" ]; then PIN=(env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE"); fi
 
