@@ -95,3 +95,21 @@ def test_one_seed_shows_nothing_against_the_cosine():
     assert lr_study.against_cosine([-0.009, -0.011, -0.010]) == 'below the cosine'
     assert lr_study.against_cosine([0.009, 0.011, 0.010]) == 'above the cosine'
     assert lr_study.against_cosine([-0.05, 0.04]) == 'not shown either way'
+
+
+def test_a_second_data_set_reports_every_arm_tuned_there_at_its_own_best_lr():
+    """Alpaca (stage 4): no GSM8K picks or ``whc``-borrowed LR; each arm at the LR it won there, the baseline apart."""
+    results = []
+    for seed in (0, 1):
+        results += [{**line('baseline', 0.001, seed, 1.60), 'data': 'alpaca'},
+                    {**line('baseline', 0.002, seed, 1.58), 'data': 'alpaca'},
+                    {**line('step_late', 0.001, seed, 1.57), 'data': 'alpaca'},
+                    {**line('step_late', 0.002, seed, 1.59), 'data': 'alpaca'},
+                    {**line('restarts', 0.002, seed, 1.56), 'data': 'alpaca'}]
+    assert lr_study.report_arms(results, [0, 1], 0.95, 'alpaca') == ['restarts 0.002', 'step_late 0.001']
+    assert lr_study.best_lrs(results, [0, 1], 0.95)['baseline'] == '0.002'
+    results += [{**line('baseline', 0.002, s, 1.60), 'data': 'alpaca'} for s in (2, 3)]
+    results += [{**line('step_late', 0.001, s, 1.62), 'data': 'alpaca'} for s in (2, 3)]  # +1.25 %: above +0.5 %
+    results += [{**line('restarts', 0.002, s, 1.59), 'data': 'alpaca'} for s in (2, 3)]
+    chosen = {'baseline': '0.002', **dict(x.split() for x in lr_study.report_arms(results, [0, 1], 0.95, 'alpaca'))}
+    assert lr_study.look(results, [2, 3], 0.95, chosen) == ['step_late']
