@@ -84,8 +84,12 @@ SHAPES = {'qwen2.5-1.5b': (1536, 8960, 28, 12, 2, True), 'qwen2.5-7b': (3584, 18
           'qwen2.5-test': (128, 512, 2, 4, 2, True)}
 #: the sharded engines an arm can train under (``+zero3``): ms-swift's own ``deepspeed`` presets (bf16 from the
 #: model's dtype) and FSDP2 as ms-swift's ``fsdp2`` preset without activation checkpointing (as every arm here: no
-#: gradient checkpointing) and rank-0 loading
+#: gradient checkpointing) and rank-0 loading; ``zero3_timed``: ms-swift's ``zero3`` preset that prints DeepSpeed's
+#: forward / backward / step timers every step (``wall_clock_breakdown``; it synchronises the device at each timer)
+#: and every invalidation of ZeRO-3's parameter-fetch trace (``log_trace_cache_warnings``): where a ZeRO-3 step's
+#: time goes (the child's log; ``log_level: info``, else transformers keeps DeepSpeed's logger at warnings)
 ENGINES = {'zero2': {'deepspeed': 'zero2'}, 'zero3': {'deepspeed': 'zero3'},
+           'zero3_timed': {'deepspeed': str(HERE / 'engine_configs' / 'zero3_timed.json'), 'log_level': 'info'},
            'fsdp2': {'fsdp': str(HERE / 'engine_configs' / 'fsdp2.json')}}
 KEYS = ('arm', 'procs', 'real_tokens_per_s', 'padding', 'rank_spread', 'p50_step_s', 'p90_step_s', 'peak_rss_gib',
         'optimizer_steps', 'train_loss')
@@ -280,6 +284,8 @@ def run_arms_in_one_process(specs: list[dict], threads: int, quiet: bool, done, 
                 done(spec, read_ranks(spec))
             elif line.startswith(('[arm-skipped] ', '[arm-warmup] ')) or not quiet:
                 print(line, end='', file=sys.stderr, flush=True)
+            else:  # quiet: the child's stdout (DeepSpeed's timers among it) goes to its log with its stderr
+                err.write(line)
     if child.returncode != 0:
         tail = log.read_text(encoding='utf-8', errors='replace')[-3000:] if quiet else '(above)'
         left = [spec.get('label', spec['arm']) for spec in specs if spec['out'] not in finished]
@@ -606,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.setdefault(result['arm'], []).append(result)
             line = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in result.items()}
             ran = ranks[0].get('engine_ran') or {}
-            if spec.get('engine') and spec['engine'] != ran.get('name'):
+            if spec.get('engine') and spec['engine'].partition('_')[0] != ran.get('name'):  # zero3_timed: zero3
                 print(f'[bench] {spec["label"]}: asked for {spec["engine"]}, the trainer ran {ran}', file=sys.stderr,
                       flush=True)
             result['engine_ran'] = ran

@@ -37,7 +37,8 @@
 #   a card under 100 GiB from 8 x 2: 16 x 2,048 padded tokens need over 80 GiB). No arm starts after
 #   SHARDED_DEADLINE (330 s). PROFILE=1 then adds a profiled window (steps 2-3, about 2 minutes) of pass_tokens P and
 #   group_by_length 4 x 4 under ZeRO-3 (on 2026-11-28 a ZeRO-3 step cost about 4.4 s with 1.4 passes as with 4, where
-#   a step without an engine takes 0.4-1.3 s). Ratios compare arms under the same engine;
+#   a step without an engine takes 0.4-1.3 s), with DeepSpeed's forward / backward / step timers of every step and
+#   every invalidation of its parameter-fetch trace in $OUT/child.log (the bench's +zero3_timed engine). Ratios compare arms under the same engine;
 #   "[bench] ... asked for" flags an arm whose trainer ran another engine. Lines in $OUT/log-sharded.txt.
 #   Measured on an H100 on 2026-11-28 (ZeRO-3 only; the rest past the deadline): docs/throughput.md.
 # P (PASS_TOKENS): 16384 on a card with 100 GB or more (H200), else 8192 (16384 peaked at 85 GB on the H200).
@@ -119,7 +120,9 @@ if [[ " $PHASES " == *" sharded "* ]]; then
   engine=fsdp2; fsdp2=("$(gbl)" pack_passes+fsdp2)
   zero3=(pack_passes_auto+zero3)
   profile=()
-  if [ -n "${PROFILE:-}" ]; then profile=(--profile-rows 48 --profile-arms pack_passes+zero3 'group_by_length@4x4+zero3'); fi
+  if [ -n "${PROFILE:-}" ]; then
+    profile=(--profile-rows 48 --profile-arms pack_passes+zero3_timed 'group_by_length@4x4+zero3_timed')
+  fi
   timeout 500 "$PY" scripts/bench_throughput.py --device cuda --procs 1 --rows 256 --batch 4 --ga 4 --max-length 2048 \
     --threads 4 --repeats 1 ${DATA:+--data "$DATA"} --work "$WORK" --model random:qwen2.5-1.5b \
     --pass-tokens "$PASS_TOKENS" --deadline "${SHARDED_DEADLINE:-330}" --arms "${plain[@]}" "${fsdp2[@]}" "${zero3[@]}" \

@@ -27,7 +27,7 @@ def test_arms_with_a_budget_a_layout_or_a_chain(bench):
     assert [(a['batch'], a['engine']) for a in sharded['arms']] == [(8, 'zero3'), (4, 'zero3')]
     assert bench.parse_arm('pack_passes:4096+fsdp2')['arms'][0]['tokens'] == 4096
     for bad, words in (('pack_everything', 'is not one of'), ('random@16', 'BATCHxGA'), ('pack_passes:big', 'integer'),
-                       ('pack_passes+zero4', 'engine after \\+ must be one of zero2, zero3, fsdp2'),
+                       ('pack_passes+zero4', 'engine after \\+ must be one of zero2, zero3, zero3_timed, fsdp2'),
                        ('random+zero3|random+fsdp2', 'same engine')):
         with pytest.raises(ValueError, match=words):
             bench.parse_arm(bad)
@@ -56,7 +56,7 @@ def test_a_sharded_arm_runs_under_torchrun_with_one_process(bench, monkeypatch, 
     class Child:
         def __init__(self, command, **kwargs):
             launched.append(command)
-            self.stdout, self.returncode = iter(()), 0
+            self.stdout, self.returncode = iter(['[Rank 0] time (ms) | fwd: 1.0 | bwd: 2.0 | step: 3.0\n']), 0
 
         def __enter__(self):
             return self
@@ -69,6 +69,8 @@ def test_a_sharded_arm_runs_under_torchrun_with_one_process(bench, monkeypatch, 
     bench.run_arms_in_one_process([spec], 1, True, lambda *a: None, tmp_path / 'child.log')
     bench.run_arms_in_one_process([{**spec, 'engine': None}], 1, True, lambda *a: None, tmp_path / 'child.log')
     assert launched[0][1:5] == ['-m', 'torch.distributed.run', '--nproc_per_node', '1']
+    # quiet: the child's stdout that is no arm marker (DeepSpeed's timers) is kept in its log, not dropped
+    assert (tmp_path / 'child.log').read_text(encoding='utf-8').count('time (ms) | fwd: 1.0') == 2
     assert launched[1][1] == str(bench.CHILD)
     with pytest.raises(AssertionError, match='one engine'):
         bench.run_arms_in_one_process([spec, {**spec, 'engine': 'fsdp2'}], 1, True, lambda *a: None)
