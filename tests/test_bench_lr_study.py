@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
 from benchmarks import growth_study, lr_study
+from swift_dynamic_callbacks.config.pack import parse_section
 
 
 def line(arm: str, lr: float, seed: int, loss: float, **extra) -> dict:
@@ -113,3 +115,29 @@ def test_a_second_data_set_reports_every_arm_tuned_there_at_its_own_best_lr():
     results += [{**line('restarts', 0.002, s, 1.59), 'data': 'alpaca'} for s in (2, 3)]
     chosen = {'baseline': '0.002', **dict(x.split() for x in lr_study.report_arms(results, [0, 1], 0.95, 'alpaca'))}
     assert lr_study.look(results, [2, 3], 0.95, chosen) == ['step_late']
+
+
+@pytest.mark.parametrize('arm', ['whc', 'restarts', 'step_late', 'wsd'])
+def test_each_arms_yaml_is_the_arm_the_study_runs_at_the_lr_it_chose(arm):
+    """``configs/lr_49/<arm>.yaml``, the file a user copies: issue 39's baseline with this arm's LR shape
+    (``arm_settings``: the pack's ``lr_schedule`` section or HF's scheduler) at the LR the committed raw lines pick
+    on the tuning seeds (``restarts`` at ``whc``'s), and it validates."""
+    import yaml
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, 'configs', 'lr_49', f'{arm}.yaml'), encoding='utf-8') as f:
+        config = yaml.safe_load(f)
+    with open(os.path.join(root, 'configs', 'growth_39', 'baseline.yaml'), encoding='utf-8') as f:
+        baseline = yaml.safe_load(f)
+    swift, pack, callbacks = lr_study.arm_settings(arm, 64)
+    own = ('learning_rate', 'output_dir', 'callbacks', 'dynamic_callbacks', *swift)
+    shared = {k: v for k, v in baseline.items() if k not in own}
+    assert set(config) == set(shared) | set(own)
+    assert {k: config[k] for k in shared} == shared  # the baseline's model, rows, batch, steps, beta2, warmup
+    assert {k: config[k] for k in swift} == swift
+    assert config['callbacks'] == [*callbacks, 'training_log']
+    section = dict(config['dynamic_callbacks'])
+    assert section.pop('training_log') == {'memory': False} and section == pack
+    parse_section(section, callbacks)  # ConfigError on a bad setting
+    results = lr_study.read([os.path.join(root, 'docs', 'figures', 'lr_49.jsonl')], [], 'gsm8k')
+    best = lr_study.best_lrs(results, [0, 1], 0.95)
+    assert float(config['learning_rate']) == pytest.approx(float(best['whc' if arm == 'restarts' else arm]))
