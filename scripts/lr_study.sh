@@ -46,55 +46,45 @@ one() {  # one ARM LR SEED [fresh]: a run, unless its line is in $JSONL (or, wit
 }
 pick() { "${S[@]}" --from-jsonl "$JSONL" --reuse "$REUSE" --look-at "$LOOK_AT" --pick "$1"; }
 
-"${PIN[@]}" "${S[@]}" --prepare
-if [ "$DATA" != gsm8k ]; then  # the second data set: every arm tuned there, then reported at its best LR
-  read -r -a ARMS <<< "${ALPACA_ARMS:-baseline step_late restarts}"
-  for lr in "${LRS[@]}"; do
-    for arm in "${ARMS[@]}"; do for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed"; done; done
-  done
+tune() {  # ARM...: each at every LR of $LRS on the tuning seeds
+  for lr in "${LRS[@]}"; do for arm in "$@"; do for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed"; done; done; done
+}
+extend() {  # REGEX: the arms it matches, one more rung past an edge of their tuning, up to $EXTEND rounds
+  local more
   for ((i = 0; i < EXTEND; i++)); do
-    more=$(pick extend || true)
+    more=$(pick extend | grep -E "$1" || true)
     [ -n "$more" ] || break
     while read -r arm lr; do for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed"; done; done <<< "$more"
   done
-  reported=$(pick best | grep '^baseline '; pick report)
-  echo "reported arms at their LRs (chosen on seeds ${TUNE[*]}):"; echo "$reported"
+}
+report() {  # "ARM LR" lines: on the look's seeds, the futility look, the rest of the seeds for the arms it leaves
+  local stopped
+  echo "reported arms at their LRs (chosen on seeds ${TUNE[*]}):"; echo "$1"
   for seed in "${REPORT[@]:0:LOOK_AT}"; do
-    while read -r arm lr; do one "$arm" "$lr" "$seed"; done <<< "$reported"
+    while read -r arm lr; do one "$arm" "$lr" "$seed"; done <<< "$1"
   done
   stopped=$(pick look | xargs)
   echo "futility look after seeds ${REPORT[*]:0:LOOK_AT}: stopped: ${stopped:-none}"
-  for seed in "${REPORT[@]:LOOK_AT}"; do  # the baseline runs on: it is every arm's control
+  for seed in "${REPORT[@]:LOOK_AT}"; do  # a baseline among the lines runs on: it is every arm's control
     while read -r arm lr; do
       if [[ " $stopped " != *" $arm "* ]]; then one "$arm" "$lr" "$seed"; fi
-    done <<< "$reported"
+    done <<< "$1"
   done
+}
+
+"${PIN[@]}" "${S[@]}" --prepare
+if [ "$DATA" != gsm8k ]; then  # the second data set: every arm tuned there, then reported at its best LR
+  read -r -a ARMS <<< "${ALPACA_ARMS:-baseline step_late restarts}"
+  tune "${ARMS[@]}"
+  extend .
+  report "$(pick best | grep '^baseline '; pick report)"
   "${S[@]}" --from-jsonl "$JSONL" --look-at "$LOOK_AT"
   exit 0
 fi
 one baseline 0.00141 2 fresh  # the reproduction check: run even though issue 39 has its line
-for lr in "${LRS[@]}"; do
-  for arm in step_late wsd whc; do
-    for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed"; done
-  done
-done
-for ((i = 0; i < EXTEND; i++)); do
-  more=$(pick extend | grep -E '^(step_late|wsd|whc) ' || true)
-  [ -n "$more" ] || break
-  while read -r arm lr; do for seed in "${TUNE[@]}"; do one "$arm" "$lr" "$seed"; done; done <<< "$more"
-done
+tune step_late wsd whc
+extend '^(step_late|wsd|whc) '
 wsd_lr=$(pick best | awk '$1 == "wsd" {print $2}')
 for seed in "${TUNE[@]}"; do one wsd_linear "$wsd_lr" "$seed"; done
-reported=$(pick report)
-echo "reported arms at their LRs (chosen on seeds ${TUNE[*]}):"; echo "$reported"
-for seed in "${REPORT[@]:0:LOOK_AT}"; do
-  while read -r arm lr; do one "$arm" "$lr" "$seed"; done <<< "$reported"
-done
-stopped=$(pick look | xargs)
-echo "futility look after seeds ${REPORT[*]:0:LOOK_AT}: stopped: ${stopped:-none}"
-for seed in "${REPORT[@]:LOOK_AT}"; do
-  while read -r arm lr; do
-    if [[ " $stopped " != *" $arm "* ]]; then one "$arm" "$lr" "$seed"; fi
-  done <<< "$reported"
-done
+report "$(pick report)"  # issue 39's baseline lines are reused on every seed
 "${S[@]}" --from-jsonl "$JSONL" --reuse "$REUSE" --look-at "$LOOK_AT"
