@@ -41,6 +41,11 @@
 #   every invalidation of its parameter-fetch trace in $OUT/child.log (the bench's +zero3_timed engine). Ratios compare arms under the same engine;
 #   "[bench] ... asked for" flags an arm whose trainer ran another engine. Lines in $OUT/log-sharded.txt.
 #   Measured on an H100 on 2026-11-28 (ZeRO-3 only; the rest past the deadline): docs/throughput.md.
+# - activation (about 3 minutes; needs the DeepSpeed wheels): scripts/bench_activation_bytes.py on CUDA, the 1.5B
+#   shape (28 layers, its vocabulary, bf16, LoRA): the bytes a pass holds a token without an engine, under FSDP2 and
+#   under ZeRO-3 (one process each), by storages and by the CUDA allocator: the check of pass_tokens: auto's ZeRO-3
+#   factor of 1.5 (on CPU ZeRO-3 and FSDP2 hold the same bytes a token as no engine: docs/engines.md). A call of its
+#   own (timeout_s 300), before the sharded one.
 # P (PASS_TOKENS): 16384 on a card with 100 GB or more (H200), else 8192 (16384 peaked at 85 GB on the H200).
 # PROFILE=1 adds a profiled window of random, group_by_length and pack_passes to phase main (about a minute).
 # Not run in CI (no GPU there). Record the output in docs/throughput.md ("On a GPU").
@@ -54,6 +59,7 @@
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT bash scripts/gpu_throughput.sh                 # proof, main, OOM
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=7b bash scripts/gpu_throughput.sh       # the 7B shape
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=liger bash scripts/gpu_throughput.sh
+#   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=activation bash scripts/gpu_throughput.sh  # timeout_s 300
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=sharded bash scripts/gpu_throughput.sh     # timeout_s 560
 # Usage: bash scripts/gpu_throughput.sh [extra bench_throughput.py args for phase main]
 set -euo pipefail
@@ -111,6 +117,10 @@ if [[ " $PHASES " == *" oom "* ]]; then
       --oom-pass-tokens $((2 * PASS_TOKENS)) \
       --jsonl "$OUT/throughput-oom.jsonl" 2>&1 | grep -E '^\[oom|^\[bench\]|^\[arm' | tee -a "$OUT/log-oom.txt" || true
   done
+fi
+if [[ " $PHASES " == *" activation "* ]]; then  # what a pass holds a token under each engine (issue 47, auto's factor)
+  timeout 240 "$PY" scripts/bench_activation_bytes.py --device cuda --layers 28 --vocab 151936 --tokens 2048 4096 \
+    2>&1 | tee "$OUT/log-activation.txt" || echo "activation: failed or timed out (rc $?)"
 fi
 if [[ " $PHASES " == *" sharded "* ]]; then
   if [ "$gib" -ge 100 ]; then chain=(16x1 8x2 4x4); else chain=(8x2 4x4); fi  # 16 x 2,048 tokens: over 80 GiB
