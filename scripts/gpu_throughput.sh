@@ -119,7 +119,7 @@ if [[ " $PHASES " == *" oom "* ]]; then
   done
 fi
 if [[ " $PHASES " == *" activation "* ]]; then  # what a pass holds a token under each engine (issue 47, auto's factor)
-  timeout 240 "$PY" scripts/bench_activation_bytes.py --device cuda --layers 28 --vocab 151936 --tokens 2048 4096 \
+  timeout 270 "$PY" scripts/bench_activation_bytes.py --device cuda --layers 28 --vocab 151936 --tokens 2048 4096 \
     2>&1 | tee "$OUT/log-activation.txt" || echo "activation: failed or timed out (rc $?)"
 fi
 if [[ " $PHASES " == *" sharded "* ]]; then
