@@ -2,10 +2,10 @@
 
 ``pass_tokens: auto`` sizes passes from the free device memory and the bytes a token's activations take, times the
 engine adapter's ``activation_factor`` (1.5 under DeepSpeed ZeRO-3, from one H100 run where ZeRO-3 held 61.4 GiB at a
-pass of 8,192 tokens against an estimate of 45.6; 1.0 elsewhere, FSDP2 unmeasured). This measures the factor itself:
-one forward and backward of a LoRA model (a Qwen2 shape with random weights, ``all-linear`` adapters with dropout, as
-ms-swift's LoRA) at two pass lengths, without an engine, under FSDP2 (``fully_shard`` on every decoder layer and the
-root) and under ZeRO-3 (the model built in ``deepspeed.zero.Init``, so DeepSpeed's own linear function runs, as
+pass of 8,192 tokens against an estimate of 45.6; 1.0 elsewhere, FSDP2 unmeasured on a GPU). This measures the factor
+itself: one forward and backward of a LoRA model (a Qwen2 shape with random weights, ``all-linear`` adapters with
+dropout, as ms-swift's LoRA) at two pass lengths, without an engine, under FSDP2 (``fully_shard`` on every decoder layer
+and the root) and under ZeRO-3 (the model built in ``deepspeed.zero.Init``, so DeepSpeed's own linear function runs, as
 ms-swift builds it), each in its own process (one rank: gloo on CPU, nccl on CUDA). The bytes a token holds are the
 slope of the pass's peak between the two lengths; the rest (gathered parameters an engine keeps) is the fixed part.
 
