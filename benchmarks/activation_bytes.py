@@ -6,8 +6,9 @@ pass of 8,192 tokens against an estimate of 45.6; 1.0 elsewhere, FSDP2 unmeasure
 itself: one forward and backward of a LoRA model (a Qwen2 shape with random weights, ``all-linear`` adapters with
 dropout, as ms-swift's LoRA) at two pass lengths, without an engine, under FSDP2 (``fully_shard`` on every decoder layer
 and the root) and under ZeRO-3 (the model built in ``deepspeed.zero.Init``, so DeepSpeed's own linear function runs, as
-ms-swift builds it), each in its own process (one rank: gloo on CPU, nccl on CUDA). The bytes a token holds are the
-slope of the pass's peak between the two lengths; the rest (gathered parameters an engine keeps) is the fixed part.
+ms-swift builds it), each in its own process (one rank: gloo on CPU, nccl on CUDA). The bytes a token holds are slopes
+between the two lengths, of what the forward leaves for the backward (the saved activations) and of the pass's peak; the
+rest (gathered parameters an engine keeps) is the fixed part.
 
 The peak is the largest sum of the storages the pass allocates and holds at once, counted by a
 ``TorchDispatchMode`` (every op's new storages, freed when Python drops them), so it runs on a CPU; on CUDA the
