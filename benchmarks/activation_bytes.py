@@ -69,6 +69,14 @@ def peak_mode() -> Any:
     return PeakBytes
 
 
+def free_port() -> int:
+    """A TCP port free now on this host."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
 def measure(engine: str, tokens: int, args: argparse.Namespace) -> dict[str, Any]:
     """One pass of ``tokens`` tokens under ``engine`` in this process (after one unmeasured pass): its peak bytes
     and the bytes still held after it."""
@@ -78,9 +86,8 @@ def measure(engine: str, tokens: int, args: argparse.Namespace) -> dict[str, Any
 
     dtype = getattr(torch, args.dtype)
     cuda = args.device == 'cuda'
-    for key, value in (('MASTER_ADDR', '127.0.0.1'), ('MASTER_PORT', str(args.port)), ('RANK', '0'),
-                       ('WORLD_SIZE', '1'), ('LOCAL_RANK', '0')):
-        os.environ.setdefault(key, value)
+    # a world of one rank on its own port, whatever the environment says (a launcher's variables are not this one's)
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(args.port), RANK='0', WORLD_SIZE='1', LOCAL_RANK='0')
     hidden, intermediate, heads, kv = args.shape
     config = Qwen2Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=args.layers,
                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=args.vocab,
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--dtype', choices=('bfloat16', 'float32'), default='bfloat16')
     parser.add_argument('--lora-dropout', type=float, default=0.05, help="ms-swift's default")
     parser.add_argument('--device', choices=('cpu', 'cuda'), default='cpu')
-    parser.add_argument('--port', type=int, default=29541)
+    parser.add_argument('--port', type=int, default=0, help='the rendezvous port (0: a free one for each process)')
     parser.add_argument('--child', nargs=2, metavar=('ENGINE', 'TOKENS'), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.tokens[0] >= args.tokens[1]:
@@ -178,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, 'PYTHONPATH': os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')]))}
     for engine in args.engines:
         for tokens in args.tokens:
-            command = [sys.executable, '-m', 'benchmarks.activation_bytes', *given, '--child', engine, str(tokens)]
+            port = ['--port', str(args.port or free_port())]  # the last --port given wins
+            command = [sys.executable, '-m', 'benchmarks.activation_bytes', *given, *port, '--child', engine,
+                       str(tokens)]
             done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
             lines = [x for x in done.stdout.splitlines() if x.startswith('[activation-bytes] ')]
             if done.returncode or not lines:
