@@ -69,14 +69,6 @@ def peak_mode() -> Any:
     return PeakBytes
 
 
-def free_port() -> int:
-    """A TCP port free now on this host."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
-
-
 def measure(engine: str, tokens: int, args: argparse.Namespace) -> dict[str, Any]:
     """One pass of ``tokens`` tokens under ``engine`` in this process (after one unmeasured pass): its peak bytes
     and the bytes still held after it."""
@@ -175,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print('[activation-bytes] ' + json.dumps(measure(args.child[0], int(args.child[1]), args)), flush=True)
         return 0
-    from benchmarks.common import machine_lines
+    from benchmarks.common import free_port, machine_lines
     print('\n'.join(machine_lines(sys.argv, args.device)))
     print(f'\nShape: hidden {args.shape[0]}, intermediate {args.shape[1]}, {args.layers} layers, heads '
           f'{args.shape[2]} / {args.shape[3]}, vocab {args.vocab}, {args.dtype}, LoRA r 8 all-linear, dropout '

@@ -13,6 +13,14 @@ import shlex
 from pathlib import Path
 
 
+def free_port() -> int:
+    """A TCP port free now on this host (a rendezvous port for a launched process)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
 def machine_lines(argv: list[str], device: str = 'cpu') -> list[str]:
     """``Command``, ``Machine`` and ``Versions`` lines (markdown) for a benchmark report (``device``: what the run
     trains on)."""
