@@ -38,7 +38,8 @@
 #   SHARDED_DEADLINE (330 s). PROFILE=1 then adds a profiled window (steps 2-3, about 2 minutes) of pass_tokens P and
 #   group_by_length 4 x 4 under ZeRO-3 (on 2026-11-28 a ZeRO-3 step cost about 4.4 s with 1.4 passes as with 4, where
 #   a step without an engine takes 0.4-1.3 s), with DeepSpeed's forward / backward / step timers of every step and
-#   every invalidation of its parameter-fetch trace in $OUT/child.log (the bench's +zero3_timed engine). Ratios compare arms under the same engine;
+#   every invalidation of its parameter-fetch trace in $OUT/child.log (the bench's +zero3_timed engine). Ratios
+#   compare arms under the same engine;
 #   "[bench] ... asked for" flags an arm whose trainer ran another engine. Lines in $OUT/log-sharded.txt.
 #   Measured on an H100 on 2026-11-28 (ZeRO-3 only; the rest past the deadline): docs/throughput.md.
 # - activation (about 3 minutes; needs the DeepSpeed wheels): scripts/bench_activation_bytes.py on CUDA, the 1.5B
