@@ -45,7 +45,8 @@ from ..records import DecisionRecord
 from .engines import Engine, select_engine
 from .loss_kind import LossKind, loss_kind, piece_weights
 from .packed_attention import PackedAttention
-from .pass_budget import PassBudget, oom_note_name, write_oom_note
+from .oom_report import PassOom, recovered, too_large_message, unrecovered_message, unrecovered_note
+from .pass_budget import PassBudget, write_oom_note
 from .padding_free import PackedBatch
 from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, pass_lengths, restore_grads, \
     row_tokens, split_micro_batch
@@ -475,14 +476,19 @@ class StepRunner:
             if self._single_retries < self.single_sample_retries:
                 self._single_retries += 1
                 self.oom = {'pass_size': size, 'pass_tokens': cost if failed is not None else None, 'new_cap': None,
-                            'unit': self.budget.unit, 'record': None}
+                            'record': None}
                 return
             if failed is None:
                 raise RuntimeError(f'out of memory outside a forward/backward pass {self._single_retries + 1} times '
                                    f'in a row (memory: {device_figures()})')
             raise self._too_large(failed[0], failed[1])
         self._halvings += 1
-        self.oom = {'pass_size': size, 'pass_tokens': cost, 'new_cap': cap, 'unit': self.budget.unit, 'record': None}
+        self.oom = {'pass_size': size, 'pass_tokens': cost, 'new_cap': cap, 'record': None}
+
+    def _facts(self, size: int, tokens: int | None) -> PassOom:
+        """The facts of an OOM in a pass of ``size`` rows (``tokens``), for :mod:`.oom_report`."""
+        return PassOom(distributed.rank(), int(self.trainer.state.global_step), size, tokens, self.budget.unit,
+                       self.budget.fitted, device_figures())
 
     def _unrecovered_oom(self, error: BaseException) -> None:
         """An OOM where recovery is off (FSDP2, DeepSpeed, or by setting): say which pass, the budget and the setting
@@ -490,30 +496,18 @@ class StepRunner:
         earlier checkpoint folds into its pass budget before its first step (a ``pass_budget`` record), so it does
         not run out of memory at the same pass again. The error is raised again: the launcher ends every rank."""
         current = self._current
-        size = current[2] - current[1] if current is not None else 0
-        cost, unit = self._current_cost, self.budget.unit
-        ceiling = self.budget.ceiling
-        step = int(self.trainer.state.global_step)
-        lower = ('length_batching.pass_tokens' if unit == 'tokens' else
-                 'per_device_train_batch_size, batch_growth.maximum or batch_growth.micro_batch_cap')
-        why = self.oom_off or 'oom_recovery: false'
-        of = f'pass_tokens {ceiling}' if unit == 'tokens' else 'the micro-batch'
-        message = (f'out of memory on rank {distributed.rank()} in a pass of {size} rows ({cost} tokens) at step '
-                   f'{step + 1}, under {self.engine.name} where OOM recovery is off ({why}); the pass budget was '
-                   f'{self.budget.budget or ceiling} {unit} ({of}). '
-                   f'Lower {lower}, or resume from the last checkpoint: the resumed run plans its passes within '
-                   f'{max(1, (cost if unit == "tokens" else size) // 2)} {unit} from its first step (the note '
-                   f'{oom_note_name(distributed.rank())} in the output folder). Memory: {device_figures()}')
-        logger.error(message)
+        oom = self._facts(current[2] - current[1] if current is not None else 0, self._current_cost)
+        engine = self.engine.name
+        logger.error(unrecovered_message(oom, engine=engine, why_off=self.oom_off or 'oom_recovery: false',
+                                         budget=self.budget.budget, ceiling=self.budget.ceiling))
         if self.output_dir:
             try:
-                write_oom_note(self.output_dir, {'step': step, 'rank': distributed.rank(), 'pass_size': size,
-                                                 'pass_tokens': cost, 'unit': unit, 'fitted': self.budget.fitted,
-                                                 'engine': self.engine.name, 'error': str(error)[:300]})
+                write_oom_note(self.output_dir, unrecovered_note(oom, engine=engine, error=error))
             except OSError as e:  # the note is best effort: the error itself is what the user must see
                 logger.error(f'could not write the OOM note: {e}')
 
     def _too_large(self, micro: int, start: int) -> SampleTooLargeError:
+        """The error of the sample at row ``start`` of micro-batch slot ``micro``, which cannot fit alone."""
         batch, row = self.batches[micro], start
         indices = self.indices[micro] if micro < len(self.indices) else []
         for part in batch.passes if isinstance(batch, PassGroup) else ():  # the pass that holds slot row ``start``
@@ -522,50 +516,19 @@ class StepRunner:
                 break
             row -= batch_shape(part)[0]
         row_ids = batch.get('input_ids') if isinstance(batch, Mapping) else None
-        tokens = row_tokens(batch, row)
-        padded = int(row_ids.shape[-1]) if isinstance(row_ids, torch.Tensor) else None
-        sample = indices[start] if start < len(indices) else None
-        return SampleTooLargeError(
-            f'out of memory on a single sample (dataset index {sample}, {tokens} tokens, padded to {padded}) after '
-            f'{self._halvings} halvings of the pass and {self._single_retries} retries of the one-sample pass '
-            f'(memory freed before each; integration.oom_single_sample_retries: {self.single_sample_retries}); '
-            f'memory: {device_figures()}. It cannot fit: shorten it (max_length / truncation_strategy), use a smaller '
-            'model, gradient checkpointing, or more memory. It was not skipped: skipping would silently lose data.')
+        return SampleTooLargeError(too_large_message(
+            sample=indices[start] if start < len(indices) else None, tokens=row_tokens(batch, row),
+            padded=int(row_ids.shape[-1]) if isinstance(row_ids, torch.Tensor) else None, halvings=self._halvings,
+            retries=self._single_retries, setting_retries=self.single_sample_retries, memory=device_figures()))
 
     def _report_oom(self, retries: int) -> None:
-        info = self.oom or {'pass_size': 0, 'new_cap': None, 'unit': self.budget.unit}
-        figures = device_figures()
-        tokens = info.get('unit') == 'tokens'
-        new_cap = info['new_cap']
-        event = protocol.OomEvent(info['pass_size'], None if tokens else new_cap, retries, figures,
-                                  pass_tokens=info.get('pass_tokens'), new_tokens=new_cap if tokens else None)
+        """The step finished after ``retries`` runs again: the event on the control, the record held in ``oom``."""
+        info = self.oom or {'pass_size': 0, 'pass_tokens': None, 'new_cap': None}
+        event, info['record'] = recovered(
+            self._facts(info['pass_size'], info['pass_tokens']), new_cap=info['new_cap'], retries=retries,
+            single_sample_retries=self._single_retries, oom_count=self.oom_count, loss=self.loss)
+        self.oom = info
         setattr(self.trainer.control, protocol.OOM_EVENT, event)
-        if new_cap is not None:
-            how = (f'passes of at most {new_cap} tokens (rows not capped)' if tokens else f'at most {new_cap} rows a '
-                   'pass') + ' for the rest of the step'
-        elif info['pass_size'] == 0:
-            how = 'the same micro-batch after freeing memory (the OOM was outside a pass)'
-        else:
-            how = 'the same one-row pass after freeing memory (one row cannot be cut)'
-        # held until the next step boundary (or a checkpoint), where every rank's OOM records are exchanged
-        info['record'] = DecisionRecord(
-            'integration', 'oom', 'recovered', {
-                'rank': distributed.rank(),
-                'pass_size': info['pass_size'],
-                'pass_tokens': info.get('pass_tokens'),
-                'unit': info.get('unit'),
-                'new_pass_cap': None if tokens else new_cap,
-                'new_pass_tokens': new_cap if tokens else None,
-                'fitted': self.budget.fitted,
-                'retries': retries,
-                'single_sample_retries': self._single_retries,
-                'oom_count': self.oom_count,
-                'loss': self.loss.kind,
-                **{f'memory_{k}': v for k, v in figures.items()}
-            }, f'out of memory in a pass of {info["pass_size"]} rows ({info.get("pass_tokens")} tokens): the step '
-            f'was run again with {how} (same samples, same gradient' +
-            (f': each piece weighted by its share of the {self.loss.kind.split("_")[0]}s, {self.loss.setting})'
-             if self.loss.kind in ('token_mean', 'row_mean') else ')'), step=self.trainer.state.global_step)
 
 
 def _first_batch(slot: Any) -> Any:

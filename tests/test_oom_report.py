@@ -1,0 +1,69 @@
+"""Unit tests of the OOM messages, note and record (integrations/oom_report.py: pure builders, no trainer)."""
+
+from __future__ import annotations
+
+from swift_dynamic_callbacks.integrations.loss_kind import LossKind
+from swift_dynamic_callbacks.integrations.oom_report import PassOom, recovered, too_large_message, \
+    unrecovered_message, unrecovered_note
+
+MEMORY = {'total_gib': 80.0, 'free_gib': 1.5}
+SUM = LossKind('token_sum', None, '')
+
+
+def _oom(**kw) -> PassOom:
+    facts = dict(rank=1, step=6, pass_size=8, pass_tokens=4096, unit='tokens', fitted=2048, memory=MEMORY)
+    return PassOom(**{**facts, **kw})
+
+
+def test_recovered_under_pass_tokens_caps_tokens_not_rows():
+    event, record = recovered(_oom(), new_cap=2048, retries=1, single_sample_retries=0, oom_count=3, loss=SUM)
+    assert (event.pass_size, event.new_cap, event.new_tokens, event.pass_tokens) == (8, None, 2048, 4096)
+    assert event.retries == 1 and event.memory == MEMORY
+    v = record.values
+    assert (record.kind, record.reason, record.step) == ('oom', 'recovered', 6)
+    assert (v['new_pass_cap'], v['new_pass_tokens'], v['fitted'], v['oom_count'], v['rank']) == (None, 2048, 2048,
+                                                                                              3, 1)
+    assert v['memory_free_gib'] == 1.5 and v['loss'] == 'token_sum'
+    assert 'passes of at most 2048 tokens' in record.message and record.message.endswith('same gradient)')
+
+
+def test_recovered_in_rows_and_the_passes_that_cannot_be_cut():
+    rows = _oom(unit='samples', fitted=4)
+    event, record = recovered(rows, new_cap=4, retries=2, single_sample_retries=0, oom_count=1, loss=SUM)
+    assert (event.new_cap, event.new_tokens) == (4, None) and record.values['new_pass_cap'] == 4
+    assert 'at most 4 rows a pass for the rest of the step' in record.message
+    _, one = recovered(_oom(unit='samples', pass_size=1), new_cap=None, retries=1, single_sample_retries=1,
+                       oom_count=1, loss=SUM)
+    assert 'one row cannot be cut' in one.message and one.values['single_sample_retries'] == 1
+    _, outside = recovered(_oom(pass_size=0, pass_tokens=None), new_cap=None, retries=1, single_sample_retries=1,
+                           oom_count=1, loss=SUM)
+    assert 'outside a pass' in outside.message and outside.values['pass_tokens'] is None
+
+
+def test_recovered_under_a_mean_loss_says_how_pieces_are_weighted():
+    smoothing = LossKind('token_mean', 'label_smoothing_factor: 0.1', 'a mean over label tokens', shift=True)
+    _, record = recovered(_oom(), new_cap=2048, retries=1, single_sample_retries=0, oom_count=1, loss=smoothing)
+    assert 'weighted by its share of the tokens, label_smoothing_factor: 0.1' in record.message
+    assert record.values['loss'] == 'token_mean'
+
+
+def test_unrecovered_names_the_pass_the_budget_the_setting_and_the_resume_budget():
+    message = unrecovered_message(_oom(), engine='zero3', why_off='zero3: a pass holds collectives', budget=None,
+                                  ceiling=6000)
+    for part in ('rank 1', '8 rows (4096 tokens)', 'at step 7', 'under zero3', '(zero3: a pass holds collectives)',
+                 'the pass budget was 6000 tokens (pass_tokens 6000)', 'Lower length_batching.pass_tokens',
+                 'within 2048 tokens', 'dynamic_oom.rank1.json'):
+        assert part in message, part
+    rows = unrecovered_message(_oom(unit='samples', pass_size=6), engine='fsdp2', why_off='x', budget=6, ceiling=None)
+    assert 'Lower per_device_train_batch_size' in rows and 'within 3 samples' in rows and 'was 6 samples' in rows
+    note = unrecovered_note(_oom(pass_tokens=None), engine='zero2', error=RuntimeError('CUDA out of memory' * 50))
+    assert note['pass_tokens'] == 0 and note['engine'] == 'zero2' and len(note['error']) == 300
+    assert (note['step'], note['rank'], note['unit'], note['fitted']) == (6, 1, 'tokens', 2048)
+
+
+def test_too_large_names_the_sample_and_never_skips_it():
+    message = too_large_message(sample=17, tokens=900, padded=1024, halvings=3, retries=2, setting_retries=2,
+                                memory=MEMORY)
+    for part in ('dataset index 17', '900 tokens, padded to 1024', '3 halvings', '2 retries',
+                 'oom_single_sample_retries: 2', 'It was not skipped'):
+        assert part in message, part
