@@ -45,6 +45,7 @@ import os
 import random
 import statistics
 import sys
+from typing import Mapping
 
 from benchmarks import growth_study as growth  # the growth study's probe, run and claim machinery
 from benchmarks import quality as bench_quality
@@ -260,6 +261,37 @@ def tables(results: list[dict], tune: list[int], report: list[int], beta2: float
         verdict = 'stopped at the look' if arm in stopped and len(pairs) <= look_at else against_cosine(deltas)
         interval = f'[{low:+.2%}, {high:+.2%}]' if len(deltas) > 1 else '–'
         print(f'| {name} | {len(pairs)} | {mean:+.2%} | {interval} | {restarts:.1f} | {verdict} |')
+    effect = restart_effect(results, report, beta2, chosen)
+    if effect:
+        print(f'\nplateau restarts against the same schedule without them ({effect[0]["arm"]} against '
+              f'{effect[0]["ref"]}, paired by seed; a run without a restart is that schedule itself):')
+        print('| runs | seeds | restarts a run | mean | 95 % interval |')
+        print('|---|---:|---:|---:|---:|')
+        for row in effect:
+            interval = f'[{row["low"]:+.2%}, {row["high"]:+.2%}]' if row['seeds'] > 1 else '–'
+            print(f'| {row["runs"]} | {row["seeds"]} | {row["restarts"]:.1f} | {row["mean"]:+.2%} | {interval} |')
+
+
+def restart_effect(results: list[dict], report: list[int], beta2: float, chosen: Mapping[str, str]) -> list[dict]:
+    """What plateau restarts change: ``restarts`` against ``whc`` at the same LR (the schedule they restart), paired
+    by seed over ``report``; one row for all seeds, one for the runs where a restart fired, one for those where none
+    did. Empty where either arm was not run on those seeds (a second data set runs no ``whc``)."""
+    if 'restarts' not in chosen:
+        return []
+    lr = float(chosen['restarts'])
+    name, ref = growth.run_name('restarts', lr), growth.run_name('whc', lr)
+    by = {(r['arm'], r['seed']): r for r in results if r['adam_beta2'] == beta2}
+    pairs = [(by[(name, s)], by[(ref, s)]) for s in report if (name, s) in by and (ref, s) in by]
+    rows = []
+    for runs, keep in (('all', lambda n: True), ('a restart fired', lambda n: n > 0), ('none fired', lambda n: n == 0)):
+        kept = [(m, t) for m, t in pairs if keep(int(m.get('lr_restarts', 0)))]
+        if not kept:
+            continue
+        deltas = [m['eval_loss'] / t['eval_loss'] - 1 for m, t in kept]
+        mean, low, high = bench_quality.paired_interval(deltas)
+        rows.append({'arm': name, 'ref': ref, 'runs': runs, 'seeds': len(kept), 'mean': mean, 'low': low,
+                     'high': high, 'restarts': statistics.fmean(int(m.get('lr_restarts', 0)) for m, _ in kept)})
+    return rows
 
 
 def against_cosine(deltas: list[float]) -> str:

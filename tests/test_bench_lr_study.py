@@ -141,3 +141,17 @@ def test_each_arms_yaml_is_the_arm_the_study_runs_at_the_lr_it_chose(arm):
     results = lr_study.read([os.path.join(root, 'docs', 'figures', 'lr_49.jsonl')], [], 'gsm8k')
     best = lr_study.best_lrs(results, [0, 1], 0.95)
     assert float(config['learning_rate']) == pytest.approx(float(best['whc' if arm == 'restarts' else arm]))
+
+
+def test_restarts_are_compared_with_the_schedule_they_restart_split_by_whether_one_fired():
+    lines = []
+    for seed, (whc, restarted, fired) in {2: (0.84, 0.83, 1), 3: (0.85, 0.845, 2), 4: (0.83, 0.83, 0)}.items():
+        lines += [line('whc', 0.00141, seed, whc), line('restarts', 0.00141, seed, restarted, lr_restarts=fired)]
+    rows = {r['runs']: r for r in lr_study.restart_effect(lines, [2, 3, 4, 5], 0.95, {'restarts': '0.00141'})}
+    assert set(rows) == {'all', 'a restart fired', 'none fired'}
+    assert rows['all']['seeds'] == 3 and rows['all']['restarts'] == 1.0
+    assert rows['a restart fired']['mean'] == pytest.approx((0.83 / 0.84 + 0.845 / 0.85) / 2 - 1)
+    assert rows['none fired']['mean'] == 0 and rows['none fired']['seeds'] == 1
+    assert rows['all']['arm'] == 'restarts@0.00141' and rows['all']['ref'] == 'whc@0.00141'
+    assert lr_study.restart_effect(lines, [2, 3, 4], 0.95, {'step_late': '0.00141'}) == []  # no restarts arm
+    assert lr_study.restart_effect(lines[1::2], [2, 3, 4], 0.95, {'restarts': '0.00141'}) == []  # no whc runs
