@@ -361,12 +361,13 @@ def dataset_16(fixture_dir):
     return str(write_gsm8k_dataset(fixture_dir / 'gsm8k-16.jsonl', 16))
 
 
-@pytest.mark.parametrize('engine', [engine_param('fsdp2'), engine_param('zero2')])
+@pytest.mark.parametrize('engine', [engine_param('fsdp2'), engine_param('zero2'), engine_param('zero3')])
 def test_an_oom_on_one_rank_ends_the_run_and_the_checkpoint_resumes_below_it(engine, tmp_path, tiny_qwen, dataset_16):
     """Under a sharded engine (no OOM recovery) rank 1 alone runs out of memory in step 2: every rank ends (no hang:
-    well within the launcher's timeout), the log names the pass, the budget and the setting to lower, and the run
-    resumed from the step-1 checkpoint folds rank 1's note into a lower pass budget before its first step (an
-    ``oom`` record with reason ``unrecovered`` and a ``pass_budget`` record), so it finishes."""
+    the launcher is gone within 60 s of the OOM, the time in rank 1's note), the log names the pass, the budget and
+    the setting to lower, and the run resumed from the step-1 checkpoint folds rank 1's note into a lower pass budget
+    before its first step (an ``oom`` record with reason ``unrecovered`` and a ``pass_budget`` record), so it
+    finishes."""
     import time
     pack = {'integration': {'record_samples': True}, 'batch_schedule': {'schedule': {0: 2}}}
     common = dict(gradient_accumulation_steps=2, max_steps=3, save_steps=1)
@@ -374,7 +375,7 @@ def test_an_oom_on_one_rank_ends_the_run_and_the_checkpoint_resumes_below_it(eng
     start = time.monotonic()
     log = run_ranks(workdir, tiny_qwen, dataset_16, engine=engine, callbacks=['batch_schedule'], pack=pack,
                     faults={'1': {'oom_forward_passes': [2]}}, expect_failure=True, **common)
-    failed_in = time.monotonic() - start
+    failed_in, ended = time.monotonic() - start, time.time()
     with open(log, encoding='utf-8', errors='replace') as f:
         text = f.read()
     assert 'out of memory on rank 1 in a pass of 2 rows' in text and 'Lower per_device_train_batch_size' in text
@@ -383,6 +384,7 @@ def test_an_oom_on_one_rank_ends_the_run_and_the_checkpoint_resumes_below_it(eng
         note = json.load(f)
     assert note['step'] == 1 and note['pass_size'] == 2 and note['engine'] in ('fsdp2', 'deepspeed')
     assert failed_in < 240, failed_in  # start-up, one step, then every rank ended (never the 300 s timeout)
+    assert ended - note['time'] < 60, ended - note['time']  # every rank and the launcher gone within 60 s of the OOM
     run_ranks(workdir + '-resumed', tiny_qwen, dataset_16, engine=engine, callbacks=['batch_schedule'], pack=pack,
               output_dir=out, resume_from_checkpoint=os.path.join(out, 'checkpoint-1'), **common)
     t0, t1 = assert_engine(out, engine)

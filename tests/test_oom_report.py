@@ -56,9 +56,10 @@ def test_unrecovered_names_the_pass_the_budget_the_setting_and_the_resume_budget
         assert part in message, part
     rows = unrecovered_message(_oom(unit='samples', pass_size=6), engine='fsdp2', why_off='x', budget=6, ceiling=None)
     assert 'Lower per_device_train_batch_size' in rows and 'within 3 samples' in rows and 'was 6 samples' in rows
-    note = unrecovered_note(_oom(pass_tokens=None), engine='zero2', error=RuntimeError('CUDA out of memory' * 50))
+    note = unrecovered_note(_oom(pass_tokens=None), engine='zero2', error=RuntimeError('CUDA out of memory' * 50),
+                            time=1.5e9)
     assert note['pass_tokens'] == 0 and note['engine'] == 'zero2' and len(note['error']) == 300
-    assert (note['step'], note['rank'], note['unit'], note['fitted']) == (6, 1, 'tokens', 2048)
+    assert (note['step'], note['rank'], note['unit'], note['fitted'], note['time']) == (6, 1, 'tokens', 2048, 1.5e9)
 
 
 def test_too_large_names_the_sample_and_never_skips_it():
@@ -67,3 +68,20 @@ def test_too_large_names_the_sample_and_never_skips_it():
     for part in ('dataset index 17', '900 tokens, padded to 1024', '3 halvings', '2 retries',
                  'oom_single_sample_retries: 2', 'It was not skipped'):
         assert part in message, part
+
+
+def test_the_note_of_an_unrecovered_oom_is_read_back_by_the_resumed_run(tmp_path, caplog):
+    """The notes of the ranks that ran out of memory after the resumed checkpoint's step become ``oom`` records
+    (reason ``unrecovered``); one from before that step is not this run's; one that cannot be read is said."""
+    import logging
+
+    from swift_dynamic_callbacks.integrations.pass_budget import oom_notes, write_oom_note
+    write_oom_note(str(tmp_path), unrecovered_note(_oom(), engine='zero3', error=RuntimeError('oom'), time=1.0))
+    write_oom_note(str(tmp_path), unrecovered_note(_oom(rank=0, step=2), engine='zero3', error=RuntimeError('x'),
+                                                   time=1.0))
+    (tmp_path / 'dynamic_oom.rank2.json').write_text('{"step": 6, "ra', encoding='utf-8')  # ended while writing
+    with caplog.at_level(logging.WARNING, logger='swift_dynamic_callbacks'):
+        [record] = oom_notes(str(tmp_path), after_step=4)
+    assert (record.kind, record.reason, record.step) == ('oom', 'unrecovered', 6)
+    assert record.values['rank'] == 1 and record.values['pass_tokens'] == 4096 and record.values['engine'] == 'zero3'
+    assert 'dynamic_oom.rank2.json cannot be read' in caplog.text

@@ -102,10 +102,11 @@ def unrecovered_message(oom: PassOom, *, engine: str, why_off: str, budget: int 
             f'Memory: {dict(oom.memory)}')
 
 
-def unrecovered_note(oom: PassOom, *, engine: str, error: BaseException) -> dict[str, Any]:
-    """The note an unrecovered OOM leaves in the output folder (:func:`~.pass_budget.write_oom_note`)."""
+def unrecovered_note(oom: PassOom, *, engine: str, error: BaseException, time: float) -> dict[str, Any]:
+    """The note an unrecovered OOM leaves in the output folder (:func:`~.pass_budget.write_oom_note`); ``time``: when
+    it happened (seconds since the epoch)."""
     return {'step': oom.step, 'rank': oom.rank, 'pass_size': oom.pass_size, 'pass_tokens': oom.pass_tokens or 0,
-            'unit': oom.unit, 'fitted': oom.fitted, 'engine': engine, 'error': str(error)[:300]}
+            'unit': oom.unit, 'fitted': oom.fitted, 'engine': engine, 'error': str(error)[:300], 'time': time}
 
 
 def too_large_message(*, sample: int | None, tokens: int | None, padded: int | None, halvings: int, retries: int,

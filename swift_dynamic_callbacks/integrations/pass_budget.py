@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from dataclasses import asdict, replace
 from typing import Any, Iterable, Mapping
 
 from ..policies.pass_cost import BudgetState, budget_after_oom, budget_after_step
 from ..records import DecisionRecord
+
+logger = logging.getLogger('swift_dynamic_callbacks')
 
 UNITS = ('samples', 'tokens')
 
@@ -192,7 +195,7 @@ def oom_note_name(rank: int) -> str:
 
 def write_oom_note(output_dir: str, note: Mapping[str, Any]) -> None:
     """Leave ``note`` (``step``, ``rank``, ``pass_size``, ``pass_tokens``, ``unit``, ``fitted``, ``engine``,
-    ``error``) in ``output_dir`` for :func:`oom_notes` of a resumed run."""
+    ``error``, ``time``) in ``output_dir`` for :func:`oom_notes` of a resumed run."""
     with open(os.path.join(output_dir, oom_note_name(int(note['rank']))), 'w', encoding='utf-8') as f:
         json.dump(dict(note), f)
 
@@ -206,7 +209,8 @@ def oom_notes(output_dir: str, after_step: int) -> list[DecisionRecord]:
         try:
             with open(path, encoding='utf-8') as f:
                 note = json.load(f)
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:  # a rank ended while writing it: said, and planned without it
+            logger.warning(f'the OOM note {path} cannot be read ({e}); this run plans its passes without it')
             continue
         if int(note.get('step', -1)) < after_step:
             continue

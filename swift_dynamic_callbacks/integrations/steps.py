@@ -28,6 +28,7 @@ integration's state: ``oom_count`` (every OOM of the run).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -502,7 +503,7 @@ class StepRunner:
                                          budget=self.budget.budget, ceiling=self.budget.ceiling))
         if self.output_dir:
             try:
-                write_oom_note(self.output_dir, unrecovered_note(oom, engine=engine, error=error))
+                write_oom_note(self.output_dir, unrecovered_note(oom, engine=engine, error=error, time=time.time()))
             except OSError as e:  # the note is best effort: the error itself is what the user must see
                 logger.error(f'could not write the OOM note: {e}')
 
