@@ -49,12 +49,13 @@ def test_recovered_under_a_mean_loss_says_how_pieces_are_weighted():
 
 def test_unrecovered_names_the_pass_the_budget_the_setting_and_the_resume_budget():
     message = unrecovered_message(_oom(), engine='zero3', why_off='zero3: a pass holds collectives', budget=None,
-                                  ceiling=6000)
+                                  ceiling=6000, resume=2048)
     for part in ('rank 1', '8 rows (4096 tokens)', 'at step 7', 'under zero3', '(zero3: a pass holds collectives)',
                  'the pass budget was 6000 tokens (pass_tokens 6000)', 'Lower length_batching.pass_tokens',
                  'within 2048 tokens', 'dynamic_oom.rank1.json'):
         assert part in message, part
-    rows = unrecovered_message(_oom(unit='samples', pass_size=6), engine='fsdp2', why_off='x', budget=6, ceiling=None)
+    rows = unrecovered_message(_oom(unit='samples', pass_size=6), engine='fsdp2', why_off='x', budget=6, ceiling=None,
+                               resume=3)
     assert 'Lower per_device_train_batch_size' in rows and 'within 3 samples' in rows and 'was 6 samples' in rows
     note = unrecovered_note(_oom(pass_tokens=None), engine='zero2', error=RuntimeError('CUDA out of memory' * 50),
                             time=1.5e9)
@@ -85,3 +86,31 @@ def test_the_note_of_an_unrecovered_oom_is_read_back_by_the_resumed_run(tmp_path
     assert (record.kind, record.reason, record.step) == ('oom', 'unrecovered', 6)
     assert record.values['rank'] == 1 and record.values['pass_tokens'] == 4096 and record.values['engine'] == 'zero3'
     assert 'dynamic_oom.rank2.json cannot be read' in caplog.text
+
+
+def test_an_unrecovered_one_row_pass_is_not_promised_a_lower_budget():
+    message = unrecovered_message(_oom(pass_size=1), engine='fsdp2', why_off='x', budget=None, ceiling=6000,
+                                  resume=None)
+    assert 'One row cannot be cut' in message and 'lower max_length' in message and 'within' not in message
+
+
+def test_the_budget_a_message_promises_is_the_one_the_resumed_run_folds_to(tmp_path):
+    """``resume_budget`` is the fold's policy: half the failing pass, or the largest pass that ran clean below it."""
+    from swift_dynamic_callbacks.integrations.pass_budget import PassBudget, oom_notes, write_oom_note
+    budget = PassBudget()
+    budget.configure(tokens_ceiling=6000, rows=8)
+    budget.start_step(None)
+    assert budget.resume_budget(8, 4096) == 2048 and budget.resume_budget(1, 4096) is None
+    budget.ran(4, 1500)  # a pass that ran clean in the step: the resumed run plans at it
+    assert budget.resume_budget(8, 4096) == 1500
+    rows = PassBudget()
+    rows.configure(tokens_ceiling=None, rows=6)
+    rows.start_step(None)
+    assert rows.resume_budget(6, 900) == 3
+    note = unrecovered_note(_oom(pass_size=8, pass_tokens=4096, fitted=1500), engine='zero3', error=RuntimeError('x'),
+                            time=1.0)
+    write_oom_note(str(tmp_path), note)
+    resumed = PassBudget()  # the resumed run folds the note before its first step
+    resumed.configure(tokens_ceiling=6000, rows=8)
+    resumed.fold(oom_notes(str(tmp_path), after_step=0), 6, again=True)
+    assert resumed.budget == budget.resume_budget(8, 4096) == 1500

@@ -85,21 +85,23 @@ def recovered(oom: PassOom, *, new_cap: int | None, retries: int, single_sample_
     return event, record
 
 
-def unrecovered_message(oom: PassOom, *, engine: str, why_off: str, budget: int | None, ceiling: int | None) -> str:
+def unrecovered_message(oom: PassOom, *, engine: str, why_off: str, budget: int | None, ceiling: int | None,
+                        resume: int | None) -> str:
     """An OOM where recovery is off (``why_off``: the engine's or the setting's reason): which pass, the budget it
     ran under (``budget``, else the plan's ``ceiling``), the setting to lower and the budget a resumed run plans
-    within."""
+    within (``resume``, :meth:`~.pass_budget.PassBudget.resume_budget`; ``None``: a one-row pass, nothing to cut)."""
     lower = ('length_batching.pass_tokens' if oom.tokens else
              'per_device_train_batch_size, batch_growth.maximum or batch_growth.micro_batch_cap')
     of = f'pass_tokens {ceiling}' if oom.tokens else 'the micro-batch'
     cost = oom.pass_tokens or 0
-    resume = max(1, (cost if oom.tokens else oom.pass_size) // 2)
+    after = (f'Lower {lower}, or resume from the last checkpoint: the resumed run plans its passes within {resume} '
+             f'{oom.unit} from its first step (the note {oom_note_name(oom.rank)} in the output folder). '
+             if resume is not None else
+             'One row cannot be cut into passes, so a resumed run would meet it again: lower max_length '
+             '(or truncation_strategy) or free memory. ')
     return (f'out of memory on rank {oom.rank} in a pass of {oom.pass_size} rows ({cost} tokens) at step '
             f'{oom.step + 1}, under {engine} where OOM recovery is off ({why_off}); the pass budget was '
-            f'{budget or ceiling} {oom.unit} ({of}). '
-            f'Lower {lower}, or resume from the last checkpoint: the resumed run plans its passes within '
-            f'{resume} {oom.unit} from its first step (the note {oom_note_name(oom.rank)} in the output folder). '
-            f'Memory: {dict(oom.memory)}')
+            f'{budget or ceiling} {oom.unit} ({of}). {after}Memory: {dict(oom.memory)}')
 
 
 def unrecovered_note(oom: PassOom, *, engine: str, error: BaseException, time: float) -> dict[str, Any]:

@@ -125,6 +125,15 @@ class PassBudget:
         self.step_cap = half if self.step_cap is None else min(self.step_cap, half)
         return self.step_cap
 
+    def resume_budget(self, size: int, cost: int) -> int | None:
+        """What a run resumed after an OOM that ended this one, in a pass of ``size`` rows costing ``cost`` tokens,
+        plans within: :meth:`fold`'s policy on this run's budget now. ``None``: a one-row pass, which the fold does not
+        cut (nothing is lowered), or no plan yet."""
+        if size <= 1 or self.ceiling is None:
+            return None
+        failed = cost if self.unit == 'tokens' else size
+        return budget_after_oom(self.oom, failed, self.ceiling, fitted=self.fitted).budget
+
     def fold(self, ooms: Iterable[DecisionRecord], step: int, *, fitted: int = 0,
              headroom: bool | None = None, again: bool = False) -> DecisionRecord | None:
         """Fold the outcome of step ``step`` into the OOM budget, once (a checkpoint may fold its step before the

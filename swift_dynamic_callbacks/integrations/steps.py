@@ -500,7 +500,8 @@ class StepRunner:
         oom = self._facts(current[2] - current[1] if current is not None else 0, self._current_cost)
         engine = self.engine.name
         logger.error(unrecovered_message(oom, engine=engine, why_off=self.oom_off or 'oom_recovery: false',
-                                         budget=self.budget.budget, ceiling=self.budget.ceiling))
+                                         budget=self.budget.budget, ceiling=self.budget.ceiling,
+                                         resume=self.budget.resume_budget(oom.pass_size, self._current_cost)))
         if self.output_dir:
             try:
                 write_oom_note(self.output_dir, unrecovered_note(oom, engine=engine, error=error, time=time.time()))
@@ -523,12 +524,13 @@ class StepRunner:
             retries=self._single_retries, setting_retries=self.single_sample_retries, memory=device_figures()))
 
     def _report_oom(self, retries: int) -> None:
-        """The step finished after ``retries`` runs again: the event on the control, the record held in ``oom``."""
-        info = self.oom or {'pass_size': 0, 'pass_tokens': None, 'new_cap': None}
+        """The step finished after ``retries`` runs again: the event on the control, the record held in ``oom`` (set
+        by :meth:`_recover`, which every retry after an OOM follows)."""
+        info = self.oom
+        assert info is not None, 'an OOM was recovered from without _recover'
         event, info['record'] = recovered(
             self._facts(info['pass_size'], info['pass_tokens']), new_cap=info['new_cap'], retries=retries,
             single_sample_retries=self._single_retries, oom_count=self.oom_count, loss=self.loss)
-        self.oom = info
         setattr(self.trainer.control, protocol.OOM_EVENT, event)
 
 
