@@ -149,3 +149,12 @@ def test_the_engine_an_arm_ran_is_read_from_the_trainer():
     assert engine_ran(trainer('MULTI_GPU'))['name'] == 'ddp'
     ran = engine_ran(trainer('NO'))
     assert ran == {'name': 'single', 'distributed_type': 'NO', 'wrapper': 'SimpleNamespace'}
+
+
+def test_the_timed_zero3_engine_is_ms_swifts_preset_with_the_timers_built_when_asked():
+    from benchmarks import throughput
+    timed = throughput.engine_settings('zero3_timed')
+    assert timed['log_level'] == 'info' and timed['deepspeed']['wall_clock_breakdown'] is True
+    assert timed['deepspeed']['zero_optimization']['stage'] == 3
+    assert timed['deepspeed']['zero_optimization']['log_trace_cache_warnings'] is True
+    assert throughput.engine_settings('zero3') == {'deepspeed': 'zero3'}
