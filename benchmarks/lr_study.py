@@ -242,7 +242,6 @@ def tables(results: list[dict], tune: list[int], report: list[int], beta2: float
     chosen = {'baseline': best_lrs(results, tune, beta2).get('baseline', '0.00141'),
               **dict(line.split() for line in report_arms(results, tune, beta2, data))}
     stopped = look(results, report[:look_at], beta2, chosen) if look_at <= len(report) else []
-    by = {(r['arm'], r['seed']): r for r in results if r['adam_beta2'] == beta2}
     ref = growth.run_name('baseline', float(chosen['baseline']))
     print(f'\nagainst the tuned cosine ({ref}), paired by seed over reporting seeds {report} (relative eval loss '
           'difference, 95 % paired-t; goal: the interval below 0):')
@@ -252,7 +251,7 @@ def tables(results: list[dict], tune: list[int], report: list[int], beta2: float
         if arm == 'baseline':
             continue
         name = growth.run_name(arm, float(lr))
-        pairs = [(by[(name, s)], by[(ref, s)]) for s in report if (name, s) in by and (ref, s) in by]
+        pairs = paired(results, beta2, name, ref, report)
         if not pairs:
             continue
         deltas = [m['eval_loss'] / t['eval_loss'] - 1 for m, t in pairs]
@@ -272,6 +271,13 @@ def tables(results: list[dict], tune: list[int], report: list[int], beta2: float
             print(f'| {row["runs"]} | {row["seeds"]} | {row["restarts"]:.1f} | {row["mean"]:+.2%} | {interval} |')
 
 
+def paired(results: list[dict], beta2: float, name: str, ref: str, seeds: list[int]) -> list[tuple[dict, dict]]:
+    """``(run, reference run)`` of every seed of ``seeds`` where both ran (lines at ``beta2``; names as
+    :func:`~benchmarks.growth_study.run_name` writes them)."""
+    by = {(r['arm'], r['seed']): r for r in results if r['adam_beta2'] == beta2}
+    return [(by[(name, s)], by[(ref, s)]) for s in seeds if (name, s) in by and (ref, s) in by]
+
+
 def restart_effect(results: list[dict], report: list[int], beta2: float, chosen: Mapping[str, str]) -> list[dict]:
     """What plateau restarts change: ``restarts`` against ``whc`` at the same LR (the schedule they restart), paired
     by seed over ``report``; one row for all seeds, one for the runs where a restart fired, one for those where none
@@ -280,8 +286,7 @@ def restart_effect(results: list[dict], report: list[int], beta2: float, chosen:
         return []
     lr = float(chosen['restarts'])
     name, ref = growth.run_name('restarts', lr), growth.run_name('whc', lr)
-    by = {(r['arm'], r['seed']): r for r in results if r['adam_beta2'] == beta2}
-    pairs = [(by[(name, s)], by[(ref, s)]) for s in report if (name, s) in by and (ref, s) in by]
+    pairs = paired(results, beta2, name, ref, report)
     rows = []
     for runs, keep in (('all', lambda n: True), ('a restart fired', lambda n: n > 0), ('none fired', lambda n: n == 0)):
         kept = [(m, t) for m, t in pairs if keep(int(m.get('lr_restarts', 0)))]
