@@ -43,6 +43,7 @@ import gzip
 import json
 import os
 import random
+import re
 import statistics
 import sys
 from typing import Mapping
@@ -299,6 +300,17 @@ def restart_effect(results: list[dict], report: list[int], beta2: float, chosen:
     return rows
 
 
+def pick_unchanged(pending: list[str], args: argparse.Namespace) -> bool:
+    """Whether runs another stream is running (``pending`` claims, :func:`~benchmarks.growth_study.run_key` names)
+    cannot change what ``--pick`` prints, so it need not wait for them: the LR picks read only the tuning seeds, the
+    futility look only the tuning seeds and the look's seeds. The tables wait for every run."""
+    seeds = [re.match(r'^.*-seed(\d+)$', p) for p in pending]
+    if args.pick is None or not all(seeds):
+        return False
+    read_seeds = set(args.tune_seeds) | (set(args.report_seeds[:args.look_at]) if args.pick == 'look' else set())
+    return all(int(m.group(1)) not in read_seeds for m in seeds)
+
+
 def against_cosine(deltas: list[float]) -> str:
     """What the paired differences against the tuned cosine show (the issue's goal: the 95 % interval below 0); one
     seed has no interval and shows nothing."""
@@ -323,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--out', default=os.path.join(ROOT, 'output', 'bench_lr_study'))
     parser.add_argument('--jsonl', default=None)
     parser.add_argument('--skip-done', action='store_true')
-    parser.add_argument('--claims', default=None, metavar='DIR')
+    parser.add_argument('--claims', default=None, metavar='DIR',
+                        help='a folder shared by two streams on one --jsonl: neither runs a run the other runs')
     parser.add_argument('--prepare', action='store_true')
     parser.add_argument('--from-jsonl', nargs='+', default=None, metavar='FILE')
     parser.add_argument('--reuse', nargs='*', default=[], metavar='FILE', help="issue 39's lines (GSM8K)")
@@ -337,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     if set(args.report_seeds) & set(args.tune_seeds):
         parser.error('--report-seeds and --tune-seeds must not share a seed')
     if args.from_jsonl is not None:
+        if args.claims:  # another stream's runs that could change what is printed: wait for their lines
+
+            def unchanged(pending: list[str]) -> bool:
+                return pick_unchanged(pending, args)
+
+            growth.wait_for_claims(args.claims, args.from_jsonl[0], unless=unchanged)
         results = read(args.from_jsonl, args.reuse, args.data)
         if args.pick in ('best', 'extend', 'incomplete'):
             pick = growth.pick_lrs if args.pick != 'incomplete' else None

@@ -12,8 +12,11 @@
 # DATA=alpaca: the second data set (its own JSONL and OUT): $ALPACA_ARMS (the baseline among them) tuned there on the
 # tuning seeds, one more rung past an edge ($EXTEND rounds), all of them at their best LR on the look's seeds, the
 # futility look, the rest of the seeds, the tables.
+# CLAIMS=DIR: two streams (one a core) on one JSONL: each claims a run before it runs it and skips the other's; a
+# pick or the look waits for the other stream's runs that could change it, the tables for all of them.
 # Usage: bash scripts/lr_study.sh [JSONL]
 #        DATA=alpaca EXTEND=1 bash scripts/lr_study.sh docs/figures/lr_49_alpaca.jsonl
+#        CLAIMS=output/claims CORE=0 bash scripts/lr_study.sh & CLAIMS=output/claims CORE=1 bash scripts/lr_study.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -32,17 +35,20 @@ mkdir -p "$(dirname "$JSONL")" "$OUT"
 S=("$PY" scripts/bench_lr_study.py --data "$DATA" --out "$OUT" --tune-seeds "${TUNE[@]}" --report-seeds "${REPORT[@]}"
    --model "${MODEL:-smollm2}" --samples "${SAMPLES:-128}")
 if [ -n "${EVAL_ROWS:-}" ]; then S+=(--eval-rows "$EVAL_ROWS"); fi  # default: 500 GSM8K rows, 300 Alpaca rows
+CLAIMS=${CLAIMS:-}
+if [ -n "$CLAIMS" ]; then S+=(--claims "$CLAIMS"); fi
 PIN=()
 if [ -n "$CORE" ]; then PIN=(env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 taskset -c "$CORE"); fi
 
 one() {  # one ARM LR SEED [fresh]: a run, unless its line is in $JSONL (or, without "fresh", among the reused lines)
-  local log=$OUT/$1@$2-seed$3.log reuse=("$REUSE")
+  local log=$OUT/$1@$2-seed$3${CLAIMS:+.$$}.log reuse=("$REUSE")  # with claims, each stream's own log
   if [ -e "$STOP" ]; then echo "$(date -u +%H:%M:%S) $STOP exists: stopped before $1 at $2, seed $3"; exit 0; fi
   if [ "${4:-}" = fresh ]; then reuse=(); fi
   "${PIN[@]}" "${S[@]}" --arms "$1" --lrs "$2" --seeds "$3" --jsonl "$JSONL" --reuse "${reuse[@]}" \
     --skip-done < /dev/null > "$log" 2>&1 \
     || { echo "failed: $1 at $2, seed $3 (log: $log)" >&2; return 1; }
-  echo "$(date -u +%H:%M:%S) done: $1 at $2, seed $3"
+  if grep -q 'claimed by another stream' "$log"; then echo "$(date -u +%H:%M:%S) the other stream runs $1 at $2, seed $3"
+  else echo "$(date -u +%H:%M:%S) done: $1 at $2, seed $3"; fi
 }
 pick() { "${S[@]}" --from-jsonl "$JSONL" --reuse "$REUSE" --look-at "$LOOK_AT" --pick "$1"; }
 

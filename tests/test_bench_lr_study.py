@@ -90,6 +90,40 @@ def test_the_run_grid_skips_done_and_claimed_runs_and_gives_a_failed_claim_back(
     assert [json.loads(x)['seed'] for x in open(args.jsonl, encoding='utf-8')] == [2]
 
 
+def test_two_streams_pick_only_when_the_other_streams_runs_cannot_change_the_pick(tmp_path, monkeypatch, capsys):
+    """A pick or the look waits for another stream's live runs on the seeds it reads; the tables wait for all."""
+    args = argparse.Namespace(pick='report', tune_seeds=[0, 1], report_seeds=[2, 3, 4, 5, 6], look_at=4)
+    on = [growth_study.run_key('step_late@0.001', s, 0.95) for s in (1, 3, 6)]
+    assert not lr_study.pick_unchanged(on[:1], args), 'a tuning seed changes the LR picks'
+    assert lr_study.pick_unchanged(on[1:], args)
+    args.pick = 'look'
+    assert not lr_study.pick_unchanged(on[1:2], args), 'a look seed changes the look'
+    assert lr_study.pick_unchanged(on[2:], args)
+    args.pick = None
+    assert not lr_study.pick_unchanged(on[2:], args), 'the tables wait for every run'
+    args.pick = 'look'
+    assert not lr_study.pick_unchanged(['not a run'], args), 'a claim that names no seed'
+
+    jsonl, claims = tmp_path / 'lines.jsonl', tmp_path / 'claims'
+    jsonl.write_text(''.join(json.dumps(line(arm, 0.001, s, 0.8 + s / 100)) + '\n'
+                             for arm in ('baseline', 'step_late') for s in (0, 1, 2, 3)))
+    claims.mkdir()
+    (claims / growth_study.run_key('step_late@0.001', 4, 0.95)).write_text(str(os.getpid()))  # live: this process
+    waited = []
+
+    def sleep(seconds):
+        waited.append(seconds)
+        raise TimeoutError
+
+    monkeypatch.setattr(growth_study.time, 'sleep', sleep)
+    common = ['--from-jsonl', str(jsonl), '--claims', str(claims), '--tune-seeds', '0', '1', '--report-seeds', '2',
+              '3', '4', '5', '--look-at', '2']
+    assert lr_study.main([*common, '--pick', 'look']) == 0 and waited == [], 'seed 4 is not a look seed'
+    with pytest.raises(TimeoutError):
+        lr_study.main(common)
+    assert waited and 'waiting for the runs of another stream' in capsys.readouterr().err
+
+
 def test_one_seed_shows_nothing_against_the_cosine():
     """A single paired seed has no interval: it must not read as "below the cosine" (the table said so for the
     restarts arm after its first reporting seed)."""
