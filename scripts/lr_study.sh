@@ -13,7 +13,9 @@
 # tuning seeds, one more rung past an edge ($EXTEND rounds), all of them at their best LR on the look's seeds, the
 # futility look, the rest of the seeds, the tables.
 # CLAIMS=DIR: two streams (one a core) on one JSONL: each claims a run before it runs it and skips the other's; a
-# pick or the look waits for the other stream's runs that could change it, the tables for all of them.
+# pick or the look waits for the other stream's runs that could change it, the tables for all of them. Start both
+# at once: a stream started after the other's extension round picks its own round on more lines (start it with
+# EXTEND=0 then).
 # Usage: bash scripts/lr_study.sh [JSONL]
 #        DATA=alpaca EXTEND=1 bash scripts/lr_study.sh docs/figures/lr_49_alpaca.jsonl
 #        CLAIMS=output/claims CORE=0 bash scripts/lr_study.sh & CLAIMS=output/claims CORE=1 bash scripts/lr_study.sh
