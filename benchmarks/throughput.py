@@ -83,13 +83,26 @@ ARMS = ('random', 'group_by_length', 'batch_rebalance', 'pack_buckets', 'pack_to
 #: random-weight shapes of real models (hidden, intermediate, layers, heads, kv heads, tied embeddings)
 SHAPES = {'qwen2.5-1.5b': (1536, 8960, 28, 12, 2, True), 'qwen2.5-7b': (3584, 18944, 28, 28, 4, False),
           'qwen2.5-test': (128, 512, 2, 4, 2, True)}
+
+
+def zero3_timed() -> dict:
+    """ms-swift's ``zero3`` preset (its own file, read) that prints DeepSpeed's forward / backward / step timers every
+    step (``wall_clock_breakdown``; it synchronises the device at each timer) and every invalidation of ZeRO-3's
+    parameter-fetch trace (``log_trace_cache_warnings``): where a ZeRO-3 step's time goes, in the child's log."""
+    import importlib.util
+    swift_dir = importlib.util.find_spec('swift').submodule_search_locations[0]  # located, not imported
+    config = json.loads((Path(swift_dir) / 'config' / 'zero3.json').read_text(encoding='utf-8'))
+    config['zero_optimization']['log_trace_cache_warnings'] = True
+    return {**config, 'wall_clock_breakdown': True, 'steps_per_print': 1}
+
+
 #: the sharded engines an arm can train under (``+zero3``): ms-swift's own ``deepspeed`` presets (bf16 from the
 #: model's dtype) and FSDP2 as ms-swift's ``fsdp2`` preset without activation checkpointing (as every arm here: no
 #: gradient checkpointing) and rank-0 loading; ``zero3_timed``: :func:`zero3_timed` (``log_level: info``, else
 #: transformers keeps DeepSpeed's logger at warnings); a callable value is built when an arm asks for it
 #: (:func:`engine_settings`)
 ENGINES = {'zero2': {'deepspeed': 'zero2'}, 'zero3': {'deepspeed': 'zero3'},
-           'zero3_timed': {'deepspeed': lambda: zero3_timed(), 'log_level': 'info'},
+           'zero3_timed': {'deepspeed': zero3_timed, 'log_level': 'info'},
            'fsdp2': {'fsdp': str(HERE / 'engine_configs' / 'fsdp2.json')}}
 KEYS = ('arm', 'procs', 'real_tokens_per_s', 'padding', 'rank_spread', 'p50_step_s', 'p90_step_s', 'peak_rss_gib',
         'optimizer_steps', 'train_loss')
@@ -220,17 +233,6 @@ def build_random_model(dest: Path, shape: str, device: str, dtype: str) -> Path:
     move_model_into_place(built, dest)
     shutil.rmtree(built, ignore_errors=True)
     return dest
-
-
-def zero3_timed() -> dict:
-    """ms-swift's ``zero3`` preset (its own file, read) that prints DeepSpeed's forward / backward / step timers every
-    step (``wall_clock_breakdown``; it synchronises the device at each timer) and every invalidation of ZeRO-3's
-    parameter-fetch trace (``log_trace_cache_warnings``): where a ZeRO-3 step's time goes, in the child's log."""
-    import importlib.util
-    swift_dir = importlib.util.find_spec('swift').submodule_search_locations[0]  # located, not imported
-    config = json.loads((Path(swift_dir) / 'config' / 'zero3.json').read_text(encoding='utf-8'))
-    config['zero_optimization']['log_trace_cache_warnings'] = True
-    return {**config, 'wall_clock_breakdown': True, 'steps_per_print': 1}
 
 
 def engine_settings(engine: str) -> dict:
