@@ -111,9 +111,13 @@ class PassBudget:
         return _least(self.oom.budget, (self.requested or {}).get('tokens'))
 
     # ---- out of memory ---------------------------------------------------------------------------------------
+    def _measure(self, size: int, cost: int) -> int:
+        """A pass of ``size`` rows costing ``cost`` tokens, in the budget's unit."""
+        return cost if self.unit == 'tokens' else size
+
     def ran(self, size: int, cost: int) -> None:
         """A pass of ``size`` rows and ``cost`` tokens ran (its backward included) on this rank."""
-        self.fitted = max(self.fitted, cost if self.unit == 'tokens' else size)
+        self.fitted = max(self.fitted, self._measure(size, cost))
 
     def after_oom(self, size: int, cost: int) -> int | None:
         """An OOM in a pass of ``size`` rows costing ``cost`` tokens, inside the step: the cap for the rest of the
@@ -121,7 +125,7 @@ class PassBudget:
         as it is)."""
         if size <= 1:
             return None
-        half = max(1, (cost if self.unit == 'tokens' else size) // 2)
+        half = max(1, self._measure(size, cost) // 2)
         self.step_cap = half if self.step_cap is None else min(self.step_cap, half)
         return self.step_cap
 
@@ -131,8 +135,7 @@ class PassBudget:
         cut (nothing is lowered), or no plan yet."""
         if size <= 1 or self.ceiling is None:
             return None
-        failed = cost if self.unit == 'tokens' else size
-        return budget_after_oom(self.oom, failed, self.ceiling, fitted=self.fitted).budget
+        return budget_after_oom(self.oom, self._measure(size, cost), self.ceiling, fitted=self.fitted).budget
 
     def fold(self, ooms: Iterable[DecisionRecord], step: int, *, fitted: int = 0,
              headroom: bool | None = None, again: bool = False) -> DecisionRecord | None:
