@@ -387,9 +387,8 @@ def cannot_change(pending: list[str], args: argparse.Namespace) -> bool:
     need not wait for them: the beta2 rule reads only the baseline at ``--lrs[0]`` on the tuning seeds, ``best`` and
     ``extend`` only the tuning seeds (and an extension round's own runs change nothing of it), the futility look
     only ``--report-seeds``. The tables wait for every run."""
-    keys = [(m.group(1), float(m.group(2)), int(m.group(3))) for m in
-            (re.match(r'^(.*)-b([0-9.e+-]+)-seed(\d+)$', p) for p in pending) if m]
-    if len(keys) < len(pending):
+    keys = [parse_run_key(p) for p in pending]
+    if None in keys:
         return False
     tune = set(args.tune_seeds)
     if args.pick == 'beta2':
@@ -409,6 +408,12 @@ def cannot_change(pending: list[str], args: argparse.Namespace) -> bool:
 def run_key(name: str, seed: int, beta2: float) -> str:
     """One run's name in file names (its log folder, its claim)."""
     return f'{name}-b{beta2:g}-seed{seed}'
+
+
+def parse_run_key(key: str) -> tuple[str, float, int] | None:
+    """``(name, beta2, seed)`` of a :func:`run_key` name; ``None`` for any other name."""
+    m = re.match(r'^(.*)-b([0-9.e+-]+)-seed(\d+)$', key)
+    return (m.group(1), float(m.group(2)), int(m.group(3))) if m else None
 
 
 def run_name(arm: str, lr: float) -> str:

@@ -43,7 +43,6 @@ import gzip
 import json
 import os
 import random
-import re
 import statistics
 import sys
 from typing import Mapping
@@ -304,11 +303,11 @@ def pick_unchanged(pending: list[str], args: argparse.Namespace) -> bool:
     """Whether runs another stream is running (``pending`` claims, :func:`~benchmarks.growth_study.run_key` names)
     cannot change what ``--pick`` prints, so it need not wait for them: the LR picks read only the tuning seeds, the
     futility look only the tuning seeds and the look's seeds. The tables wait for every run."""
-    seeds = [re.match(r'^.*-seed(\d+)$', p) for p in pending]
-    if args.pick is None or not all(seeds):
+    keys = [growth.parse_run_key(p) for p in pending]
+    if args.pick is None or None in keys:
         return False
     read_seeds = set(args.tune_seeds) | (set(args.report_seeds[:args.look_at]) if args.pick == 'look' else set())
-    return all(int(m.group(1)) not in read_seeds for m in seeds)
+    return all(seed not in read_seeds for _, _, seed in keys)
 
 
 def against_cosine(deltas: list[float]) -> str:
