@@ -41,7 +41,7 @@ def test_parse_good_section():
     assert config.via == 'dataloader'
     assert pack.to_json()['integration'] == {'record_samples': True, 'log_values': True, 'max_steps_unit': 'steps',
                                              'oom_recovery': 'auto', 'oom_single_sample_retries': 2,
-                                             'oom_grow_back_steps': 2, 'oom_probe_steps': 64, 'enabled': True,
+                                             'oom_grow_back_steps': 1, 'oom_probe_steps': 64, 'enabled': True,
                                              'fail_fast': False, 'replay': None, 'allow_config_change': False,
                                              'stream_window': 1024, 'packed_attention': 'auto'}
     assert pack.to_json()['batch_schedule']['via'] == 'dataloader'
@@ -175,7 +175,7 @@ def test_check_good_yaml(tmp_path, capsys):
     assert printed['batch_schedule'] == {'schedule': {'0': 2, '10': 4}}
     assert printed['integration'] == {'record_samples': False, 'log_values': True, 'max_steps_unit': 'steps',
                                       'oom_recovery': 'auto', 'oom_single_sample_retries': 2,
-                                             'oom_grow_back_steps': 2, 'oom_probe_steps': 64, 'enabled': True,
+                                             'oom_grow_back_steps': 1, 'oom_probe_steps': 64, 'enabled': True,
                                       'fail_fast': False, 'replay': None, 'allow_config_change': False,
                                       'stream_window': 1024, 'packed_attention': 'auto'}
     assert err == ''

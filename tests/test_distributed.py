@@ -122,7 +122,13 @@ def test_oom_on_rank_1_backs_off_both_ranks(tmp_path, tiny_qwen, dataset_15):
     records = read_jsonl(os.path.join(out, 'dynamic_decisions.jsonl'))
     ooms = [d for d in records if d['kind'] == 'oom']
     assert ooms and {d['values']['rank'] for d in ooms} == {1}
-    assert [d['reason'] for d in records if d['kind'] == 'pass_budget'][0] == 'oom'
+    budgets = [d for d in records if d['kind'] == 'pass_budget']
+    assert budgets[0]['reason'] == 'oom' and budgets[0]['step'] == ooms[0]['step']  # one event, one step
+    with open(os.path.join(out, 'rank1.injected.json'), encoding='utf-8') as f:
+        injected = json.load(f)
+    logged = [row['dynamic/oom_count'] for row in read_jsonl(os.path.join(out, 'logging.jsonl')) if 'loss' in row]
+    assert logged[-1] == injected['forward'] + injected['backward']  # rank 1's OOMs, in rank 0's log line
+    assert logged[ooms[0]['step'] - 1] >= 1  # counted in the log line of the step it ran in
     assert_exactly_once(out, epochs=2)  # 4 steps of 2 x 2 samples: two epochs of the 8-sample shard
 
 

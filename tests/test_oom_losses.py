@@ -5,7 +5,9 @@ sft`` runs with one OOM injected, against the same run without it."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -156,3 +158,83 @@ def test_a_loss_the_pack_cannot_split_turns_recovery_off_or_is_refused(tmp_path,
     with pytest.raises(ConfigError, match='oom_recovery: true cannot be combined with loss_type: mean_token_ce'):
         _run(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'true'), inject=False, loss_type=mean_loss_type,
              max_steps=1, integration={'oom_recovery': True})
+
+
+@pytest.mark.e2e
+def test_a_resume_after_an_unrecovered_oom_never_splits_a_loss_the_pack_cannot_split(tmp_path, tiny_qwen, gsm8k_16,
+                                                                                    mean_loss_type, caplog):
+    """A custom ``loss_type`` (a mean per call, unknown to the pack), micro-batches of 3 x GA 2, a checkpoint every
+    step, one OOM in step 2: recovery is off, so the run ends, and its message says what to set instead of promising
+    smaller passes; the run resumed from step 1's checkpoint reads the OOM note but does not lower its pass budget
+    (a ``pass_budget`` ``not_lowered`` record with the same advice): every later step's loss and grad_norm equal the
+    run without the OOM. At 03097fd the resumed run cut 3-row micro-batches into 1- and 2-row passes in silence
+    (3.4 % off)."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+
+    def train(out, *, inject=False, **extra):
+        try:
+            sdc.register(batch_schedule={'schedule': {0: 3}})
+            with OomInjector(forward_passes=(2, ) if inject else ()):
+                run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, callbacks=['batch_schedule'],
+                        **{**RUN, 'per_device_train_batch_size': 3, 'save_steps': 1, 'loss_type': mean_loss_type,
+                           **extra})
+        finally:
+            plugin.unregister()
+
+    plain, crashed = str(tmp_path / 'plain'), str(tmp_path / 'crashed')
+    train(plain)
+    with caplog.at_level('ERROR', logger='swift_dynamic_callbacks'), pytest.raises(torch.OutOfMemoryError):
+        train(crashed, inject=True)  # the third forward: step 2's first micro-batch
+    [message] = [r.getMessage() for r in caplog.records if 'out of memory on rank 0' in r.getMessage()]
+    assert 'cannot cut a micro-batch into smaller passes' in message and 'loss_type: mean_token_ce' in message
+    assert 'gradient_accumulation_steps: 6 (now 2)' in message and 'plans its passes within' not in message
+    assert [os.path.basename(p) for p in glob.glob(os.path.join(crashed, 'checkpoint-*'))] == ['checkpoint-1']
+    train(crashed, resume_from_checkpoint=os.path.join(crashed, 'checkpoint-1'), fresh=False)
+    [record] = [d for d in decisions(crashed) if d['kind'] == 'pass_budget']
+    assert record['reason'] == 'not_lowered' and 'loss_type: mean_token_ce' in record['values']['why']
+    assert record['values']['advice'].startswith('gradient_accumulation_steps: 6 (now 2)')
+    before, after = train_logs(plain), train_logs(crashed)
+    assert [r['global_step/max_steps'] for r in after] == ['1/4', '2/4', '3/4', '4/4']  # 2-4 resumed
+    for a, b in zip(before[1:], after[1:]):
+        assert b['loss'] == pytest.approx(a['loss'], rel=2e-4), (a, b)
+        assert b['grad_norm'] == pytest.approx(a['grad_norm'], rel=2e-4), (a, b)
+    assert max(r['dynamic/pass_size'] for r in after[1:]) == 3  # never cut
+
+
+def test_one_rule_for_every_split_under_a_loss_the_pack_cannot_split():
+    """The step runner's one rule (``split_refusal``) is asked by every source of a split: a requested pass limit
+    (``memory_backoff``, ``split: passes``, a user callback's ``new_pass_limit``) and pieces are refused naming the
+    loss setting; the over-estimate split (lengths that are estimates) and the budget read back from an OOM note do not
+    cut (``splittable`` is false); a token-sum loss may split."""
+    from swift_dynamic_callbacks.config import ConfigError
+    from swift_dynamic_callbacks.integrations.engines import Engine
+    from swift_dynamic_callbacks.integrations.steps import StepRunner
+    trainer = SimpleNamespace(args=SimpleNamespace(padding_free=False, packing=False), template=None)
+    runner = StepRunner(trainer, Engine(trainer), oom_recovery=False, single_sample_retries=0)
+    assert runner.split_refusal() is None and runner.splittable()
+    runner.loss, runner._can_split = LossKind('unknown', 'loss_type: mean_token_ce', 'a mean per call'), None
+    assert 'loss_type: mean_token_ce' in runner.split_refusal()
+    assert not runner.splittable()
+    for setting, feature in (('control.new_pass_limit', 'pass_limit'), ('control.new_num_pieces', 'pieces')):
+        with pytest.raises(ConfigError, match=f'{setting}: a micro-batch cannot run as several passes under '
+                                              'loss_type: mean_token_ce'):
+            runner.check_splittable(setting, feature)
+    with pytest.raises(ConfigError, match='loss_type: mean_token_ce'):
+        runner.set_pass_limit({'samples': 2, 'tokens': None, 'rules': []})
+    runner.budget.configure(tokens_ceiling=None, rows=4)
+    runner.budget.start_step(estimate=100)  # a step whose lengths are estimates, under a 100-token budget
+    batch = {'input_ids': torch.ones(4, 50, dtype=torch.long), 'labels': torch.ones(4, 50, dtype=torch.long)}
+    assert runner._pieces(batch) == 1  # not cut by the estimate's budget: it runs over it (warned)
+    runner.loss, runner._can_split = LossKind('token_sum', None, ''), None
+    assert runner._pieces(batch) == 2  # two passes of 2 x 50 tokens
+
+
+def test_the_advice_keeps_the_global_batch():
+    from swift_dynamic_callbacks.integrations.oom_report import fewer_rows, fewer_rows_advice
+    assert fewer_rows(3, 2) == (1, 6) and fewer_rows(4, 4) == (2, 8) and fewer_rows(6, 1) == (3, 2)
+    assert fewer_rows(2, 3) == (1, 6)
+    for rows in range(2, 40):
+        smaller, steps = fewer_rows(rows, 5)
+        assert smaller * steps == rows * 5 and smaller <= rows // 2
+    assert fewer_rows_advice(3, 2).startswith('gradient_accumulation_steps: 6 (now 2)')

@@ -20,7 +20,7 @@ def test_recovered_under_pass_tokens_caps_tokens_not_rows():
     assert (event.pass_size, event.new_cap, event.new_tokens, event.pass_tokens) == (8, None, 2048, 4096)
     assert event.retries == 1 and event.memory == MEMORY
     v = record.values
-    assert (record.kind, record.reason, record.step) == ('oom', 'recovered', 6)
+    assert (record.kind, record.reason, record.step) == ('oom', 'recovered', 7)  # the step it ran in
     assert (v['new_pass_cap'], v['new_pass_tokens'], v['fitted'], v['oom_count'], v['rank']) == (None, 2048, 2048,
                                                                                               3, 1)
     assert v['memory_free_gib'] == 1.5 and v['loss'] == 'token_sum'
@@ -83,7 +83,7 @@ def test_the_note_of_an_unrecovered_oom_is_read_back_by_the_resumed_run(tmp_path
     (tmp_path / 'dynamic_oom.rank2.json').write_text('{"step": 6, "ra', encoding='utf-8')  # ended while writing
     with caplog.at_level(logging.WARNING, logger='swift_dynamic_callbacks'):
         [record] = oom_notes(str(tmp_path), after_step=4)
-    assert (record.kind, record.reason, record.step) == ('oom', 'unrecovered', 6)
+    assert (record.kind, record.reason, record.step) == ('oom', 'unrecovered', 7)
     assert record.values['rank'] == 1 and record.values['pass_tokens'] == 4096 and record.values['engine'] == 'zero3'
     assert 'dynamic_oom.rank2.json cannot be read' in caplog.text
 
@@ -114,3 +114,16 @@ def test_the_budget_a_message_promises_is_the_one_the_resumed_run_folds_to(tmp_p
     resumed.configure(tokens_ceiling=6000, rows=8)
     resumed.fold(oom_notes(str(tmp_path), after_step=0), 6, again=True)
     assert resumed.budget == budget.resume_budget(8, 4096) == 1500
+
+
+def test_unrecovered_where_micro_batches_cannot_be_cut_advises_the_layout_not_a_resume_budget():
+    """A loss the pack cannot split (or pairs, or packed rows): a resumed run plans at the same micro-batches, so the
+    message promises no smaller passes; it names why and the GA that keeps the global batch in smaller micro-batches."""
+    message = unrecovered_message(_oom(unit='samples', pass_size=3), engine='single', why_off='loss_type: x',
+                                  budget=None, ceiling=3, resume=1, cannot_split='under loss_type: x: a mean per call',
+                                  accumulation=2)
+    assert 'cannot cut a micro-batch into smaller passes (under loss_type: x: a mean per call)' in message
+    assert 'gradient_accumulation_steps: 6 (now 2)' in message and 'plans its passes within' not in message
+    one_row = unrecovered_message(_oom(unit='samples', pass_size=1), engine='single', why_off='x', budget=None,
+                                  ceiling=1, resume=None, cannot_split='why')
+    assert 'One row cannot be cut' in one_row

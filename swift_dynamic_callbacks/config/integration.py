@@ -37,11 +37,12 @@ class IntegrationConfig(Settings):
             before each try (a one-off spike or fragmentation), before the sample is declared too large (default 2).
         oom_grow_back_steps: an OOM lowers what a pass may hold (its *tokens* under ``length_batching.pass_tokens``,
             else its rows) below the failing pass: to the largest pass that ran clean, else half the failing one;
-            later steps are planned and cut at it. Every this many clean steps (no OOM on any rank) it grows an
-            eighth back toward the smallest pass that failed (at most halfway), or halfway to the ceiling
-            (``pass_tokens``, or the micro-batch) when none did, and settles once within 1/8 of the failure (a
-            ``pass_budget`` record each change; ``dynamic/pass_budget`` or ``dynamic/pass_rows_budget`` in the logs).
-            ``0``: never grows back. Default 2.
+            later steps are planned and cut at it. Every this many clean steps (no OOM on any rank) it grows back
+            toward the smallest pass that failed: halfway while it is more than a quarter below it and no grown
+            budget failed yet, else an eighth (at most halfway); halfway to the ceiling (``pass_tokens``, or the
+            micro-batch) when none did; it settles once within 1/8 of the failure (a ``pass_budget`` record each
+            change; ``dynamic/pass_budget`` or ``dynamic/pass_rows_budget`` in the logs). ``0``: never grows back.
+            Default 1 (was 2: a run of ten steps spent most of itself below the memory end).
         oom_probe_steps: after this many clean steps at a budget settled below a failed pass, the budget probes one
             step (1/8) above the failure: a probe that runs clean forgets the failure (a one-off OOM does not cap the
             run for good) and growth resumes; a probe that fails settles again and the next probe waits four times
@@ -80,7 +81,7 @@ class IntegrationConfig(Settings):
     max_steps_unit: str = setting(Choice(('steps', 'samples')), 'steps')
     oom_recovery: bool | str = setting(Choice(('auto', True, False)), 'auto')
     oom_single_sample_retries: int = setting(Int(0, 100), 2)
-    oom_grow_back_steps: int = setting(Int(0, 100_000), 2)
+    oom_grow_back_steps: int = setting(Int(0, 100_000), 1)
     oom_probe_steps: int = setting(Int(0, 1_000_000), 64)
     enabled: bool = setting(Flag(), True)
     fail_fast: bool = setting(Flag(), False)

@@ -122,7 +122,9 @@ class RequestApplier:
                                                                                             None),
                                                    args=trainer.args,
                                                    held=lambda later: self.runner.engine.held_bytes(trainer, later),
-                                                   activation_factor=self.runner.engine.activation_factor(trainer))
+                                                   activation_factor=self.runner.engine.activation_factor(trainer),
+                                                   autocast=getattr(getattr(trainer, 'accelerator', None),
+                                                                    'native_amp', None))
         chosen = min(distributed.gather_objects(tokens))
         self.decisions.write(DecisionRecord(
             'integration', 'pass_tokens', 'auto', {'pass_tokens': chosen, 'rank_pass_tokens': tokens, **figures},

@@ -67,23 +67,31 @@ def held_later(model: Any, optimizer: Any) -> dict[str, int]:
     return {'trainable_params': trainable, 'grad_bytes': grads, 'optimizer_bytes': states}
 
 
-def compute_dtype_bytes(model: Any, args: Any) -> int:
-    """Bytes of an activation: 2 under ``bf16`` / ``fp16`` mixed precision, else the model's configured dtype, else
-    the dtype most of its floating-point weights have (a 4-bit model's packed weights are not floating point)."""
+def compute_dtype_bytes(model: Any, args: Any, autocast: bool | None = None) -> int:
+    """Bytes of an activation: 2 where a 16-bit autocast runs the passes, else the dtype the weights have.
+
+    ``autocast``: whether the trainer's accelerator runs the passes under autocast (accelerate's ``native_amp``: not
+    for ``fp16`` on a CPU, nor under DeepSpeed, which casts the weights themselves); ``None`` (unknown): ``bf16`` /
+    ``fp16`` in ``args`` are taken to mean it. Without autocast: the dtype most of the model's floating-point weights
+    have now (ms-swift's ``fp16: true`` beside a float32 model on a CPU computes in float32; a 4-bit model's packed
+    weights are not floating point), else its configured dtype."""
     import torch
-    if getattr(args, 'bf16', False) or getattr(args, 'fp16', False):
+    if autocast or (autocast is None and (getattr(args, 'bf16', False) or getattr(args, 'fp16', False))):
         return 2
+    counts: dict[int, int] = {}
+    for p in model.parameters() if hasattr(model, 'parameters') else ():
+        if p.is_floating_point():
+            n = int(getattr(p, 'ds_numel', 0) or p.numel())  # ZeRO-3 keeps an empty tensor and the full count apart
+            counts[p.element_size()] = counts.get(p.element_size(), 0) + n
+    if counts:
+        return max(counts, key=counts.get)
     config = getattr(model, 'config', None)
     dtype = getattr(config, 'dtype', None) or getattr(config, 'torch_dtype', None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         return torch.empty((), dtype=dtype).element_size()
-    counts: dict[int, int] = {}
-    for p in model.parameters() if hasattr(model, 'parameters') else ():
-        if p.is_floating_point():
-            counts[p.element_size()] = counts.get(p.element_size(), 0) + p.numel()
-    return max(counts, key=counts.get) if counts else 2
+    return 2
 
 
 def model_shape(model: Any) -> dict[str, Any]:
@@ -105,7 +113,8 @@ def model_shape(model: Any) -> dict[str, Any]:
 def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cpu_budget_gib: float | None = None,
                              optimizer: Any = None, args: Any = None,
                              held: Callable[[dict[str, int]], dict[str, int]] | None = None,
-                             activation_factor: float = 1.0) -> tuple[int, dict[str, Any]]:
+                             activation_factor: float = 1.0,
+                             autocast: bool | None = None) -> tuple[int, dict[str, Any]]:
     """``pass_tokens: auto`` on this rank: the budget and the figures it came from (for the record).
 
     On CUDA the free memory now (the model loaded), on a CPU ``cpu_budget_gib`` (``memory_backoff``'s) or half the
@@ -113,8 +122,9 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
     optimizer states, which decide a full fine-tune; ``held``: this rank's part of them under a sharded engine,
     ``Engine.held_bytes``); a margin of 10 %; at :func:`~..policies.pass_cost.bytes_per_token` of the model's shape
     in the compute dtype, times ``activation_factor`` (what the engine holds a token beyond it:
-    ``Engine.activation_factor``, ZeRO-3's). On a CPU at most :data:`CPU_MAX_PASS_TOKENS`. A model whose shape
-    cannot be read takes the hand-set table by device memory."""
+    ``Engine.activation_factor``, ZeRO-3's; ``autocast``: whether the passes run under a 16-bit autocast,
+    :func:`compute_dtype_bytes`). On a CPU at most :data:`CPU_MAX_PASS_TOKENS`. A model whose shape cannot be read
+    takes the hand-set table by device memory."""
     import torch
 
     from ..policies.pass_cost import auto_pass_tokens, bytes_per_token
@@ -129,7 +139,7 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
     if held is not None:
         later = held(later)
     left = max(0, free - later['grad_bytes'] - later['optimizer_bytes'])
-    dtype_bytes = compute_dtype_bytes(model, args)
+    dtype_bytes = compute_dtype_bytes(model, args, autocast)
     figures: dict[str, Any] = {'device': 'cuda' if cuda else 'cpu', 'free_gib': round(free / 2**30, 3),
                                'total_gib': round(total / 2**30, 3), **shape, 'dtype_bytes': dtype_bytes,
                                'gradient_checkpointing': checkpointing,

@@ -83,15 +83,17 @@ class Metrics:
 
     def update_logs(self, logs: dict[str, Any], control: Any, loader: Any, parts: Mapping[str, float],
                     *, step_lr: float | None, estimate_overruns: int,
-                    pass_stats: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0)) -> None:
+                    pass_stats: Callable[[], tuple[int, int, int]] = lambda: (0, 0, 0),
+                    rank_counts: Mapping[str, int] | None = None) -> None:
         """HF's ``log``: merge the pack's values into a training log line (``parts``: the integration parts' own
-        values, e.g. the LR scale) and log the LR the step used. Collective on lines with a loss, and at the end."""
+        values, e.g. the LR scale; ``rank_counts``: this rank's counters, logged summed over ranks, e.g. its OOMs) and
+        log the LR the step used. Collective on lines with a loss, and at the end."""
         if 'loss' in logs and loader is not None:
             nonfinite = sum(distributed.gather_objects(self.losses.take()))  # HF may log a NaN as finite
             setattr(control, protocol.LOSS_NONFINITE, nonfinite)
             if nonfinite or self.config.log_values:
                 logs[protocol.NONFINITE_LOG_KEY] = nonfinite
-            logs.update(self.log_values(control, loader, parts, estimate_overruns, pass_stats()))
+            logs.update(self.log_values(control, loader, parts, estimate_overruns, pass_stats(), rank_counts))
             if 'learning_rate' in logs and step_lr is not None:
                 # ms-swift reads the LR after the scheduler stepped (the next step's); log the one this step used
                 logs['learning_rate'] = step_lr
@@ -99,15 +101,19 @@ class Metrics:
             logs.update(self.speed_values(loader, float(logs['train_runtime'])))
 
     def log_values(self, control: Any, loader: Any, parts: Mapping[str, float], estimate_overruns: int,
-                   pass_stats: tuple[int, int, int] = (0, 0, 0)) -> dict[str, float]:
+                   pass_stats: tuple[int, int, int] = (0, 0, 0),
+                   rank_counts: Mapping[str, int] | None = None) -> dict[str, float]:
         """The ``dynamic/*`` values of a training log line; ``pass_stats``: this rank's ``(passes, steps, padding
         passes)`` since the last line (``dynamic/passes_per_step``, the mean over ranks and steps;
-        ``dynamic/padding_passes``: every rank's zero-weight passes that made the ranks' pass counts equal)."""
+        ``dynamic/padding_passes``: every rank's zero-weight passes that made the ranks' pass counts equal);
+        ``rank_counts``: this rank's counters (``dynamic/oom_count``), each logged as its sum over ranks."""
         values: dict[str, float] = {}
         if self.config.log_values:
-            samples, tokens, padded, passes, steps, padding = distributed.sum_ints([
-                loader.samples_seen, self.tokens_seen, self.padded_tokens_seen, *pass_stats])
+            counts = dict(rank_counts or {})
+            samples, tokens, padded, passes, steps, padding, *summed = distributed.sum_ints([
+                loader.samples_seen, self.tokens_seen, self.padded_tokens_seen, *pass_stats, *counts.values()])
             values['dynamic/padding_passes'] = padding
+            values.update(zip(counts, summed))
             values.update(self.throughput_values(tokens))
             values['dynamic/padded_tokens_seen'] = padded
             values.update({

@@ -81,24 +81,50 @@ def recovered(oom: PassOom, *, new_cap: int | None, retries: int, single_sample_
             'loss': loss.kind,
             **{f'memory_{k}': v for k, v in oom.memory.items()}
         }, f'out of memory in a pass of {oom.pass_size} rows ({oom.pass_tokens} tokens): the step was run again with '
-        f'{how} (same samples, same gradient' + weighted, step=oom.step)
+        f'{how} (same samples, same gradient' + weighted, step=oom.step + 1)  # the step it ran in: its boundary's
     return event, record
 
 
+def fewer_rows(rows: int, accumulation: int) -> tuple[int, int]:
+    """Micro-batches of at most half of ``rows`` that keep the global batch: ``(rows a micro-batch,
+    gradient_accumulation_steps)``, ``rows`` cut by its smallest divisor above 1 (3 rows x GA 2 -> 1 x 6)."""
+    k = next(d for d in range(2, max(rows, 2) + 1) if rows % d == 0)
+    return rows // k, accumulation * k
+
+
+def fewer_rows_advice(rows: int, accumulation: int) -> str:
+    """What to set so that a run whose micro-batches cannot be cut into passes runs micro-batches half as large (or
+    smaller) at the same global batch (:func:`fewer_rows`)."""
+    smaller, steps = fewer_rows(rows, accumulation)
+    return (f'gradient_accumulation_steps: {steps} (now {accumulation}) keeps the global batch in micro-batches of '
+            f'{smaller} row(s) instead of {rows} (a resumed run derives them from the global batch; a new run also '
+            f'sets per_device_train_batch_size: {smaller})')
+
+
 def unrecovered_message(oom: PassOom, *, engine: str, why_off: str, budget: int | None, ceiling: int | None,
-                        resume: int | None) -> str:
+                        resume: int | None, cannot_split: str | None = None, accumulation: int = 1) -> str:
     """An OOM where recovery is off (``why_off``: the engine's or the setting's reason): which pass, the budget it
     ran under (``budget``, else the plan's ``ceiling``), the setting to lower and the budget a resumed run plans
-    within (``resume``, :meth:`~.pass_budget.PassBudget.resume_budget`; ``None``: a one-row pass, nothing to cut)."""
+    within (``resume``, :meth:`~.pass_budget.PassBudget.resume_budget`; ``None``: a one-row pass, nothing to cut).
+    ``cannot_split``: why this run may not cut a micro-batch into passes (:meth:`~.steps.StepRunner.split_refusal`):
+    a resumed run plans at the same micro-batches, so the advice is smaller micro-batches at the same global batch
+    (``accumulation``: ``gradient_accumulation_steps`` now)."""
     lower = ('length_batching.pass_tokens' if oom.tokens else
              'per_device_train_batch_size, batch_growth.maximum or batch_growth.micro_batch_cap')
     of = f'pass_tokens {ceiling}' if oom.tokens else 'the micro-batch'
     cost = oom.pass_tokens or 0
-    after = (f'Lower {lower}, or resume from the last checkpoint: the resumed run plans its passes within {resume} '
-             f'{oom.unit} from its first step (the note {oom_note_name(oom.rank)} in the output folder). '
-             if resume is not None else
-             'One row cannot be cut into passes, so a resumed run would meet it again: lower max_length '
-             '(or truncation_strategy) or free memory. ')
+    if oom.pass_size <= 1:
+        after = ('One row cannot be cut into passes, so a resumed run would meet it again: lower max_length '
+                 '(or truncation_strategy) or free memory. ')
+    elif cannot_split is not None:
+        after = (f'This run cannot cut a micro-batch into smaller passes ({cannot_split}), so a run resumed as it is '
+                 f'runs the same micro-batches: set {fewer_rows_advice(oom.pass_size, accumulation)} and resume '
+                 'from the last checkpoint, or free memory. ')
+    elif resume is not None:
+        after = (f'Lower {lower}, or resume from the last checkpoint: the resumed run plans its passes within {resume} '
+                 f'{oom.unit} from its first step (the note {oom_note_name(oom.rank)} in the output folder). ')
+    else:
+        after = f'Lower {lower} and resume from the last checkpoint. '
     return (f'out of memory on rank {oom.rank} in a pass of {oom.pass_size} rows ({cost} tokens) at step '
             f'{oom.step + 1}, under {engine} where OOM recovery is off ({why_off}); the pass budget was '
             f'{budget or ceiling} {oom.unit} ({of}). {after}Memory: {dict(oom.memory)}')

@@ -231,5 +231,6 @@ def oom_notes(output_dir: str, after_step: int) -> list[DecisionRecord]:
             'integration', 'oom', 'unrecovered', values,
             f'rank {note.get("rank")} ran out of memory at step {int(note["step"]) + 1} in a pass of '
             f'{note.get("pass_size")} rows ({note.get("pass_tokens")} tokens) and the run ended (no OOM recovery under '
-            f'{note.get("engine")}): this resumed run plans below it', step=int(note['step'])))
+            f'{note.get("engine")}); read by this resumed run (its pass_budget record says what it plans at)',
+            step=int(note['step']) + 1))  # the step it ran in (as a recovered OOM's record)
     return records

@@ -146,15 +146,27 @@ class StepRunner:
                                'loss_setting': self.loss.setting}, message)
 
     # ---- what a micro-batch may be cut into -------------------------------------------------------------------
-    def check_splittable(self, setting: str, feature: str = 'pieces') -> None:
-        """Raise when a micro-batch cannot run as several passes: packed rows, pairs (``swift rlhf``), or an engine
-        whose passes hold collectives (``config.engines``; ``feature``: the row of its table, ``pieces`` or
-        ``pass_limit``)."""
+    def split_refusal(self) -> str | None:
+        """The one rule for whether this run may cut a collated micro-batch into several passes, asked by every source
+        of a split (OOM recovery, the note of an OOM that ended a run, ``memory_backoff``, pieces, pass caps,
+        ``split: passes``, the over-estimate split): why it may not (pairs under ``swift rlhf``, rows ms-swift
+        packs, a loss whose pieces do not add up), else ``None``. Engine refusals are per feature
+        (:meth:`check_splittable`)."""
         if is_pairs(self.trainer):
-            raise ConfigError(f'{setting}: not supported under swift rlhf: {PAIRS_WHY}')
+            return f'not supported under swift rlhf: {PAIRS_WHY}'
         if host_packs_rows(self.trainer):
-            raise ConfigError(f'{setting}: a micro-batch cannot run as several passes with packing / padding_free: '
-                              'a packed micro-batch is one [1, N] row and cannot be split')
+            return ('a micro-batch cannot run as several passes with packing / padding_free: a packed micro-batch is '
+                    'one [1, N] row and cannot be split')
+        if not self.loss.splittable:
+            return f'a micro-batch cannot run as several passes under {self.loss.setting}: {self.loss.why}'
+        return None
+
+    def check_splittable(self, setting: str, feature: str = 'pieces') -> None:
+        """Raise when a micro-batch cannot run as several passes: :meth:`split_refusal`, or an engine whose passes
+        hold collectives (``config.engines``; ``feature``: the row of its table, ``pieces`` or ``pass_limit``)."""
+        refusal = self.split_refusal()
+        if refusal is not None:
+            raise ConfigError(f'{setting}: {refusal}')
         self.engine.refuse(feature, setting)
 
     def set_padding_free(self, on: bool, model: Any) -> DecisionRecord | None:
@@ -499,9 +511,12 @@ class StepRunner:
         current = self._current
         oom = self._facts(current[2] - current[1] if current is not None else 0, self._current_cost)
         engine = self.engine.name
-        logger.error(unrecovered_message(oom, engine=engine, why_off=self.oom_off or 'oom_recovery: false',
-                                         budget=self.budget.budget, ceiling=self.budget.ceiling,
-                                         resume=self.budget.resume_budget(oom.pass_size, self._current_cost)))
+        refusal = self.split_refusal()
+        logger.error(unrecovered_message(
+            oom, engine=engine, why_off=self.oom_off or 'oom_recovery: false', budget=self.budget.budget,
+            ceiling=self.budget.ceiling, resume=None if refusal else self.budget.resume_budget(oom.pass_size,
+                                                                                                self._current_cost),
+            cannot_split=refusal, accumulation=int(self.trainer.args.gradient_accumulation_steps)))
         if self.output_dir:
             try:
                 write_oom_note(self.output_dir, unrecovered_note(oom, engine=engine, error=error, time=time.time()))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -40,6 +40,7 @@ from .layout import Layout
 from .optimizer import OptimizerScale
 from .lr import LRControl
 from .packed_attention import PackedAttention
+from .oom_report import fewer_rows_advice
 from .pass_budget import PassBudget, oom_notes
 from .metrics import Metrics, allocator_figures
 from .requests import agree_step, load_replay, request_to_json, set_request
@@ -87,6 +88,7 @@ class Integration:
                                       self.layout, self.optimizer, self.pack_config)
         self.step_lr: float | None = None  # the LR the running optimizer step uses (first param group)
         self.crash_ooms: list[DecisionRecord] = []  # OOMs that ended an earlier run after the resumed checkpoint
+        self.saved_oom_count = 0  # every rank's OOMs at the last save (the checkpoint's ``oom_count``)
         self.replay: dict[int, protocol.BatchRequest] | None = None  # step -> recorded request (replay setting)
 
     @property
@@ -256,9 +258,13 @@ class Integration:
                                        rows=loader.batch_size)
             if crashed:  # every rank read the same notes: the same budget
                 records.extend(crashed)
-                record = self.pass_budget.fold(crashed, self.trainer.state.global_step, again=True)
-                if record is not None:
-                    records.append(record)
+                refusal = self.runner.split_refusal()
+                if refusal is not None:  # lowered, the budget would cut micro-batches this run may not cut
+                    records.append(self._not_lowered(crashed, refusal))
+                else:
+                    record = self.pass_budget.fold(crashed, self.trainer.state.global_step, again=True)
+                    if record is not None:  # stamped with the OOM's step, as the fold of a recovered one
+                        records.append(replace(record, step=max(r.step for r in crashed)))
             record = self.pass_budget.fold([r for r in shared if r.kind == 'oom'], self.trainer.state.global_step,
                                            fitted=fitted)
             if record is not None:
@@ -267,6 +273,22 @@ class Integration:
         for record in records:
             self.decisions.hold(record) if hold else self.decisions.write(record)
         return request
+
+    def _not_lowered(self, crashed: list[DecisionRecord], refusal: str) -> DecisionRecord:
+        """The record (and warning) of the OOMs that ended an earlier run, read on resume, where this run may not cut
+        a micro-batch into passes (``refusal``): the budget is not lowered (the same micro-batches, the same
+        gradient), and the message says what to set instead."""
+        rows = max(int(r.values.get('pass_size') or 0) for r in crashed)
+        accumulation = int(self.trainer.args.gradient_accumulation_steps)
+        advice = (fewer_rows_advice(rows, accumulation) if rows > 1 else
+                  'a lower max_length (one row cannot be cut)')
+        message = (f'an earlier run ended out of memory at step {max(r.step for r in crashed)} in a pass of {rows} '
+                   f'rows; this run does not lower its pass budget because {refusal}: it runs the same micro-batches '
+                   f'(the same gradient) and may run out of memory there again. To fit, set {advice}')
+        logger.warning(message)
+        return DecisionRecord('integration', 'pass_budget', 'not_lowered', {
+            'unit': self.pass_budget.unit, 'failed': rows, 'why': refusal, 'advice': advice},
+            message, step=max(r.step for r in crashed))
 
     def update_pass_budget(self) -> None:
         """Hand the loader the token budget it plans passes at (the budget owner's; collective when it changes: every
@@ -297,13 +319,13 @@ class Integration:
 
     def update_logs(self, logs: dict[str, Any], control: Any) -> None:
         """HF's ``log``: the pack's numbers merged into the line."""
-        parts = {'dynamic/lr_scale': self.lr.scale, 'dynamic/pass_size': self.runner.max_pass,
-                 'dynamic/oom_count': self.runner.oom_count, **allocator_figures(self.runner.oom_count)}
+        parts = {'dynamic/lr_scale': self.lr.scale, 'dynamic/pass_size': self.runner.max_pass}
+        counts = {'dynamic/oom_count': self.runner.oom_count, **allocator_figures(self.runner.oom_count)}
         if self.loader is not None and self.loader.cuts_passes:
             parts['dynamic/pass_budget'] = self.loader.pass_tokens
         elif self.pass_budget.budget is not None:  # the rows a pass may hold after OOMs
             parts['dynamic/pass_rows_budget'] = self.pass_budget.budget
-        self.metrics.update_logs(logs, control, self.loader, parts, step_lr=self.step_lr,
+        self.metrics.update_logs(logs, control, self.loader, parts, rank_counts=counts, step_lr=self.step_lr,
                                  estimate_overruns=self.feed.estimate_overruns, pass_stats=self.runner.take_pass_stats)
 
     # ---- state and checkpoints ----------------------------------------------------------------------------
@@ -314,6 +336,7 @@ class Integration:
         self.decisions.drain(self.trainer.control)
         if self.loader is not None:  # the step's OOMs, every rank's, folded and written now: in the checkpoint
             self.settle_step(hold=False)
+        self.saved_oom_count = distributed.sum_ints([self.runner.oom_count])[0]  # every rank's, in rank 0's state
         self.checkpoints.save(checkpoint_dir, self, self.loader, self.callback_components(), self.feed.fingerprint)
 
     def state_dict(self) -> dict[str, Any]:
@@ -323,7 +346,7 @@ class Integration:
             'pending_request': None if request.empty else asdict(request),
             'held_decisions': [r.to_json() for r in self.decisions.held],
             'pass_budget': self.pass_budget.state_dict(),
-            'oom_count': self.runner.oom_count,
+            'oom_count': self.saved_oom_count,
             'packed_attention': self.attention.state_dict(),
             'layout': self.layout.state_dict(),
             'optimizer': self.optimizer.state_dict(),
@@ -336,7 +359,8 @@ class Integration:
         if state.get('pass_limit') is not None:  # a checkpoint of 0.1: the requested limit was saved apart
             self.pass_budget.requested = state['pass_limit']
         self.attention.load_state_dict(state.get('packed_attention'))
-        self.runner.oom_count = int(state.get('oom_count', 0))
+        # every rank's OOMs so far (rank 0's state): counted once, on rank 0, so that the logged sum over ranks holds
+        self.runner.oom_count = int(state.get('oom_count', 0)) if distributed.rank() == 0 else 0
         self.layout.load_state_dict(state.get('layout'))
         self.optimizer.load_state_dict(state.get('optimizer'))
         self.budget.saved_scheduler_steps = state.get('scheduler_steps')

@@ -66,9 +66,11 @@ class BudgetState:
         bad: the smallest pass that ran out of memory (``None``: none, or a probe above it ran clean).
         clean: clean steps (no OOM on any rank) since the budget last changed.
         settled: clean steps since the budget settled within :func:`tolerance` of ``bad``.
-        probes: probes above ``bad`` that failed since the last one that ran clean (each makes the next wait
-            four times longer).
+        probes: how much longer the next probe waits (x4 each): a probe above ``bad`` that failed, or a second OOM
+            while a lowered budget was in force (the end is real), since the last probe that ran clean.
         probing: the budget is above ``bad`` now, a probe.
+        crossed: a budget grown above the largest clean pass ran out of memory since the failure was last forgotten:
+            from then on it grows an eighth at a time (never halfway), so the end is crossed once more at most.
     """
 
     budget: int | None = None
@@ -78,6 +80,12 @@ class BudgetState:
     settled: int = 0
     probes: int = 0
     probing: bool = False
+    crossed: bool = False
+
+
+#: while the budget is further below the smallest failed pass than this fraction of it (and no growth crossed the
+#: end yet), it grows halfway to the failure at once instead of an eighth at a time
+FAR = 1 / 4
 
 
 def tolerance(bad: int) -> int:
@@ -88,26 +96,35 @@ def tolerance(bad: int) -> int:
 def budget_after_oom(state: BudgetState, failed: int, ceiling: int, *, fitted: int = 0) -> BudgetState:
     """After an OOM in a pass of ``failed`` (the smallest such pass of the step, over all ranks; ``fitted``: the
     largest pass that ran clean in it, over all ranks): the largest pass that ran clean if it is below the failure,
-    else half the failing pass (at least 1). A failed probe counts (the next waits longer)."""
+    else half the failing pass (at least 1); a probe that failed above the failure goes back to where it settled, one
+    :func:`tolerance` below the failure. A failed probe, or any OOM while a lowered budget was in force, makes the
+    next probe wait four times longer (the end is real); an OOM of a budget grown above the largest clean pass marks
+    the end ``crossed`` (growth is an eighth at a time from then on)."""
     bad = failed if state.bad is None else min(state.bad, failed)
     good = max(state.good or 0, fitted) or None
     if good is not None and good >= bad:
         good = None
     budget = good if good is not None else max(1, failed // 2)
+    if state.probing and state.bad is not None and failed >= state.bad:  # a failed probe: back where it settled
+        budget = max(budget, state.bad - tolerance(state.bad))
+    grown = state.budget is not None and state.good is not None and state.budget > state.good
+    confirmed = state.probing or state.budget is not None
     return BudgetState(budget=min(budget, ceiling), good=good, bad=bad,
-                       probes=state.probes + int(state.probing))
+                       probes=state.probes + int(confirmed), crossed=state.crossed or grown)
 
 
 def budget_after_step(state: BudgetState, ceiling: int, *, fitted: int = 0, grow_after: int,
                       probe_after: int, headroom: bool | None = None) -> BudgetState:
     """After a clean step whose largest pass was ``fitted`` (over all ranks): every ``grow_after`` clean steps the
-    budget grows an eighth toward the smallest failed pass, at most halfway (halfway to ``ceiling`` when none is
-    known; reaching it removes the lowered budget). Within :func:`tolerance` of the failure it settles; after
-    ``probe_after`` settled steps (times four for each failed probe) it probes one tolerance above the failure,
-    unless ``headroom`` says the device has none (``False``: the settled steps start again; ``None``: unknown). A
-    pass at least as large as the failure that runs clean (a probe's, or one row over the budget) forgets the failure
-    and growth resumes; a probe holds until then or until it fails. ``grow_after`` ``0``: never grows;
-    ``probe_after`` ``0``: never probes."""
+    budget grows toward the smallest failed pass: halfway while it is more than :data:`FAR` of it below and no grown
+    budget failed yet (the first OOM's budget, half the failing pass, is far below a memory end the user's budget
+    was a little above: a bisection lands near it in a step or two), else an eighth, at most halfway (halfway to
+    ``ceiling`` when none is known; reaching it removes the lowered budget). Within :func:`tolerance` of the failure
+    it settles; after ``probe_after`` settled steps (times four for each failed probe) it probes one tolerance above
+    the failure, unless ``headroom`` says the device has none (``False``: the settled steps start again; ``None``:
+    unknown). A pass at least as large as the failure that runs clean (a probe's, or one row over the budget)
+    forgets the failure and growth resumes; a probe holds until then or until it fails. ``grow_after`` ``0``: never
+    grows; ``probe_after`` ``0``: never probes."""
     if state.budget is None or grow_after <= 0:
         return state
     clean = state.clean + 1
@@ -127,10 +144,13 @@ def budget_after_step(state: BudgetState, ceiling: int, *, fitted: int = 0, grow
     probes = 0 if state.probing else state.probes
     if bad is None:  # nothing failed below the ceiling: halfway to it
         target = (state.budget + ceiling) // 2
+    elif not state.crossed and bad - state.budget > bad * FAR:  # far below the first failure: halfway at once
+        target = (state.budget + bad) // 2
     else:  # toward a failure: an eighth at a time, at most halfway (one overshoot of a real memory end, then settled)
         target = min((state.budget + bad) // 2, state.budget + state.budget // 8)
     budget = min(ceiling, max(state.budget + 1, target))
-    return BudgetState(budget=None if budget >= ceiling else budget, good=good, bad=bad, probes=probes)
+    return BudgetState(budget=None if budget >= ceiling else budget, good=good, bad=bad, probes=probes,
+                       crossed=state.crossed and bad is not None)
 
 
 def bytes_per_token(*, hidden: int, intermediate: int, layers: int, vocab: int, dtype_bytes: int,
