@@ -22,29 +22,35 @@ from typing import Any, Mapping
 import torch
 
 from ..data.slots import EmptyMicroBatch, PassGroup
+from .input_kinds import InputKind
 from .padding_free import PackedBatch, flatten_rows
 
 
-def prepare_slot(slot: Any, *, padding_free: bool, device: torch.device | None, attention: str = 'sdpa') -> Any:
+def prepare_slot(slot: Any, *, padding_free: bool, device: torch.device | None, attention: str = 'sdpa',
+                 kind: InputKind | None = None) -> Any:
     """One of HF's micro-batch slots (an empty one, a batch, or a :class:`PassGroup`) with every batch prepared."""
     if isinstance(slot, EmptyMicroBatch):
         return slot
+    options = dict(padding_free=padding_free, device=device, attention=attention, kind=kind)
     if isinstance(slot, PassGroup):  # its padding passes (empty: engines whose every pass communicates) stay empty
-        return PassGroup([b if isinstance(b, EmptyMicroBatch) else
-                          prepare_batch(b, padding_free=padding_free, device=device, attention=attention)
-                          for b in slot.passes])
-    return prepare_batch(slot, padding_free=padding_free, device=device, attention=attention)
+        return PassGroup([b if isinstance(b, EmptyMicroBatch) else prepare_batch(b, **options) for b in slot.passes])
+    return prepare_batch(slot, **options)
 
 
-def prepare_batch(batch: Any, *, padding_free: bool, device: torch.device | None, attention: str = 'sdpa') -> Any:
+def prepare_batch(batch: Any, *, padding_free: bool, device: torch.device | None, attention: str = 'sdpa',
+                  kind: InputKind | None = None) -> Any:
     """One collated batch, packed (for ``attention``: :func:`.attention.finish_packed`) or mask-free as the
-    module docstring says, then on ``device`` (``None``: left where it is)."""
+    module docstring says, with what its input ``kind`` needs to cut it later (:meth:`~.input_kinds.InputKind.prepare`,
+    on the host), then on ``device`` (``None``: left where it is)."""
     if not isinstance(batch, Mapping):
         return batch
     if padding_free:
         batch = flatten_rows(batch, attention)
-    elif same_length_rows(batch):
-        batch = type(batch)({k: v for k, v in batch.items() if k != 'attention_mask'})
+    else:
+        if same_length_rows(batch):
+            batch = type(batch)({k: v for k, v in batch.items() if k != 'attention_mask'})
+        if kind is not None:
+            batch = kind.prepare(batch)
     return to_device(batch, device)
 
 
@@ -64,4 +70,6 @@ def to_device(batch: Mapping[str, Any], device: torch.device | None) -> Any:
                  else v) for k, v in batch.items()}
     if isinstance(batch, PackedBatch):
         return PackedBatch(moved, batch.row_lengths, batch.attention, batch.fill)
+    if hasattr(batch, 'rebuild'):  # a kind's batch with host facts (:class:`.input_kinds.VisionBatch`): kept
+        return batch.rebuild(moved)
     return type(batch)(moved) if type(batch) is not dict else moved

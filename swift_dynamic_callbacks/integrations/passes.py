@@ -8,6 +8,7 @@ import torch
 
 from .. import protocol
 from ..policies.data_plan import piece_bounds
+from .input_kinds import InputKind, TextRows, batch_rows
 from .padding_free import PackedBatch, split_packed
 
 class GradNoiseProbe:
@@ -108,37 +109,20 @@ def grad_sqnorm(model: Any) -> float:
     return float(sum(torch.linalg.vector_norm(g.float())**2 for g in grads))
 
 
-def split_micro_batch(inputs: Mapping[str, Any], num_pieces: int) -> list[dict[str, Any]]:
-    """Split a collated micro-batch along dim 0 into at most ``num_pieces`` contiguous pieces (a packed row: at row
-    boundaries, :func:`.padding_free.split_packed`).
-
-    Tensors and lists whose first dimension is the batch size are sliced; scalars and other values are shared.
+def split_micro_batch(inputs: Mapping[str, Any], num_pieces: int,
+                      kind: InputKind | None = None) -> list[dict[str, Any]]:
+    """Split a collated micro-batch into at most ``num_pieces`` contiguous pieces of rows, as even as
+    :func:`~..policies.data_plan.piece_bounds` cuts: a packed row at row boundaries
+    (:func:`.padding_free.split_packed`), else by its input ``kind`` (:mod:`.input_kinds`; default text rows: each
+    tensor sliced along dim 0).
 
     Raises:
-        ValueError: no ``input_ids``/``labels`` tensor gives the batch size, or a tensor's first dimension is
-            neither the batch size nor 1 (not splittable).
+        ValueError: no ``input_ids``/``labels`` tensor gives the batch size, or a key the kind cannot cut (the step
+            runner asks :meth:`~.input_kinds.InputKind.refusal` at the step boundary, so a run never gets here).
     """
     if isinstance(inputs, PackedBatch):
         return list(split_packed(inputs, num_pieces))
-    reference = inputs.get('input_ids', inputs.get('labels'))
-    if not isinstance(reference, torch.Tensor) or reference.dim() == 0:
-        raise ValueError('cannot split a micro-batch without an input_ids or labels tensor')
-    rows = reference.shape[0]
-    bounds = piece_bounds(rows, num_pieces)
+    bounds = piece_bounds(batch_rows(inputs), num_pieces)
     if len(bounds) <= 1:
         return [dict(inputs)]
-    parts: list[dict[str, Any]] = [{} for _ in bounds]
-    for key, value in inputs.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
-            for part, (a, b) in zip(parts, bounds):
-                part[key] = value[a:b]
-        elif isinstance(value, (list, tuple)) and len(value) == rows:
-            for part, (a, b) in zip(parts, bounds):
-                part[key] = value[a:b]
-        elif isinstance(value, torch.Tensor) and value.dim() > 0:
-            raise ValueError(f'cannot split micro-batch key {key!r} of shape {tuple(value.shape)} into pieces '
-                             f'along a batch of {rows}')
-        else:
-            for part in parts:
-                part[key] = value
-    return parts
+    return (kind or TextRows()).cut(inputs, bounds)

@@ -44,6 +44,7 @@ from ..policies.memory import pass_cap
 from ..policies.pass_cost import pass_cost, pieces_within
 from ..records import DecisionRecord
 from .engines import Engine, select_engine
+from .input_kinds import InputKind, TextRows, Unsupported, select_input_kind
 from .loss_kind import LossKind, loss_kind, piece_weights
 from .packed_attention import PackedAttention
 from .oom_report import PassOom, recovered, too_large_message, unrecovered_message, unrecovered_note
@@ -92,6 +93,8 @@ class StepRunner:
         self.single_sample_retries = single_sample_retries
         self.oom_count = 0
         self.loss = LossKind('token_sum', None, '')  # the training loss's kind (begin)
+        self.kind: InputKind = TextRows()  # how a micro-batch of the run's model is cut into passes (begin)
+        self.input_refusal: str | None = None  # a key of the run's micro-batches the kind cannot cut (check_inputs)
         self.loss_weight: float | None = None  # the running piece's share of its micro-batch's mean loss
         self.oom_off: str | None = None  # why OOM recovery is off in this run (begin)
         self.batches: list[Any] = []
@@ -133,6 +136,13 @@ class StepRunner:
             if config.oom_recovery is True:
                 raise ConfigError(recovery_refused(self.loss.setting, self.loss.why))
             recovery, why_off = False, f'{self.loss.setting}: {self.loss.why}'
+        self.kind = select_input_kind(self.trainer)
+        self.input_refusal = self.kind.refusal({}) if isinstance(self.kind, Unsupported) else None
+        if recovery and self.input_refusal:
+            if config.oom_recovery is True:
+                raise ConfigError(f'dynamic_callbacks.integration.oom_recovery: true cannot be used here: '
+                                  f'{self.input_refusal}; use auto or false')
+            recovery, why_off = False, self.input_refusal
         self.oom_recovery, self.single_sample_retries = recovery, config.oom_single_sample_retries
         self.attention.mode = config.packed_attention
         self.oom_count, self._checked, self._can_split, self._adapter_like = 0, False, None, None
@@ -143,7 +153,7 @@ class StepRunner:
         return DecisionRecord('integration', 'engine', self.engine.name,
                               {**self.engine.describe(), 'oom_recovery': recovery,
                                'oom_recovery_off': None if recovery else why_off, 'loss': self.loss.kind,
-                               'loss_setting': self.loss.setting}, message)
+                               'loss_setting': self.loss.setting, **self.kind.describe()}, message)
 
     # ---- what a micro-batch may be cut into -------------------------------------------------------------------
     def split_refusal(self) -> str | None:
@@ -159,7 +169,32 @@ class StepRunner:
                     'one [1, N] row and cannot be split')
         if not self.loss.splittable:
             return f'a micro-batch cannot run as several passes under {self.loss.setting}: {self.loss.why}'
+        if self.input_refusal:
+            return f'a micro-batch cannot run as several passes: {self.input_refusal}'
         return None
+
+    def check_inputs(self, batches: list[Any], pieces: int = 1) -> DecisionRecord | None:
+        """At a step boundary, before the step's batches are prepared: the first key of a real micro-batch the input
+        kind cannot cut (:meth:`~.input_kinds.InputKind.refusal`) makes every later split refused, turns OOM recovery
+        off (the returned ``oom_recovery`` record, held for the boundary; a warning) and, where this step would cut a
+        micro-batch already (``pieces`` > 1, a pass limit), stops the run here naming the key: never a
+        ``ValueError`` mid-pass."""
+        if self.input_refusal:
+            return None
+        why = next((w for w in (self.kind.refusal(b) for b in batches if isinstance(b, Mapping)) if w), None)
+        if why is None:
+            return None
+        self.input_refusal, self._can_split = why, None
+        if pieces > 1 or self.budget.requested:
+            raise ConfigError(f'control.new_num_pieces / new_pass_limit: a micro-batch cannot run as several passes: '
+                              f'{why}')
+        if not self.oom_recovery:
+            return None
+        self.oom_recovery, self.oom_off = False, why
+        message = f'OOM recovery off from this step on: {why} (an OOM ends the run with what to lower)'
+        logger.warning(message)
+        return DecisionRecord('integration', 'oom_recovery', 'off', {'why': why, 'input_kind': self.kind.name},
+                              message, step=int(self.trainer.state.global_step))
 
     def check_splittable(self, setting: str, feature: str = 'pieces') -> None:
         """Raise when a micro-batch cannot run as several passes: :meth:`split_refusal`, or an engine whose passes
@@ -182,6 +217,10 @@ class StepRunner:
                                   'pairs them; they are not flattened)')
             if host_packs_rows(self.trainer):
                 raise ConfigError(f'{setting}: ms-swift\'s padding_free / packing already pack the rows; use one')
+            if not self.kind.packs:
+                raise ConfigError(f'{setting}: not supported for {self.kind.setting or self.kind.name} rows '
+                                  f'({self.kind.name}: 3-D rotary positions and images the pack\'s packing does not '
+                                  'redo); use ms-swift\'s own padding_free (flash attention) or remove the setting')
             collective = self.engine.collective_passes
             record = self.attention.start(model, probe_backward=not collective, sharded=collective, setting=setting)
         self.padding_free = bool(on)
@@ -414,7 +453,7 @@ class StepRunner:
         if pieces > 1:
             self.check_splittable('new_num_pieces / new_pass_limit')
         bounds = piece_bounds(rows, pieces)
-        parts = split_micro_batch(inputs, pieces) if pieces > 1 else [inputs]
+        parts = split_micro_batch(inputs, pieces, self.kind) if pieces > 1 else [inputs]
         weights = piece_weights(self.loss, parts) or [None] * len(parts)
         total = None
         for i, (part, (start, stop), weight) in enumerate(zip(parts, bounds, weights)):

@@ -190,12 +190,16 @@ class Integration:
             loader.start_next_epoch()
         self.metrics.start_clock()
         pairs = loader.next_step(num_batches)
+        refused = self.runner.check_inputs([b for _, slot in pairs for b in slot_batches(slot)], loader.pass_pieces)
+        if refused is not None:
+            self.decisions.write(refused)
         self.feed.report_step(splittable=self.runner.splittable())
         self.metrics.count([batch for _, slot in pairs for batch in slot_batches(slot)],
                            padding_free=self.runner.padding_free)
         target = trainer.args.device if trainer.args.device.type == 'cuda' else None
         pairs = [(indices, prepare_slot(slot, padding_free=self.runner.padding_free,
-                                                 attention=self.attention.kernel, device=target))
+                                                 attention=self.attention.kernel, device=target,
+                                                 kind=self.runner.kind))
                  for indices, slot in pairs]
         real = [batch for _, slot in pairs for batch in slot_batches(slot)]
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.

@@ -1,16 +1,17 @@
 """Simulated memory cliff for tests and benchmarks: out-of-memory errors raised in forward or mid-backward.
 
-:class:`OomInjector` patches the decoder layers of the HF Qwen2 / LLaMA implementations (class-level, undone by
-:meth:`OomInjector.remove`). A forward pass whose batch holds more than ``token_budget`` tokens raises
-``torch.OutOfMemoryError`` before computing anything (a forward OOM). With ``backward_rate``, a pass of more than
-one sample is picked at random (seeded) to fail in the middle of its backward (or the passes numbered in
-``fail_passes``, counting every training forward from 0; ``forward_passes`` fail in forward the same way, a
-one-off: the retry is a new pass): after the upper layers'
-gradients were already accumulated and before the first layer's — the case where a careless retry would leak
-partial gradients into the step. ``forward_rate`` picks random multi-sample passes to fail in forward.
-Single-sample passes only fail by the budget, so a run can always finish unless one sample is over it.
-``token_budget`` may be a callable, read at every pass: a device whose memory for a pass's tokens shrinks as the
-run allocates gradients and optimizer states (:func:`device_end`).
+:class:`OomInjector` patches the call of every transformers decoder layer (``GradientCheckpointingLayer``, the
+base of every model's layers, class-level, undone by :meth:`OomInjector.remove`) and acts at the first decoder layer
+of the language model, whatever the model (Qwen2, LLaMA, Qwen2-VL, ...). A forward pass whose batch holds more than
+``token_budget`` tokens raises ``torch.OutOfMemoryError`` before computing anything (a forward OOM). With
+``backward_rate``, a pass of more than one sample is picked at random (seeded) to fail in the middle of its backward
+(or the passes numbered in ``fail_passes``, counting every training forward from 0; ``forward_passes`` fail in
+forward the same way, a one-off: the retry is a new pass): after the upper layers' gradients were already
+accumulated and before the first layer's — the case where a careless retry would leak partial gradients into the
+step. ``forward_rate`` picks random multi-sample passes to fail in forward. Single-sample passes only fail by the
+budget, so a run can always finish unless one sample is over it. ``token_budget`` may be a callable, read at every
+pass: a device whose memory for a pass's tokens shrinks as the run allocates gradients and optimizer states
+(:func:`device_end`).
 """
 
 from __future__ import annotations
@@ -33,9 +34,17 @@ class _FailInBackward(torch.autograd.Function):
 
 
 def _layer_classes() -> list[type]:
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
-    return [Qwen2DecoderLayer, LlamaDecoderLayer]
+    """The class whose call every decoder layer of a transformers model goes through: ``GradientCheckpointingLayer``,
+    the base of every model's decoder layers (Qwen2, LLaMA, Qwen2-VL's and Qwen2.5-VL's text and vision blocks, ...);
+    the first decoder layer of the language model is told apart at the call (its attention's ``layer_idx`` is 0,
+    vision blocks have none). Before transformers 4.52 (no such base): the Qwen2 and LLaMA decoder layers."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+        return [GradientCheckpointingLayer]
+    except ImportError:  # pragma: no cover - transformers < 4.52
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+        return [Qwen2DecoderLayer, LlamaDecoderLayer]
 
 
 class OomInjector:
@@ -56,14 +65,15 @@ class OomInjector:
 
     def install(self) -> 'OomInjector':
         for cls in _layer_classes():
-            original = cls.forward
-            self._originals[cls] = original
-            cls.forward = self._wrap(original)
+            method = '__call__' if '__call__' in vars(cls) else 'forward'
+            original = getattr(cls, method)
+            self._originals[cls] = (method, original)
+            setattr(cls, method, self._wrap(original))
         return self
 
     def remove(self) -> None:
-        for cls, original in self._originals.items():
-            cls.forward = original
+        for cls, (method, original) in self._originals.items():
+            setattr(cls, method, original)
         self._originals.clear()
 
     def __enter__(self) -> 'OomInjector':
@@ -75,10 +85,12 @@ class OomInjector:
     def _wrap(self, original: Any) -> Any:
         injector = self
 
-        def forward(layer, hidden_states, *args, **kwargs):
+        def forward(layer, *args, **kwargs):
             first = getattr(getattr(layer, 'self_attn', None), 'layer_idx', None) == 0
-            if not (first and torch.is_grad_enabled() and layer.training):
-                return original(layer, hidden_states, *args, **kwargs)
+            hidden_states = args[0] if args else kwargs.get('hidden_states')
+            if not (first and torch.is_grad_enabled() and layer.training and isinstance(hidden_states, torch.Tensor)
+                    and hidden_states.dim() == 3):
+                return original(layer, *args, **kwargs)
             rows = int(hidden_states.shape[0])
             tokens = rows * int(hidden_states.shape[1])
             injector.passes.append((rows, tokens))
@@ -89,7 +101,7 @@ class OomInjector:
                 injector.counts['forward'] += 1
                 raise torch.OutOfMemoryError(f'CUDA out of memory (injected: a pass of {rows} x '
                                              f'{hidden_states.shape[1]} tokens)')
-            out = original(layer, hidden_states, *args, **kwargs)
+            out = original(layer, *args, **kwargs)
             chosen = len(injector.passes) - 1 in injector.fail_passes
             if chosen or (rows > 1 and injector.random.random() < injector.backward_rate):
                 injector.counts['backward'] += 1

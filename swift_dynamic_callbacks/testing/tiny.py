@@ -35,6 +35,9 @@ __all__ = [
     'materialize_tokenizer',
     'write_gsm8k_dataset',
     'write_mixed_length_dataset',
+    'build_tiny_vl_model',
+    'write_image_dataset',
+    'VL_ARCHS',
 ]
 
 ASSETS: Path = Path(__file__).resolve().parent.parent / 'assets'
@@ -316,10 +319,142 @@ def write_mixed_length_dataset(dest_file: str | Path, n: int = 64, seed: int = 0
     return _write_jsonl(dest_file, rows)
 
 
+VL_ARCHS: tuple[str, ...] = ('qwen2_vl', 'qwen2_5_vl')
+"""Vision-language architectures accepted by :func:`build_tiny_vl_model`."""
+
+
+def build_tiny_vl_model(dest: str | Path, arch: str = 'qwen2_vl', *, seed: int = 0,
+                        max_pixels: int = 224 * 224) -> Path:
+    """Builds and saves a tiny random-weight Qwen2-VL or Qwen2.5-VL with the real Qwen2.5 tokenizer and a real
+    processor (patch 14, merge 2, temporal patch 2; images resized within ``max_pixels``).
+
+    The language model is the tiny Qwen2's shape (hidden 64, 2 layers, 4 heads, 2 key/value heads, the Qwen2.5
+    vocabulary, 3-D rotary sections ``[2, 3, 3]``); the vision tower has 2 blocks (Qwen2-VL: width 32; Qwen2.5-VL: width
+    32, windows of 112 pixels, the last block full attention) and merges 2 x 2 patches into one image token. Weights
+    depend only on ``seed``; the global torch RNG state is left as it was. An existing complete model is reused.
+
+    Args:
+        dest: Target directory; created if missing.
+        arch: ``'qwen2_vl'`` or ``'qwen2_5_vl'`` (:data:`VL_ARCHS`).
+        seed: Seed for the weight initialisation.
+        max_pixels: The image processor's ``max_pixels``.
+
+    Returns:
+        ``dest`` as a :class:`~pathlib.Path` (``--model_type`` / ``--template``: :data:`MODEL_FLAGS`).
+
+    Raises:
+        ValueError: If ``arch`` is not one of :data:`VL_ARCHS`.
+    """
+    if arch not in VL_ARCHS:
+        raise ValueError(f'arch must be one of {list(VL_ARCHS)}, got arch={arch!r}')
+    dest = Path(dest)
+    config_file = dest / 'config.json'
+    if config_file.is_file() and (dest / 'model.safetensors').is_file():
+        try:
+            if json.loads(config_file.read_text(encoding='utf-8')).get('model_type') == arch:
+                return dest
+        except ValueError:
+            pass
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f'.{dest.name}.build-') as tmp_name:
+        tmp = Path(tmp_name)
+        materialize_tokenizer(tmp, 'qwen2')
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        text = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=_NUM_HEADS,
+                    num_key_value_heads=_NUM_KV_HEADS, vocab_size=_QWEN2_VOCAB_SIZE, max_position_embeddings=4096,
+                    rope_parameters={'rope_type': 'default', 'mrope_section': [2, 3, 3], 'rope_theta': 1e6},
+                    eos_token_id=tokenizer.convert_tokens_to_ids('<|im_end|>'), pad_token_id=tokenizer.pad_token_id,
+                    dtype='float32')
+        tokens = dict(image_token_id=tokenizer.convert_tokens_to_ids('<|image_pad|>'),
+                      video_token_id=tokenizer.convert_tokens_to_ids('<|video_pad|>'),
+                      vision_start_token_id=tokenizer.convert_tokens_to_ids('<|vision_start|>'),
+                      vision_end_token_id=tokenizer.convert_tokens_to_ids('<|vision_end|>'), tie_word_embeddings=True)
+        if arch == 'qwen2_vl':
+            vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                          spatial_merge_size=2, temporal_patch_size=2)
+            config, model_cls = Qwen2VLConfig(text_config=text, vision_config=vision, **tokens), \
+                Qwen2VLForConditionalGeneration
+        else:
+            vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                          patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                          fullatt_block_indexes=[1])
+            config, model_cls = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens), \
+                Qwen2_5_VLForConditionalGeneration
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_cls(config).to(torch.float32).eval()
+        model.save_pretrained(tmp)
+        pixels = dict(min_pixels=56 * 56, max_pixels=max_pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
+        parts: dict[str, Any] = dict(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tokenizer)
+        try:  # transformers 5 processors take a video processor too
+            from transformers import Qwen2VLVideoProcessor
+            parts['video_processor'] = Qwen2VLVideoProcessor(**pixels)
+        except ImportError:  # pragma: no cover - older transformers
+            pass
+        Qwen2VLProcessor(**parts).save_pretrained(tmp)
+        move_model_into_place(tmp, dest)
+    return dest
+
+
+#: image sizes (width, height) of :func:`write_image_dataset`'s rows, in pixels: 4 to 63 image tokens each
+IMAGE_SIZES: tuple[tuple[int, int], ...] = ((56, 56), (84, 112), (112, 84), (140, 140), (168, 112), (224, 224),
+                                            (196, 140), (112, 224), (56, 168), (252, 196))
+
+
+def write_image_dataset(dest_file: str | Path, n: int = 28, *, text_every: int = 7, sizes: Any = IMAGE_SIZES,
+                        seed: int = 0, image_dir: str | Path | None = None) -> Path:
+    """Writes an image + text ``messages`` JSONL file for a vision-language ``swift sft``, with its PNG images.
+
+    Row ``i`` asks a GSM8K question about an image of ``sizes[i % len(sizes)]`` pixels (a random colour with a few
+    random pixels) and answers with the problem's answer; every ``text_every``-th row has no image (``0``: none
+    without). Images go to ``image_dir`` (default: ``<dest_file stem>_images`` beside it), referenced by absolute
+    path.
+
+    Args:
+        dest_file: Output ``.jsonl`` path; parent directories are created.
+        n: Number of rows, at least 1.
+        text_every: Every this many rows, one has no image (0: every row has one).
+        sizes: (width, height) of the images, cycled.
+        seed: Seed of the images' colours.
+        image_dir: Where the PNG files go.
+
+    Returns:
+        ``dest_file`` as a :class:`~pathlib.Path`.
+    """
+    from PIL import Image
+    if n < 1:
+        raise ValueError(f'n must be >= 1, got n={n!r}')
+    path = Path(dest_file)
+    folder = Path(image_dir) if image_dir is not None else path.with_name(f'{path.stem}_images')
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    source = _gsm8k_rows()
+    rows: list[dict[str, Any]] = []
+    for i in range(n):
+        problem = source[i % len(source)]
+        if text_every and i % text_every == text_every - 1:
+            rows.append(_messages(problem['question'], problem['answer'][:200]))
+            continue
+        width, height = sizes[i % len(sizes)]
+        image = Image.new('RGB', (width, height), tuple(rng.randrange(256) for _ in range(3)))
+        for _ in range(20):
+            image.putpixel((rng.randrange(width), rng.randrange(height)), tuple(rng.randrange(256) for _ in range(3)))
+        image_file = (folder / f'image{i}.png').resolve()
+        image.save(image_file)
+        row = _messages('<image>' + problem['question'][:120], problem['answer'][:160])
+        row['images'] = [str(image_file)]
+        rows.append(row)
+    return _write_jsonl(path, rows)
+
+
 #: ms-swift flags of each tiny architecture (a local model directory needs model_type and template).
 MODEL_FLAGS: dict[str, dict[str, str]] = {
     'qwen2': {'model_type': 'qwen2', 'template': 'qwen2_5'},
     'llama': {'model_type': 'llama', 'template': 'chatml'},  # as the main job trains SmolLM2
+    'qwen2_vl': {'model_type': 'qwen2_vl', 'template': 'qwen2_vl'},
+    'qwen2_5_vl': {'model_type': 'qwen2_5_vl', 'template': 'qwen2_5_vl'},
 }
 
 

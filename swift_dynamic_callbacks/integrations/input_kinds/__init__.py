@@ -1,0 +1,63 @@
+"""The input kinds a micro-batch is cut by, one a module (:mod:`.base` says what each knows).
+
+Adding a model family: a module with an :class:`~.base.InputKind` subclass and its line in :data:`INPUT_KINDS` (asked
+in order; the text kind last). The step runner (:mod:`..steps`: OOM recovery, pieces, pass limits, the over-estimate
+split), the host preparation of a step's batches (:mod:`..inputs`) and the cost model then serve it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import InputKind, batch_rows
+from .qwen_vl import QWEN_VL_TYPES, QwenVL, VisionBatch
+from .text import MEDIA_KEYS, TextRows
+
+#: the kinds, asked in order by :func:`select_input_kind`
+INPUT_KINDS: tuple[type[InputKind], ...] = (QwenVL, TextRows)
+
+
+class Unsupported(InputKind):
+    """A multimodal model no kind claims: its micro-batches are never cut (the refusal names the model)."""
+
+    name = 'unsupported'
+    packs = False
+
+    @classmethod
+    def matches(cls, model_type: str | None, multimodal: bool) -> bool:
+        return True
+
+    def refusal(self, batch: Any) -> str | None:
+        return (f'{self.setting} is a multimodal model whose micro-batches no input kind of the pack cuts (its images '
+                f'are not one entry a row; supported: {", ".join(QWEN_VL_TYPES)})')
+
+    def cut(self, batch: Any, bounds: Any) -> list[dict[str, Any]]:
+        raise ValueError(self.refusal(batch))
+
+
+def run_model(trainer: Any) -> tuple[str | None, bool, Any]:
+    """``(model_type, multimodal, config)`` of a trainer's model: ms-swift's model info and template where they are
+    (the model type it was registered under; whether its template takes media), else the transformers config."""
+    model = getattr(trainer, 'model', None)
+    template = getattr(trainer, 'template', None)
+    info = getattr(model, 'model_info', None) or getattr(template, 'model_info', None)
+    config = getattr(info, 'config', None) or getattr(model, 'config', None)
+    model_type = getattr(info, 'model_type', None) or getattr(config, 'model_type', None)
+    meta = getattr(template, 'model_meta', None) or getattr(model, 'model_meta', None)
+    multimodal = bool(getattr(meta, 'is_multimodal', False) or getattr(config, 'vision_config', None) is not None)
+    return model_type, multimodal, config
+
+
+def select_input_kind(trainer: Any) -> InputKind:
+    """The kind of a trainer's micro-batches: the first of :data:`INPUT_KINDS` that matches its model; a multimodal
+    model none matches is :class:`Unsupported`."""
+    model_type, multimodal, config = run_model(trainer)
+    setting = f'model_type: {model_type}' if model_type else ''
+    for kind in INPUT_KINDS:
+        if kind.matches(model_type, multimodal):
+            return kind.for_model(setting, config)
+    return Unsupported(setting or 'this model')
+
+
+__all__ = ['INPUT_KINDS', 'MEDIA_KEYS', 'QWEN_VL_TYPES', 'InputKind', 'QwenVL', 'TextRows', 'Unsupported',
+           'VisionBatch', 'batch_rows', 'run_model', 'select_input_kind']

@@ -1,0 +1,195 @@
+"""Qwen-VL rows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and the templates built on them): images and videos beside the text.
+
+A collated Qwen-VL micro-batch of ``B`` rows (ms-swift's ``Qwen2VLTemplate._data_collator``):
+
+- per row along dim 0: ``input_ids``, ``labels``, ``attention_mask``, ``loss_scale``, ``text_position_ids``,
+  ``mm_token_type_ids`` (``[B, L]``);
+- ``position_ids`` ``[3, B, L]``: the 3-D rotary positions, rows along dim 1;
+- ``pixel_values`` ``[P, C]``: every image's patches, the rows' images in order; ``image_grid_thw`` ``[I, 3]``: one
+  row an image (its patches are the product); likewise ``pixel_values_videos`` / ``video_grid_thw`` for videos and
+  ``second_per_grid_ts`` (a list, one entry a video; Qwen2.5-VL).
+
+Each image is ``prod(grid_thw) / merge_size^2`` image tokens in its row's ``input_ids``, so a row's images are the next
+ones in order until its image tokens are accounted for. :meth:`QwenVL.prepare` counts them on the host at the step
+boundary (:class:`VisionBatch`); :meth:`QwenVL.cut` then slices every key at those counts with host ints only. A piece
+without images carries no ``pixel_values``: ms-swift runs a placeholder image through the vision tower with a zero
+weight (``Template._get_inputs_embeds_hf``), so its gradient is the rows' own.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+
+from .base import InputKind, batch_rows
+
+#: ms-swift / transformers model types whose templates collate Qwen-VL micro-batches
+QWEN_VL_TYPES = ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe', 'qvq', 'mimo_vl', 'qwen2_5_vl_7b_instruct')
+
+#: per row along dim 0
+ROW_KEYS = ('input_ids', 'labels', 'attention_mask', 'attention_mask_2d', 'loss_scale', 'text_position_ids',
+            'mm_token_type_ids', 'token_type_ids', 'channel', 'inputs_embeds')
+#: images / videos: (values key, grid key, token id attribute of the model config)
+MEDIA = (('pixel_values', 'image_grid_thw', 'image_token_id'), ('pixel_values_videos', 'video_grid_thw',
+                                                                  'video_token_id'))
+#: one entry a video (a list)
+PER_VIDEO = ('second_per_grid_ts', )
+
+
+class VisionBatch(dict):
+    """A Qwen-VL micro-batch with, on the host, each row's images and videos and each one's patches.
+
+    Attributes:
+        row_media: per media kind (``image``, ``video``): the images (videos) of each row, in order.
+        patches: per media kind: the patches of each image (video), in order.
+    """
+
+    def __init__(self, values: Mapping[str, Any], row_media: Mapping[str, Sequence[int]],
+                 patches: Mapping[str, Sequence[int]]) -> None:
+        super().__init__(values)
+        self.row_media = {k: tuple(int(n) for n in v) for k, v in row_media.items()}
+        self.patches = {k: tuple(int(n) for n in v) for k, v in patches.items()}
+
+    def rebuild(self, values: Mapping[str, Any]) -> 'VisionBatch':
+        """The same rows' facts over other values (the batch's tensors moved to the device)."""
+        return VisionBatch(values, self.row_media, self.patches)
+
+
+class QwenVL(InputKind):
+    """Qwen-VL micro-batches (module docstring).
+
+    Args:
+        setting: how a refusal names the model (``model_type: qwen2_vl``).
+        image_token_id, video_token_id: the placeholder tokens of an image / a video patch group in ``input_ids``.
+        merge_size: the vision tower's spatial merge (tokens = patches / merge_size^2).
+    """
+
+    name: ClassVar[str] = 'qwen_vl'
+    packs: ClassVar[bool] = False  # its rows' positions are 3-D: the pack's padding-free packing would redo them
+
+    def __init__(self, setting: str = '', *, image_token_id: int = 151655, video_token_id: int = 151656,
+                 merge_size: int = 2) -> None:
+        super().__init__(setting)
+        self.token_ids = {'image_token_id': int(image_token_id), 'video_token_id': int(video_token_id)}
+        self.merge = int(merge_size) ** 2
+
+    @classmethod
+    def matches(cls, model_type: str | None, multimodal: bool) -> bool:
+        return model_type in QWEN_VL_TYPES
+
+    @classmethod
+    def for_model(cls, setting: str, config: Any) -> 'QwenVL':
+        """The kind with the token ids and merge size of a model's ``config``."""
+        vision = getattr(config, 'vision_config', None)
+        return cls(setting, image_token_id=getattr(config, 'image_token_id', 151655),
+                   video_token_id=getattr(config, 'video_token_id', 151656),
+                   merge_size=getattr(vision, 'spatial_merge_size', 2))
+
+    def refusal(self, batch: Mapping[str, Any]) -> str | None:
+        rows = batch_rows(batch)
+        known = set(ROW_KEYS) | {'position_ids'} | set(PER_VIDEO) | {k for media in MEDIA for k in media[:2]}
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if key == 'position_ids':
+                if not (value.dim() == 3 and value.shape[1] == rows) and not value.shape[0] == rows:
+                    return f'micro-batch key position_ids of shape {tuple(value.shape)} is neither [3, B, L] nor [B, L]'
+            elif key not in known and value.shape[0] != rows:
+                return (f'micro-batch key {key!r} of shape {tuple(value.shape)} is not one a Qwen-VL input kind '
+                        f'cuts ({self.setting or self.name}); known: {", ".join(sorted(known))}')
+        return None
+
+    def prepare(self, batch: Any) -> Any:
+        if not isinstance(batch, Mapping) or isinstance(batch, VisionBatch):
+            return batch
+        ids = batch.get('input_ids')
+        row_media, patches = {}, {}
+        for (values, grid, token), media in zip(MEDIA, ('image', 'video')):
+            thw = batch.get(grid)
+            if not isinstance(thw, torch.Tensor) or not isinstance(ids, torch.Tensor):
+                continue
+            sizes = [int(p) for p in thw.prod(dim=-1).tolist()]  # host tensors (the loader's): no device sync
+            tokens = (ids == self.token_ids[token]).sum(dim=-1).tolist()
+            row_media[media] = _rows_of(tokens, [s // self.merge for s in sizes], grid)
+            patches[media] = sizes
+        return VisionBatch(batch, row_media, patches)
+
+    def cut(self, batch: Mapping[str, Any], bounds: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+        if not isinstance(batch, VisionBatch):
+            batch = self.prepare(batch)
+        rows = batch_rows(batch)
+        parts: list[dict[str, Any]] = [{} for _ in bounds]
+        for key, value in batch.items():
+            for part, (a, b) in zip(parts, bounds):
+                part[key] = _row_slice(key, value, a, b, rows)
+        for (values, grid, _), media in zip(MEDIA, ('image', 'video')):
+            if media not in batch.row_media:
+                continue
+            per_row = batch.row_media[media]
+            item_starts = [0, *accumulate(per_row)]
+            patch_starts = [0, *accumulate(batch.patches[media])]
+            for part, (a, b) in zip(parts, bounds):
+                first, last = item_starts[a], item_starts[b]
+                if first == last:  # no image (video) in these rows: ms-swift's placeholder pass
+                    for key in (values, grid) + (PER_VIDEO if media == 'video' else ()):
+                        part.pop(key, None)
+                    continue
+                part[grid] = batch[grid][first:last]
+                if isinstance(batch.get(values), torch.Tensor):
+                    part[values] = batch[values][patch_starts[first]:patch_starts[last]]
+                for key in PER_VIDEO if media == 'video' else ():
+                    if isinstance(batch.get(key), (list, tuple)):
+                        part[key] = batch[key][first:last]
+        return parts
+
+    def vision_patches(self, batch: Mapping[str, Any]) -> list[int] | None:
+        if not isinstance(batch, VisionBatch):
+            return None
+        rows = batch_rows(batch)
+        out = [0] * rows
+        for media, per_row in batch.row_media.items():
+            sizes = iter(batch.patches[media])
+            for r, n in enumerate(per_row):
+                out[r] += sum(next(sizes) for _ in range(n))
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), 'merge': self.merge, **self.token_ids}
+
+
+def _rows_of(tokens: Sequence[int], item_tokens: Sequence[int], grid: str) -> list[int]:
+    """How many of the items (images or videos, of ``item_tokens`` tokens each, in order) each row holds, from the
+    rows' placeholder ``tokens``."""
+    out, i = [], 0
+    for need in tokens:
+        n = 0
+        while need > 0:
+            if i >= len(item_tokens):
+                raise ValueError(f'the rows hold more placeholder tokens than {grid} accounts for')
+            need -= item_tokens[i]
+            i, n = i + 1, n + 1
+        if need < 0:
+            raise ValueError(f'a row\'s placeholder tokens do not add up to whole items of {grid}')
+        out.append(n)
+    if i != len(item_tokens):
+        raise ValueError(f'{grid} has {len(item_tokens)} items, the rows hold {i}')
+    return out
+
+
+def _row_slice(key: str, value: Any, a: int, b: int, rows: int) -> Any:
+    """``value``'s rows ``a:b`` where it holds one entry a row (``position_ids`` ``[3, B, L]``: along dim 1); media
+    keys and other values as they are (replaced by :meth:`QwenVL.cut`)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if key == 'position_ids' and value.dim() == 3 and value.shape[1] == rows:
+            return value[:, a:b]
+        if key in {m[0] for m in MEDIA} | {m[1] for m in MEDIA}:
+            return value
+        if value.shape[0] == rows:
+            return value[a:b]
+        raise ValueError(f'cannot cut micro-batch key {key!r} of shape {tuple(value.shape)} along {rows} rows '
+                         '(QwenVL.refusal refuses it at the step boundary: a bug if it gets here)')
+    if isinstance(value, (list, tuple)) and len(value) == rows and key not in PER_VIDEO:
+        return value[a:b]
+    return value

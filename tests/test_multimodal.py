@@ -1,0 +1,206 @@
+"""Vision-language rows (Qwen2-VL, Qwen2.5-VL): every split of a collated micro-batch keeps the gradient.
+
+Unit layer (any environment): the Qwen-VL input kind cuts a collated micro-batch at its rows' images (``pixel_values``
+at the cumulative patch counts of ``image_grid_thw``, ``position_ids`` ``[3, B, L]`` on its rows' axis, videos and
+``second_per_grid_ts`` alike); the text kind refuses media keys even when their count equals the rows; a key no kind
+cuts turns OOM recovery off at the step boundary, naming it. End to end (``vl``: ms-swift's Qwen-VL templates need
+``qwen-vl-utils`` and ``torchvision``, which ``scripts/test_vl.sh`` installs in their own environment): real ``swift
+sft`` LoRA runs of tiny random Qwen2-VL / Qwen2.5-VL models on generated images, each way of cutting a micro-batch
+against the run without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swift_dynamic_callbacks.config import ConfigError
+from swift_dynamic_callbacks.integrations.input_kinds import (QwenVL, TextRows, Unsupported, VisionBatch,
+                                                               select_input_kind)
+
+IMAGE, VIDEO = 151655, 151656
+
+
+def _batch(rows_images: list[list[int]], *, length: int = 12, videos: list[list[int]] | None = None) -> dict:
+    """A collated Qwen-VL micro-batch: row ``r`` holds images of ``rows_images[r]`` image tokens each (4 patches a
+    token: merge 2); patches are numbered so that a piece's patches can be checked; ``videos`` likewise."""
+    rows = len(rows_images)
+    ids = torch.zeros(rows, length, dtype=torch.long)
+    grids, patches, video_grids, video_patches, seconds = [], [], [], [], []
+    for r, images in enumerate(rows_images):
+        at = 0
+        for tokens in images:
+            ids[r, at:at + tokens] = IMAGE
+            at += tokens
+            grids.append([1, 2, 2 * tokens])  # t h w: 4 * tokens patches
+            patches.append(torch.full((4 * tokens, 3), float(len(grids))))
+        for tokens in (videos or [[]] * rows)[r]:
+            ids[r, at:at + tokens] = VIDEO
+            at += tokens
+            video_grids.append([2, 2, tokens])  # 4 * tokens patches
+            video_patches.append(torch.full((4 * tokens, 3), -float(len(video_grids))))
+            seconds.append(float(len(video_grids)))
+    batch = {'input_ids': ids, 'labels': ids.clone(), 'attention_mask': torch.ones_like(ids),
+             'position_ids': torch.arange(3 * rows * length).view(3, rows, length),
+             'text_position_ids': torch.arange(length).expand(rows, length)}
+    if grids:
+        batch.update(pixel_values=torch.cat(patches), image_grid_thw=torch.tensor(grids))
+    if video_grids:
+        batch.update(pixel_values_videos=torch.cat(video_patches), video_grid_thw=torch.tensor(video_grids),
+                     second_per_grid_ts=seconds)
+    return batch
+
+
+def test_qwen_vl_cuts_at_the_rows_images():
+    """Three rows (so that ``position_ids`` ``[3, 3, L]`` and three images would pass a dim-0 slicer): row 0 two
+    images, row 1 none, row 2 one; each piece gets its rows' patches and grids, and the 3-D positions of its rows."""
+    batch = _batch([[2, 1], [], [3]])
+    kind = QwenVL()
+    assert kind.refusal(batch) is None
+    prepared = kind.prepare(batch)
+    assert isinstance(prepared, VisionBatch) and prepared.row_media['image'] == (2, 0, 1)
+    assert kind.vision_patches(prepared) == [12, 0, 12]
+    first, middle, last = kind.cut(prepared, [(0, 1), (1, 2), (2, 3)])
+    assert torch.equal(first['pixel_values'], batch['pixel_values'][:12]) and first['image_grid_thw'].shape == (2, 3)
+    assert 'pixel_values' not in middle and 'image_grid_thw' not in middle  # ms-swift's placeholder image
+    assert torch.equal(last['pixel_values'], batch['pixel_values'][12:]) and last['image_grid_thw'].tolist() == [[1, 2,
+                                                                                                                  6]]
+    for piece, row in ((first, 0), (middle, 1), (last, 2)):
+        assert torch.equal(piece['position_ids'], batch['position_ids'][:, row:row + 1])
+        assert torch.equal(piece['input_ids'], batch['input_ids'][row:row + 1])
+    two = kind.cut(prepared, [(0, 2), (2, 3)])
+    assert torch.equal(torch.cat([two[0]['pixel_values'], two[1]['pixel_values']]), batch['pixel_values'])
+
+
+def test_qwen_vl_cuts_videos_and_their_seconds():
+    batch = _batch([[1], [2]], videos=[[2], [1, 1]])
+    kind = QwenVL()
+    first, second = kind.cut(kind.prepare(batch), [(0, 1), (1, 2)])
+    assert first['second_per_grid_ts'] == [1.0] and second['second_per_grid_ts'] == [2.0, 3.0]
+    assert first['pixel_values_videos'].shape[0] == 8 and second['pixel_values_videos'].shape[0] == 8
+    assert (second['pixel_values_videos'] < -1).all() and first['video_grid_thw'].shape == (1, 3)
+
+
+def test_a_key_no_kind_cuts_is_named():
+    text = TextRows('model_type: qwen2')
+    assert text.refusal({'input_ids': torch.ones(3, 4), 'pixel_values': torch.ones(3, 5)}).startswith(
+        "micro-batch key 'pixel_values' holds images")  # three images in three rows: never sliced as rows
+    assert "'weird' of shape (2, 4)" in text.refusal({'input_ids': torch.ones(3, 4), 'weird': torch.ones(2, 4)})
+    assert text.refusal({'input_ids': torch.ones(3, 4), 'labels': torch.ones(3, 4), 'num': 3}) is None
+    assert 'cross_attention' in QwenVL('model_type: qwen2_vl').refusal(
+        {'input_ids': torch.ones(3, 4), 'cross_attention': torch.ones(2, 2)})
+    assert 'model_type: llava' in Unsupported('model_type: llava').refusal({})
+
+
+def _trainer(model_type, multimodal, **config):
+    meta = SimpleNamespace(is_multimodal=multimodal)
+    cfg = SimpleNamespace(model_type=model_type, **config)
+    return SimpleNamespace(model=SimpleNamespace(model_info=SimpleNamespace(model_type=model_type, config=cfg)),
+                           template=SimpleNamespace(model_meta=meta))
+
+
+def test_the_kind_follows_the_model():
+    vision = SimpleNamespace(spatial_merge_size=2)
+    kind = select_input_kind(_trainer('qwen2_5_vl', True, vision_config=vision, image_token_id=7, video_token_id=8))
+    assert isinstance(kind, QwenVL) and kind.token_ids == {'image_token_id': 7, 'video_token_id': 8}
+    assert isinstance(select_input_kind(_trainer('qwen2', False)), TextRows)
+    assert isinstance(select_input_kind(_trainer('llava1_5_hf', True)), Unsupported)
+
+
+def test_a_key_the_kind_cannot_cut_turns_recovery_off_at_the_boundary():
+    """At the step boundary, before any pass: OOM recovery off (an ``oom_recovery`` record naming the key) and every
+    later split refused; where the step would cut a micro-batch already, the run stops there with the key."""
+    from swift_dynamic_callbacks.integrations.engines import Engine
+    from swift_dynamic_callbacks.integrations.steps import StepRunner
+    trainer = SimpleNamespace(args=SimpleNamespace(padding_free=False, packing=False), template=None,
+                              state=SimpleNamespace(global_step=3))
+    runner = StepRunner(trainer, Engine(trainer), oom_recovery=True, single_sample_retries=0)
+    bad = {'input_ids': torch.ones(2, 4), 'image_sizes': torch.ones(2, 2)}
+    record = runner.check_inputs([{'input_ids': torch.ones(2, 4)}, bad])
+    assert record.kind == 'oom_recovery' and record.reason == 'off' and "'image_sizes'" in record.values['why']
+    assert not runner.oom_recovery and not runner.splittable() and "'image_sizes'" in runner.split_refusal()
+    assert runner.check_inputs([bad]) is None  # said once
+    other = StepRunner(trainer, Engine(trainer), oom_recovery=True, single_sample_retries=0)
+    with pytest.raises(ConfigError, match="'image_sizes'"):
+        other.check_inputs([bad], pieces=2)
+
+
+# ---- end to end ---------------------------------------------------------------------------------------------------
+VL_READY = all(importlib.util.find_spec(m) is not None for m in ('qwen_vl_utils', 'torchvision'))
+needs_vl = pytest.mark.skipif(not VL_READY, reason='qwen-vl-utils / torchvision are not installed (scripts/test_vl.sh)')
+RUN = dict(max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2, lora_dropout=0.0,
+           learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=1000)
+
+
+@pytest.fixture(scope='module', params=['qwen2_vl', 'qwen2_5_vl'])
+def vl_model(request, fixture_dir):
+    if not VL_READY:
+        pytest.skip('qwen-vl-utils / torchvision are not installed (scripts/test_vl.sh)')
+    from swift_dynamic_callbacks.testing.tiny import build_tiny_vl_model
+    return request.param, str(build_tiny_vl_model(fixture_dir / f'tiny-{request.param}', request.param))
+
+
+@pytest.fixture(scope='module')
+def vl_rows(fixture_dir):
+    from swift_dynamic_callbacks.testing.tiny import write_image_dataset
+    return str(write_image_dataset(fixture_dir / 'vl' / 'rows.jsonl', 28))
+
+
+@pytest.fixture(scope='module')
+def vl_plain(vl_model, vl_rows, tmp_path_factory):
+    """The run every split is held against: micro-batches of 4, never cut (once per architecture)."""
+    arch, model = vl_model
+    logs, _ = _vl_run(model, arch, vl_rows, str(tmp_path_factory.mktemp(f'plain-{arch}')),
+                      {'batch_schedule': {'schedule': {0: 4}}})
+    assert max(r['dynamic/pass_size'] for r in logs) == 4
+    return logs
+
+
+def _vl_run(model, arch, data, out, pack, *, inject=(), **extra):
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.testing.faults import OomInjector
+    from swift_runs import run_sft, train_logs
+    try:
+        sdc.register(**pack)
+        with OomInjector(forward_passes=inject) as injector:
+            run_sft(model, arch, data, out, callbacks=[k for k in pack if k != 'integration'], **{**RUN, **extra})
+    finally:
+        plugin.unregister()
+    return train_logs(out), injector
+
+
+SPLITS = {
+    'oom': ({'batch_schedule': {'schedule': {0: 4}}}, {'inject': (1, )}),  # step 1's second pass: 4 rows
+    'memory_backoff': ({'batch_schedule': {'schedule': {0: 4}}, 'memory_backoff': {'probe': 'cpu',
+                                                                                    'cpu_budget_gib': 0.05}}, {}),
+    'micro_batch_cap': ({'batch_growth': {'initial': 4, 'interval': 1000, 'maximum': 4, 'micro_batch_cap': 2}}, {}),
+    'split_passes': ({'batch_schedule': {'schedule': {0: 4}},
+                      'length_batching': {'split': 'passes', 'bucketing': False, 'micro_batch_tokens': 160}}, {}),
+}
+
+
+@pytest.mark.vl
+@pytest.mark.e2e
+@needs_vl
+@pytest.mark.parametrize('split', list(SPLITS))
+def test_every_split_of_a_vl_micro_batch_keeps_the_gradient(split, vl_model, vl_rows, vl_plain, tmp_path):
+    """One injected OOM in a pass of 4 rows, ``memory_backoff`` acting (a CPU budget far below the process: passes
+    halve every step), ``micro_batch_cap: 2`` and ``split: passes``: every step's loss and grad_norm equal the run
+    without them (2e-4), the passes did run in pieces, and no run raises (at 03097fd each raised ``ValueError: cannot
+    split micro-batch key 'pixel_values'``)."""
+    arch, model = vl_model
+    plain = vl_plain
+    pack, extra = SPLITS[split]
+    logs, injector = _vl_run(model, arch, vl_rows, str(tmp_path / split), pack, **extra)
+    assert len(logs) == len(plain) == RUN['max_steps']
+    for a, b in zip(plain, logs):
+        assert b['loss'] == pytest.approx(a['loss'], rel=2e-4), (split, a, b)
+        assert b['grad_norm'] == pytest.approx(a['grad_norm'], rel=2e-4), (split, a, b)
+    assert min(r['dynamic/pass_size'] for r in logs) < 4  # the micro-batches did run in pieces
+    if split == 'oom':
+        assert injector.counts['forward'] == 1 and logs[-1]['dynamic/oom_count'] == 1
+
