@@ -6,7 +6,8 @@ every row first (about 0.8 ms a row: 13 minutes at 1M rows). Instead:
 
 1. the characters of every raw row's text are counted with Arrow compute (the ``messages`` — ms-swift keeps them as
    JSON text —, string columns such as ``query`` / ``response`` / ``rejected_response``): about a second per
-   million rows;
+   million rows; a vision-language run's images are counted exactly, from each image file's header and the run's
+   resize rule (:mod:`..policies.vision`), and the line below is fitted to the text alone;
 2. ``sample`` evenly spaced rows are encoded for real; a line ``tokens = a + b * characters`` is fitted to their
    costs (:func:`~.rows.row_cost`: both rows of a DPO pair) and scaled up so no sampled row is under-estimated;
 3. the estimates are written to a cache file beside the dataset's Arrow files (else in ``output_dir``), keyed by the
@@ -32,7 +33,7 @@ import numpy as np
 
 CACHE_PREFIX = 'sdc_lengths-'
 #: part of the cache key: a file written by another version of the estimate is not read
-ESTIMATE_VERSION = 2
+ESTIMATE_VERSION = 3
 
 
 def is_lazy(dataset: Any) -> bool:
@@ -73,26 +74,67 @@ def _text_chars(array: Any) -> np.ndarray | None:
     return None
 
 
+#: columns of media files (paths, bytes): never counted as text
+MEDIA_COLUMNS = ('images', 'videos', 'audios')
+
+
+def _table_and_rows(raw: Any) -> tuple[Any, np.ndarray | None]:
+    """The Arrow table of a ``datasets.Dataset`` and, for a selected / shuffled view, which of its rows the view's
+    rows are (``None``: all, in order)."""
+    table = raw.data.table if hasattr(raw.data, 'table') else raw.data
+    indices = getattr(raw, '_indices', None)
+    return table, (indices.column(0).to_numpy() if indices is not None else None)
+
+
 def char_counts(raw: Any) -> np.ndarray:
-    """Characters of text of every row of a ``datasets.Dataset`` (all text columns), via Arrow compute.
+    """Characters of text of every row of a ``datasets.Dataset`` (all text columns but the media files'), via Arrow
+    compute.
 
     Raises:
         ValueError: no text column.
     """
-    table = raw.data.table if hasattr(raw.data, 'table') else raw.data
-    indices = getattr(raw, '_indices', None)
+    table, rows = _table_and_rows(raw)
     total, found = np.zeros(table.num_rows, dtype=np.int64), False
     for name in table.column_names:
+        if name in MEDIA_COLUMNS:
+            continue
         chars = _text_chars(table.column(name))
         if chars is not None:
             total += chars
             found = True
     if not found:
         raise ValueError(f'no text column to estimate lengths from (columns: {", ".join(table.column_names)})')
-    if indices is not None:  # a selected / shuffled view: its rows are these rows of the table
-        rows = indices.column(0).to_numpy()
-        total = total[rows]
-    return total
+    return total[rows] if rows is not None else total
+
+
+def image_headers(raw: Any) -> list[list[tuple[int, int]]]:
+    """``(width, height)`` of every image of every row of a ``datasets.Dataset`` (its ``images`` column: paths, or
+    ms-swift's ``{bytes, path}`` entries), read from each file's header (PIL opens lazily: no pixel is decoded).
+    Rows without images (or without the column) have none.
+
+    Raises:
+        ValueError: an image that cannot be opened (its path named).
+    """
+    import io
+
+    from PIL import Image
+    table, rows = _table_and_rows(raw)
+    if 'images' not in table.column_names:
+        return [[] for _ in range(len(rows) if rows is not None else table.num_rows)]
+    column = table.column('images').to_pylist()
+    out = []
+    for i in (rows if rows is not None else range(len(column))):
+        sizes = []
+        for entry in column[int(i)] or ():
+            source = entry if isinstance(entry, str) else (entry or {}).get('path')
+            data = None if isinstance(entry, str) else (entry or {}).get('bytes')
+            try:
+                with Image.open(io.BytesIO(data) if data else source) as image:
+                    sizes.append(tuple(image.size))
+            except (OSError, ValueError, TypeError) as e:
+                raise ValueError(f'row {int(i)}: cannot read the size of image {source!r} ({e})') from e
+        out.append(sizes)
+    return out
 
 
 def fit(chars: Sequence[int], costs: Sequence[int]) -> tuple[float, float, float]:
@@ -124,7 +166,8 @@ def cache_dir(raw: Any, fallback: str | None) -> str | None:
 
 def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample: int = 64,
                      cache: str | None = None, is_main: bool = True, wait: Callable[[], None] = lambda: None,
-                     key: Sequence[Any] = ()) -> tuple[list[int], dict[str, Any]]:
+                     key: Sequence[Any] = (), image_tokens: Callable[[int, int], int] | None = None
+                     ) -> tuple[list[int], dict[str, Any]]:
     """Estimated cost of every sample of a lazy ``dataset`` and what the estimate is based on.
 
     Args:
@@ -133,11 +176,16 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
         sample: rows encoded for real to fit the estimate.
         cache: folder of the cache file (``None``: no cache).
         is_main: this process writes the cache; the others read it after ``wait`` (a barrier).
-        key: what else changes a row's length (template, ``max_length``, truncation, ...): part of the cache key.
+        key: what else changes a row's length (template, ``max_length``, truncation, the image resize, ...): part of
+            the cache key, so a length cached under other settings is never read.
+        image_tokens: ``(width, height) -> tokens`` an image becomes (the run's resize rule,
+            :func:`~..policies.vision.image_tokens`): every row's images are counted exactly from their headers
+            (:func:`image_headers`) and the line is fitted to the text alone (the sampled costs less their images'
+            tokens), so a row's estimate follows its own images, not the sample's. ``None``: text only.
 
     Returns:
         ``(lengths, info)``; ``info``: ``rows``, ``sampled``, ``a``, ``b``, ``scale``, ``cache`` (file or ``None``),
-        ``cached`` (read from the file).
+        ``cached`` (read from the file), ``image_tokens`` (the images' tokens over all rows, when counted).
     """
     raw = dataset.dataset
     n = len(dataset)
@@ -145,7 +193,7 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
     picked = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)}) if n else []
     costs = [int(measure(dataset[i], i)) for i in picked]
     digest = hashlib.sha256(repr((ESTIMATE_VERSION, getattr(raw, '_fingerprint', None), n, picked, costs,
-                                  tuple(key))).encode()).hexdigest()[:20]
+                                  tuple(key), image_tokens is not None)).encode()).hexdigest()[:20]
     path = os.path.join(cache, f'{CACHE_PREFIX}{digest}.npy') if cache else None
     info: dict[str, Any] = {'rows': n, 'sampled': len(picked), 'cache': path, 'cached': False}
     if not is_main:  # the main process writes the cache first
@@ -163,8 +211,13 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
     chars = char_counts(raw)
     if len(chars) != n:
         raise ValueError(f'{len(chars)} raw rows for a dataset of {n}')
-    a, b, scale = fit(chars[picked], costs)
-    estimates = apply(chars, a, b, scale)
+    media = np.zeros(n, dtype=np.int64)
+    if image_tokens is not None:
+        media = np.array([sum(image_tokens(w, h) for w, h in sizes) for sizes in image_headers(raw)], dtype=np.int64)
+        info['image_tokens'] = int(media.sum())
+    text = np.maximum(np.asarray(costs, dtype=np.int64) - media[picked], 1)
+    a, b, scale = fit(chars[picked], text)
+    estimates = apply(chars, a, b, scale) + media
     estimates[picked] = costs
     info.update(a=round(a, 4), b=round(b, 6), scale=round(scale, 4))
     if path is not None and is_main:

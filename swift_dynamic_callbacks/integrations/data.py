@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
@@ -27,6 +28,7 @@ from ..data.length_estimates import cache_dir, estimate_lengths, is_lazy, mean_r
 from ..data.elastic import ElasticDataLoader
 from ..policies.balance import work_coefficient
 from ..policies.length import BatchPlan
+from ..policies.vision import ResizeRule, image_tokens
 from ..records import DecisionRecord
 from ..data.rows import dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths, row_cost
 from ..state import StateError
@@ -90,6 +92,7 @@ class DataFeed:
         self.trainer = trainer
         self.config = config
         self.decisions = decisions
+        self.image_rule: ResizeRule | None = None  # how the run's images are resized (the input kind's; begin)
         self.loader: TrainLoader | None = None
         self.fingerprint: dict[str, Any] | None = None  # the training dataset's (checked against a checkpoint's)
         self.estimate_overruns = 0
@@ -152,11 +155,15 @@ class DataFeed:
         if not is_lazy(dataset):
             return dataset_lengths(dataset)
         start = time.perf_counter()
+        rule = self.image_rule
         lengths, info = estimate_lengths(
             dataset, lambda item, i: row_cost(item_lengths(item, i)),
             cache=cache_dir(dataset.dataset, os.path.join(self.trainer.args.output_dir, '.sdc_cache')),
             is_main=distributed.is_main_process(), wait=lambda: distributed.gather_objects(0),
-            key=length_key(self.trainer))
+            key=length_key(self.trainer) + (rule, ),
+            image_tokens=None if rule is None else lambda w, h: image_tokens(w, h, rule))
+        if rule is not None:
+            info['image_rule'] = asdict(rule)
         if self.loader is not None:
             self.loader.lengths_estimated = True
         seconds = round(time.perf_counter() - start, 3)

@@ -114,6 +114,7 @@ class Integration:
         self.decisions.open(os.path.join(trainer.args.output_dir, DECISIONS_FILE),
                             enabled=distributed.is_main_process())
         self.decisions.write(self.runner.begin(self.config, self.pack_config))
+        self.feed.image_rule = self.runner.kind.image_rule(trainer)  # lazily tokenised rows: images counted exactly
         self.checkpoints.write_config()
         trainer.control._sdc_integration = True
         setattr(trainer.control, protocol.FAIL_FAST, self.config.fail_fast)

@@ -76,6 +76,11 @@ class InputKind:
         row)."""
         raise NotImplementedError
 
+    def image_rule(self, trainer: Any) -> Any:
+        """How the run's images are resized (:class:`~...policies.vision.ResizeRule`), so that a lazily tokenised
+        row's images are counted from their headers (``None``: no images)."""
+        return None
+
     def vision_patches(self, batch: Mapping[str, Any]) -> list[int] | None:
         """The vision-tower patches of each row of a batch :meth:`prepare` saw (``None``: no vision tower)."""
         return None

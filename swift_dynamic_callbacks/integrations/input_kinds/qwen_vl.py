@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
+from ...policies.vision import ResizeRule
 from .base import InputKind, batch_rows
 
 #: ms-swift / transformers model types whose templates collate Qwen-VL micro-batches
@@ -143,6 +144,29 @@ class QwenVL(InputKind):
                     if isinstance(batch.get(key), (list, tuple)):
                         part[key] = batch[key][first:last]
         return parts
+
+    def image_rule(self, trainer: Any) -> ResizeRule:
+        """The resize ms-swift's Qwen-VL template applies (:mod:`...policies.vision`), read from what the run
+        trains with: the processor's patch size, ``qwen_vl_utils``' limits as ms-swift set them from the environment
+        (``MAX_PIXELS``, ``MIN_PIXELS``, ...; imported only here, where the template has imported it already) and the
+        template's ``max_pixels``."""
+        template = getattr(trainer, 'template', None)
+        processor = getattr(getattr(template, 'processor', None), 'image_processor', None)
+        patch = int(getattr(processor, 'patch_size', 14) or 14)
+        try:
+            from qwen_vl_utils import vision_process as limits
+        except ImportError:  # the template could not have run without it; the defaults of qwen-vl-utils 0.0.14
+            limits = None
+        merge_side = int(getattr(limits, 'SPATIAL_MERGE_SIZE', round(self.merge ** 0.5)))
+        factor = patch * merge_side
+        if hasattr(limits, 'IMAGE_MAX_TOKEN_NUM'):
+            low, high = limits.IMAGE_MIN_TOKEN_NUM * factor**2, limits.IMAGE_MAX_TOKEN_NUM * factor**2
+        elif hasattr(limits, 'MAX_PIXELS'):  # qwen-vl-utils < 0.0.12
+            low, high = limits.MIN_PIXELS, limits.MAX_PIXELS
+        else:
+            low, high = 4 * factor**2, 16384 * factor**2
+        return ResizeRule(factor=factor, min_pixels=int(low), max_pixels=int(high),
+                          template_max_pixels=getattr(template, 'max_pixels', None) or None, merge=self.merge)
 
     def vision_patches(self, batch: Mapping[str, Any]) -> list[int] | None:
         if not isinstance(batch, VisionBatch):
