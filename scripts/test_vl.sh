@@ -3,7 +3,7 @@
 # (.venv-vl). ms-swift's Qwen-VL templates import qwen-vl-utils, which imports torchvision; PyPI's torchvision for
 # x86_64 is a CUDA build that does not load next to the CPU torch the main environment pins (torch 2.13.0+cpu:
 # "operator torchvision::nms does not exist"), so this environment takes torch 2.14.1 with its torchvision 0.29.1
-# (both CUDA builds from PyPI, which run on a CPU; about 5 GB). docs/development.md says why and how on other machines.
+# (both CUDA builds from PyPI, which run on a CPU; about 5 GB), and DeepSpeed for the ZeRO-2 run. docs/development.md says why and how on other machines.
 # Usage (from anywhere): bash scripts/test_vl.sh [extra pytest args]
 # VL_VENV=path chooses another environment; VL_SETUP_ONLY=1 builds it and runs no test (.ci/run builds it while the
 # main tests run).
@@ -15,13 +15,15 @@ PINS=(
   'torchvision==0.29.1'
   'ms-swift==4.6.0'
   'qwen-vl-utils==0.0.14'
+  'deepspeed==0.19.8'
   pytest pytest-xdist hypothesis pyyaml
 )
 
 pins_ok() {
   "$VL_VENV/bin/python" - <<'PY' >/dev/null 2>&1
 from importlib.metadata import version
-want = {'torch': '2.14.1', 'torchvision': '0.29.1', 'ms-swift': '4.6.0', 'qwen-vl-utils': '0.0.14'}
+want = {'torch': '2.14.1', 'torchvision': '0.29.1', 'ms-swift': '4.6.0', 'qwen-vl-utils': '0.0.14',
+        'deepspeed': '0.19.8'}
 bad = {k: version(k) for k in want if version(k).split('+')[0] != want[k]}
 import pytest, xdist, hypothesis, yaml, torchvision.ops  # noqa: F401
 raise SystemExit(1 if bad else 0)

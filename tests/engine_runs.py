@@ -83,12 +83,12 @@ def launch(workdir: str, spec: dict[str, Any], *, nproc: int, timeout: int = TIM
 
 def run_ranks(workdir: str, model: str, dataset: str, *, engine: str, callbacks: list[str], pack: dict[str, Any],
               faults: dict[str, Any] | None = None, output_dir: str | None = None, expect_failure: bool = False,
-              stop_at: int | None = None, nproc: int = 2, **sft: Any) -> str:
-    """``nproc`` ranks under ``engine`` (a key of :data:`ENGINES`); returns the output directory (or the log on
-    failure)."""
+              stop_at: int | None = None, nproc: int = 2, arch: str = 'qwen2', **sft: Any) -> str:
+    """``nproc`` ranks under ``engine`` (a key of :data:`ENGINES`) training the tiny ``arch`` model; returns the
+    output directory (or the log on failure)."""
     from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     out = output_dir or os.path.join(workdir, 'out')
-    kwargs = offline_sft_kwargs(model, dataset, out, arch='qwen2', callbacks=callbacks, lora_dropout=0.0,
+    kwargs = offline_sft_kwargs(model, dataset, out, arch=arch, callbacks=callbacks, lora_dropout=0.0,
                                 **{**(DEVICE_SFT if nproc > 1 else ONE_PROCESS_SFT), **ENGINES[engine]['sft'], **sft})
     spec = {'sft': kwargs, 'pack': pack, 'faults': faults or {}, 'engine': ENGINES[engine]['driver'],
             'stop_at': stop_at}
@@ -98,14 +98,14 @@ def run_ranks(workdir: str, model: str, dataset: str, *, engine: str, callbacks:
 
 def reference(workdir: str, model: str, dataset: str, source: str, *, gradient_accumulation_steps: int,
               max_steps: int, world: int = 2, stop_at: int | None = None, samples: list[str] | None = None,
-              **sft: Any) -> str:
+              arch: str = 'qwen2', **sft: Any) -> str:
     """One process over the multi-process run ``source``'s micro-batches (or those of the trace files
     ``samples``), starting weights and LR scales."""
     from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     out = os.path.join(workdir, 'out')
     pack = {'integration': {'record_samples': True, 'replay': os.path.join(source, 'dynamic_decisions.jsonl')},
             'training_log': {}}
-    kwargs = offline_sft_kwargs(model, dataset, out, arch='qwen2', callbacks=['training_log'], lora_dropout=0.0,
+    kwargs = offline_sft_kwargs(model, dataset, out, arch=arch, callbacks=['training_log'], lora_dropout=0.0,
                                 gradient_accumulation_steps=gradient_accumulation_steps * world, max_steps=max_steps,
                                 **({'use_cpu': True} if DEVICE == 'cpu' else {}), **sft)
     spec = {'sft': kwargs, 'pack': pack, 'engine': 'single',

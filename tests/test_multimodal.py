@@ -12,6 +12,7 @@ against the run without it.
 from __future__ import annotations
 
 import importlib.util
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -265,3 +266,36 @@ def test_lazy_vl_rows_under_a_token_budget_train_every_row_once(vl_model, vl_row
     assert estimate['values']['image_tokens'] > 0 and estimate['values']['image_rule']['factor'] == 28
     assert sorted(indices_by_epoch(sample_trace(str(tmp_path / 'lazy')))[0]) == list(range(28))
     assert logs and all(r['loss'] == r['loss'] for r in logs)  # finite, no run stopped
+
+
+@pytest.mark.vl
+@pytest.mark.e2e
+@pytest.mark.distributed
+@needs_vl
+@pytest.mark.parametrize('engine', ['ddp', 'fsdp2', 'zero2'])
+def test_two_processes_balanced_vl_rows_with_passes_equal_one_process(engine, vl_rows, fixture_dir, tmp_path):
+    """2 CPU processes, ``mode: balanced`` with ``pass_tokens`` over rows with images of 10 sizes (and text-only
+    rows): every row once, and the weights equal one process's over the same micro-batches a step (1e-5) under DDP,
+    FSDP2 and ZeRO-2 (where every pass communicates, the rank with fewer passes runs zero-weight ones: a row cut by
+    the Qwen-VL kind)."""
+    from engine_runs import assert_engine, assert_same_steps, assert_same_weights, reference, run_ranks
+    from swift_runs import indices_by_epoch, read_jsonl, sample_trace
+    if engine == 'zero2' and importlib.util.find_spec('deepspeed') is None:
+        pytest.skip('deepspeed is not installed')
+    from swift_dynamic_callbacks.testing.tiny import build_tiny_vl_model
+    arch = 'qwen2_vl'  # one architecture (the cut is the same for both; the single-process splits run both)
+    model = str(build_tiny_vl_model(fixture_dir / f'tiny-{arch}', arch))
+    pack = {'integration': {'record_samples': True}, 'length_batching': {'mode': 'balanced', 'pass_tokens': 240}}
+    common = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, max_steps=4, arch=arch)
+    out = run_ranks(str(tmp_path / engine), model, vl_rows, engine=engine, callbacks=['length_batching'], pack=pack,
+                    **common)
+    t0, t1 = assert_engine(out, engine)
+    assert_same_steps(t0, t1)
+    seen = [i for rank in (0, 1) for i in indices_by_epoch(sample_trace(out, rank)).get(0, [])]
+    assert sorted(seen) == list(range(28))  # 4 steps of 8 samples: the first epoch, every row once
+    passes = sum(row['dynamic/passes_per_step'] for row in read_jsonl(os.path.join(out, 'logging.jsonl'))
+                 if 'loss' in row)
+    assert passes > 4 * 2  # several passes a step
+    ref = reference(str(tmp_path / f'{engine}-ref'), model, vl_rows, out, gradient_accumulation_steps=2, max_steps=4,
+                    arch=arch)
+    assert_same_weights(out, ref)

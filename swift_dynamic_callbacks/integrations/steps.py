@@ -110,7 +110,7 @@ class StepRunner:
         self._halvings = 0
         self._single_retries = 0
         self._adapter_like: bool | None = None
-        self._template: Mapping[str, Any] | None = None  # the last real micro-batch (placeholder passes copy a row)
+        self._template: Mapping[str, Any] | None = None  # a row of the last real micro-batch (placeholder passes)
         self._checked = False
         self._can_split: bool | None = None  # whether a micro-batch may run as several passes (checked once)
         self.padding_free = False  # every pass runs as one packed row (a batch plan's padding_free)
@@ -284,7 +284,8 @@ class StepRunner:
         self.probe = probe
         self._pass_stats[1] += 1
         if self._template is None:  # a padding pass copies a row of the step's first real batch
-            self._template = next((b for b in (_first_batch(s) for s in self.batches) if b is not None), None)
+            self._template = self._first_row(next((b for b in (_first_batch(s) for s in self.batches)
+                                                   if b is not None), None))
         self._pads = self._equal_passes() if self.engine.collective_passes else [0] * len(self.batches)
 
     def _slot_passes(self, slot: Any) -> int:
@@ -314,6 +315,14 @@ class StepRunner:
         samples = pass_cap(length, {**limit, 'tokens': None}) if limit else None
         return pieces_within(lengths, packed=packed, tokens=(limit or {}).get('tokens'), samples=samples,
                              requested=self.num_pieces)
+
+    def _first_row(self, batch: Any) -> Any:
+        """The first row of a collated batch, cut by its input kind (a packed batch: its first packed row), for
+        the zero-weight passes of a rank without samples (``Engine.zero_weight_batch``); ``None`` stays ``None``."""
+        rows = batch_shape(batch)[0] if batch is not None else 0
+        if rows <= 1 or isinstance(batch, PackedBatch) or self.input_refusal:
+            return batch
+        return self.kind.cut(batch, [(0, 1), (1, rows)])[0]
 
     def take_pass_stats(self) -> tuple[int, int, int]:
         """``(passes run, steps started, padding passes run)`` since the last call (OOM retries included), and reset
@@ -354,7 +363,7 @@ class StepRunner:
             # A plain zero, not ``loss * 0``: the loss over a row whose labels are all ignored can be NaN (a mean
             # over no tokens), and the trainer adds what is returned here to the logged training loss.
             return torch.zeros((), device=loss.device if loss is not None else self.trainer.args.device)
-        self._template = _first_batch(inputs) or self._template
+        self._template = self._first_row(_first_batch(inputs)) or self._template
         if not self.oom_recovery:
             try:
                 loss = self._run_passes(model, inputs, run, num_items_in_batch, index, final=last_of_step and not pads)
