@@ -53,6 +53,8 @@ def test_shipped_config_is_valid(path, tmp_path, monkeypatch):
     raw = yaml.safe_load(text)
     assert parse_section(raw.get(SECTION), raw.get('callbacks')).to_json() == pack.to_json()
     allowed = {f.name for f in dataclasses.fields(arguments)}
+    env = config.pop('ENV', {})  # ms-swift exports it before the run (and takes it out of the flags)
+    assert isinstance(env, dict) and all(k.isupper() and not isinstance(v, (dict, list)) for k, v in env.items())
     unknown = sorted(set(config) - allowed)
     assert not unknown, f'{path}: not ms-swift settings: {unknown}'
     for name in config.get('callbacks', []):

@@ -22,6 +22,7 @@ from ..state import STATE_FILE
 from . import ConfigError
 from .engines import check_engine, engine_from_swift
 from .integration import IntegrationConfig
+from .models import qwen_vl_model
 from .rules import PAIRS_WHY, RunFacts, check_facts, noise_scale_passes, pass_splitters
 from .pack import (CALLBACK_CONFIGS, NON_LAMBDA_SCHEDULERS, PLUGIN_FILE, SECTION, SWIFT_CALLBACKS, PackConfig,
                    _names, check_controls)
@@ -369,10 +370,22 @@ def _rlhf(run: LaunchRun) -> None:
 
 
 #: the launch rules :func:`check_run` applies in order, each a small named function of :class:`LaunchRun`
+def _vision_rows(run: LaunchRun) -> None:
+    """A Qwen-VL run: its rows carry 3-D rotary positions and images, which the pack's own padding-free packing does
+    not redo (the step runner refuses it at start too; here before the model loads)."""
+    length = run.configs.get('length_batching')
+    model = qwen_vl_model(run.settings)
+    if model is not None and length is not None and length.padding_free:
+        raise ConfigError(f'{SECTION}.length_batching.padding_free: true is not supported with {model} (vision-'
+                          'language rows: 3-D rotary positions and images the pack\'s packing does not redo); remove '
+                          'it (passes are still cut at the rows\' images), or use ms-swift\'s own padding_free with '
+                          'flash attention')
+
+
 LAUNCH_RULES: tuple[Callable[[LaunchRun], None], ...] = (
     _split_passes_and_backoff, _run_facts, _stream_window, _packed_attention, _samples_unit, _packing, _rotation_limit,
     _eval_metrics, _lambda_scheduler, _noise_scale, _optimizer_scaling, _memory_probe, _group_by_length,
-    _ignore_data_skip, _epochs, _rlhf)
+    _ignore_data_skip, _epochs, _rlhf, _vision_rows)
 
 
 #: ``optim`` values whose param groups have no ``betas`` (HF's names; the rest are Adam-family or Lion)

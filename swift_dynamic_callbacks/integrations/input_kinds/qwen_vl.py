@@ -23,11 +23,10 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
+from ...config.models import QWEN_VL_TYPES
 from ...policies.vision import ResizeRule
 from .base import InputKind, batch_rows
 
-#: ms-swift / transformers model types whose templates collate Qwen-VL micro-batches
-QWEN_VL_TYPES = ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe', 'qvq', 'mimo_vl', 'qwen2_5_vl_7b_instruct')
 
 #: per row along dim 0
 ROW_KEYS = ('input_ids', 'labels', 'attention_mask', 'attention_mask_2d', 'loss_scale', 'text_position_ids',
