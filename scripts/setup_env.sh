@@ -8,4 +8,4 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-"$VENV/bin/python" -m pip install -q 'torch==2.13.0' 'ms-swift==4.6.0' pytest pytest-xdist hypothesis pyyaml 'ruff==0.17.5' -e .
+"$VENV/bin/python" -m pip install -q 'torch==2.13.0' 'ms-swift==4.6.0' pytest pytest-xdist hypothesis pyyaml 'ruff==0.17.5' -e '.[grpo]'

@@ -103,10 +103,30 @@ def test_rlhf_refuses_split_passes(tmp_path, section, match):
     cli.prepare(path, [], 'sft')  # allowed under sft
 
 
-def test_rlhf_refuses_rollout_trainers(tmp_path):
-    path = _yaml(tmp_path, {'model': 'm', 'rlhf_type': 'grpo', 'callbacks': ['batch_growth']})
-    with pytest.raises(ConfigError, match='rlhf_type: grpo is not supported.*allowed: dpo, orpo'):
+@pytest.mark.parametrize('rlhf,callbacks,section,match', [
+    ('grpo', ['batch_growth'], {}, 'rlhf_type: grpo cannot be combined with callbacks: batch_growth: its trainer draws'),
+    ('gkd', ['lr_schedule', 'length_batching'], {}, 'rlhf_type: gkd cannot be combined with callbacks: '
+                                                    'length_batching.*allowed under gkd: lr_schedule, early_stopping'),
+    ('grpo', ['training_log'], {'training_log': {'noise_scale': True}}, 'training_log.noise_scale: true cannot be used'),
+    ('grpo', ['lr_schedule'], {'integration': {'oom_recovery': True}}, 'oom_recovery: true cannot be used with '
+                                                                       'rlhf_type: grpo'),
+    ('ppo', ['lr_schedule'], {}, "rlhf_type: ppo is not supported.*TRL's own training loop"),
+])
+def test_rlhf_refuses_what_a_rollout_trainer_cannot_run(tmp_path, rlhf, callbacks, section, match):
+    """Under GRPO / GKD the run-level callbacks run; everything that builds batches or cuts passes is refused before
+    anything launches, naming rlhf_type and why; PPO's own loop refuses every callback."""
+    path = _yaml(tmp_path, {'model': 'm', 'rlhf_type': rlhf, 'callbacks': callbacks, 'dynamic_callbacks': section})
+    with pytest.raises(ConfigError, match=match):
         cli.prepare(path, [], 'rlhf')
+
+
+def test_rlhf_runs_the_run_level_callbacks_under_grpo(tmp_path):
+    section = {'lr_schedule': {}, 'early_stopping': {'monitor': 'reward', 'mode': 'max'},
+               'checkpoint_rotation': {'keep_last': 1, 'keep_best': 1, 'metric': 'reward', 'mode': 'max'},
+               'training_log': {}}
+    path = _yaml(tmp_path, {'model': 'm', 'rlhf_type': 'grpo', 'callbacks': list(section),
+                            'dynamic_callbacks': section})
+    cli.prepare(path, [], 'rlhf')
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def test_there_is_a_config_per_callback_and_model():
 
 @pytest.mark.parametrize('path', CONFIGS, ids=NAMES)
 def test_shipped_config_is_valid(path, tmp_path, monkeypatch):
-    from swift.arguments import PretrainArguments, SftArguments
+    from swift.arguments import PretrainArguments, RLHFArguments, SftArguments
     from swift.cli.main import parse_yaml_args
     from swift.utils.utils import _patch_get_type_hints
     from transformers import HfArgumentParser
@@ -47,8 +47,8 @@ def test_shipped_config_is_valid(path, tmp_path, monkeypatch):
     base = os.path.basename(path)
     with open(path, encoding='utf-8') as f:
         text = f.read()
-    command = 'pt' if f'swift-dynamic pt configs/{base}' in text else 'sft'  # the header's command
-    arguments = PretrainArguments if command == 'pt' else SftArguments
+    command = next((c for c in ('pt', 'rlhf') if f'swift-dynamic {c} configs/{base}' in text), 'sft')  # the header's
+    arguments = {'pt': PretrainArguments, 'rlhf': RLHFArguments, 'sft': SftArguments}[command]
     config, pack = prepare(path, [], command)  # the pack section through parse_section, as `swift-dynamic` does
     raw = yaml.safe_load(text)
     assert parse_section(raw.get(SECTION), raw.get('callbacks')).to_json() == pack.to_json()

@@ -23,7 +23,7 @@ from . import ConfigError
 from .engines import check_engine, engine_from_swift
 from .integration import IntegrationConfig
 from .models import qwen_vl_model
-from .rules import PAIRS_WHY, RunFacts, check_facts, noise_scale_passes, pass_splitters
+from .rules import RunFacts, check_facts, noise_scale_passes, pass_splitters, rlhf_refusal
 from .pack import (CALLBACK_CONFIGS, NON_LAMBDA_SCHEDULERS, PLUGIN_FILE, SECTION, SWIFT_CALLBACKS, PackConfig,
                    _names, check_controls)
 
@@ -369,7 +369,6 @@ def _rlhf(run: LaunchRun) -> None:
     _check_rlhf(run.pack, run.settings, run.configs, run.uses)
 
 
-#: the launch rules :func:`check_run` applies in order, each a small named function of :class:`LaunchRun`
 def _vision_rows(run: LaunchRun) -> None:
     """A Qwen-VL run: its rows carry 3-D rotary positions and images, which the pack's own padding-free packing does
     not redo (the step runner refuses it at start too; here before the model loads)."""
@@ -382,6 +381,7 @@ def _vision_rows(run: LaunchRun) -> None:
                           'flash attention')
 
 
+#: the launch rules :func:`check_run` applies in order, each a small named function of :class:`LaunchRun`
 LAUNCH_RULES: tuple[Callable[[LaunchRun], None], ...] = (
     _split_passes_and_backoff, _run_facts, _stream_window, _packed_attention, _samples_unit, _packing, _rotation_limit,
     _eval_metrics, _lambda_scheduler, _noise_scale, _optimizer_scaling, _memory_probe, _group_by_length,
@@ -426,25 +426,11 @@ def ignore_data_skip_error(checkpoint: str) -> ConfigError:
 
 #: ``swift rlhf`` types the pack runs: one sample is a chosen/rejected pair (two padded rows) or, under KTO, a
 #: completion with its KL row; their batches and token budgets count both rows (``rows.row_cost``)
-RLHF_TYPES = ('dpo', 'orpo', 'simpo', 'cpo', 'rm', 'kto')
-
-
 def _check_rlhf(pack: PackConfig, settings: Mapping[str, Any], configs: Mapping[str, Any], uses: str) -> None:
-    """``rlhf_type`` (``swift rlhf``): a type the pack runs, and nothing that splits a micro-batch into passes."""
-    rlhf = settings.get('rlhf_type')
-    if rlhf is None:
-        return
-    rlhf = str(rlhf).strip().lower()
-    if rlhf not in RLHF_TYPES:
-        raise ConfigError(f'rlhf_type: {rlhf} is not supported by swift-dynamic-callbacks (callbacks: {uses}): its '
-                          'trainer generates rollouts with its own sampler; allowed: ' + ', '.join(RLHF_TYPES))
-    splitters = pass_splitters(configs)
-    if splitters:
-        raise ConfigError(f'rlhf_type: {rlhf} cannot be combined with {splitters[0]}: {PAIRS_WHY}; remove it (batch '
-                          'growth, schedules, length_batching and early stopping work)')
-    if pack.integration.oom_recovery is True:
-        raise ConfigError(f'{SECTION}.integration.oom_recovery: true is not supported with rlhf_type: {rlhf}: '
-                          f'{PAIRS_WHY}; use auto (off under swift rlhf) or false')
+    """``rlhf_type`` (``swift rlhf``): :func:`.rules.rlhf_refusal`, the rule every route asks before the model loads."""
+    message = rlhf_refusal(settings.get('rlhf_type'), list(configs), configs, pack.integration.oom_recovery)
+    if message is not None:
+        raise ConfigError(message)
 
 
 def _eval_monitors(configs: Mapping[str, Any]) -> list[tuple[str, str, str]]:

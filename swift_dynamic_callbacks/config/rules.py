@@ -8,7 +8,7 @@ each knows, so the message is the same whichever check stops the run. No torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from . import ConfigError
 
@@ -278,4 +278,62 @@ def noise_scale_passes(setting: str, gradient_accumulation_steps: float, micro_b
         return (f'{setting} needs at least two forward/backward passes per optimizer step to compare gradients, but '
                 f'gradient_accumulation_steps is {gradient_accumulation_steps:g}{cap}; set '
                 f'gradient_accumulation_steps >= 2{remedy}')
+    return None
+
+
+#: ``rlhf_type`` values whose trainer the pack drives whole (a sample is a pair, or a completion and its KL row)
+RLHF_PAIRS = ('dpo', 'orpo', 'simpo', 'cpo', 'rm', 'kto')
+#: ``rlhf_type`` values whose trainer generates rollouts and draws its prompts with its own sampler: the pack's
+#: run-level callbacks only (they decide the run through the LR schedule, the stop flag and the checkpoints, never
+#: the batch or the passes)
+RLHF_RUN_LEVEL = ('grpo', 'gkd')
+#: the pack callbacks that run under :data:`RLHF_RUN_LEVEL`
+RUN_LEVEL_CALLBACKS = ('lr_schedule', 'early_stopping', 'checkpoint_rotation', 'training_log')
+#: why the others do not, by ``rlhf_type``
+ROLLOUT_WHY = {
+    'grpo': ('its trainer draws each step\'s prompts with its own repeat sampler (every prompt num_generations '
+             'times, advantages computed over a group) and runs its own loss passes over the completions, so the '
+             'pack does not build its batches or cut its passes'),
+    'gkd': ('its trainer samples its own prompts and generates on-policy completions inside each step (scored '
+            'against the teacher\'s logits), so the pack does not build its batches or cut its passes'),
+}
+#: why nothing of the pack runs under PPO
+PPO_WHY = 'ms-swift\'s PPO trainer runs TRL\'s own training loop, which has no step boundary the pack can act at'
+
+
+def rlhf_refusal(rlhf_type: str | None, listed: Sequence[str], configs: Mapping[str, Any],
+                 oom_recovery: bool | str = 'auto') -> str | None:
+    """What the pack refuses under ``swift rlhf --rlhf_type <rlhf_type>`` (``listed``: the pack callbacks listed,
+    ``configs``: their settings), or ``None``: checked before the model loads on every route (``swift-dynamic check``
+    and ``rlhf``, the plugin and Python routes: ``integrations/swift.py``) and again when the trainer is built."""
+    if rlhf_type is None or not listed:
+        return None
+    rlhf = str(rlhf_type).strip().lower()
+    uses = ', '.join(listed)
+    if rlhf == 'ppo':
+        return f'rlhf_type: ppo is not supported by swift-dynamic-callbacks (callbacks: {uses}): {PPO_WHY}'
+    if rlhf in RLHF_RUN_LEVEL:
+        why = ROLLOUT_WHY[rlhf]
+        batch = [n for n in listed if n not in RUN_LEVEL_CALLBACKS]
+        if batch:
+            return (f'rlhf_type: {rlhf} cannot be combined with callbacks: {batch[0]}: {why}; allowed under '
+                    f'{rlhf}: {", ".join(RUN_LEVEL_CALLBACKS)}')
+        log = configs.get('training_log')
+        if log is not None and getattr(log, 'noise_scale', False):
+            return (f'{SECTION}.training_log.noise_scale: true cannot be used with rlhf_type: {rlhf}: {why} '
+                    '(the probe reads its passes); set it false')
+        if oom_recovery is True:
+            return (f'{SECTION}.integration.oom_recovery: true cannot be used with rlhf_type: {rlhf}: {why}; '
+                    'use auto or false')
+        return None
+    if rlhf not in RLHF_PAIRS:
+        return (f'rlhf_type: {rlhf} is not supported by swift-dynamic-callbacks (callbacks: {uses}); allowed: '
+                f'{", ".join(RLHF_PAIRS + RLHF_RUN_LEVEL)}')
+    splitters = pass_splitters(configs)
+    if splitters:
+        return (f'rlhf_type: {rlhf} cannot be combined with {splitters[0]}: {PAIRS_WHY}; remove it (batch growth, '
+                'schedules, length_batching and early stopping work)')
+    if oom_recovery is True:
+        return (f'{SECTION}.integration.oom_recovery: true is not supported with rlhf_type: {rlhf}: {PAIRS_WHY}; use '
+                'auto (off under swift rlhf) or false')
     return None

@@ -72,8 +72,9 @@ class IntegrationCallback(TrainerCallback):
         self.integration.budget.sync_progress_bars(state.global_step)  # before the progress callback closes its bar
 
 
-class DynamicTrainerMixin:
-    """Overrides mixed into the trainer's own class by :func:`install` (see the module docstring)."""
+class RunHooks:
+    """The overrides of every pack run: begin and end, the scheduler, the log line, the checkpoint (module docstring).
+    :class:`RunLevelTrainerMixin` adds the step boundary alone; :class:`DynamicTrainerMixin` the batches and passes."""
 
     dynamic_integration: Integration
 
@@ -84,6 +85,44 @@ class DynamicTrainerMixin:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.dynamic_integration.end_train()
+
+    # ms-swift + transformers 4.57 build the scheduler through create_optimizer_and_scheduler, which calls HF's
+    # create_scheduler on the class (not this override); 5.x calls create_scheduler. Both paths get the epoch
+    # budget's schedule length and the scalable wrapper.
+    def create_optimizer_and_scheduler(self, num_training_steps, *args, **kwargs):
+        steps = self.dynamic_integration.schedule_length(num_training_steps)
+        result = super().create_optimizer_and_scheduler(steps, *args, **kwargs)
+        self.dynamic_integration.lr.wrap(self.lr_scheduler)
+        return result
+
+    def create_scheduler(self, num_training_steps, *args, **kwargs):
+        steps = self.dynamic_integration.schedule_length(num_training_steps)
+        return self.dynamic_integration.lr.wrap(super().create_scheduler(steps, *args, **kwargs))
+
+    def log(self, logs, *args, **kwargs):
+        self.dynamic_integration.update_logs(logs, self.control)
+        return super().log(logs, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial, *args, **kwargs):
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        output_dir = os.path.join(self._get_output_dir(trial=trial),
+                                  f'{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}')
+        self.dynamic_integration.save(output_dir)
+        return super()._save_checkpoint(model, trial, *args, **kwargs)
+
+
+class RunLevelTrainerMixin(RunHooks):
+    """A trainer whose batches and passes are its own (``swift rlhf`` GRPO / GKD: a repeat sampler, rollouts): the
+    pack acts at the step boundary only (its requests applied and agreed: the LR schedule; stop and checkpoint
+    decisions are HF's own flags), then the trainer draws its step as it would."""
+
+    def get_batch_samples(self, epoch_iterator, num_batches, *args, **kwargs):
+        self.dynamic_integration.boundary(self.control)
+        return super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+
+
+class DynamicTrainerMixin(RunHooks):
+    """Overrides mixed into the trainer's own class by :func:`install` (see the module docstring)."""
 
     def get_train_dataloader(self, *args, **kwargs):
         # ms-swift passes ``skip_batches`` on resume; the elastic loader resumes from its own state instead.
@@ -104,19 +143,6 @@ class DynamicTrainerMixin:
         result = super().compute_loss(model, inputs, *args, **kwargs)
         return weigh(result, self.dynamic_integration.runner.loss_weight)
 
-    # ms-swift + transformers 4.57 build the scheduler through create_optimizer_and_scheduler, which calls HF's
-    # create_scheduler on the class (not this override); 5.x calls create_scheduler. Both paths get the epoch
-    # budget's schedule length and the scalable wrapper.
-    def create_optimizer_and_scheduler(self, num_training_steps, *args, **kwargs):
-        steps = self.dynamic_integration.schedule_length(num_training_steps)
-        result = super().create_optimizer_and_scheduler(steps, *args, **kwargs)
-        self.dynamic_integration.lr.wrap(self.lr_scheduler)
-        return result
-
-    def create_scheduler(self, num_training_steps, *args, **kwargs):
-        steps = self.dynamic_integration.schedule_length(num_training_steps)
-        return self.dynamic_integration.lr.wrap(super().create_scheduler(steps, *args, **kwargs))
-
     # HF counts FLOPs and input tokens per micro-batch slot from its ``input_ids``; a slot of several passes
     # (``PassGroup``) or none (``EmptyMicroBatch``) holds none: count the passes it ran, one by one.
     def floating_point_ops(self, inputs):
@@ -135,19 +161,9 @@ class DynamicTrainerMixin:
         self.state.num_input_tokens_seen += self.accelerator.gather(tokens).sum().item()
         return None
 
-    def log(self, logs, *args, **kwargs):
-        self.dynamic_integration.update_logs(logs, self.control)
-        return super().log(logs, *args, **kwargs)
-
-    def _save_checkpoint(self, model, trial, *args, **kwargs):
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-        output_dir = os.path.join(self._get_output_dir(trial=trial),
-                                  f'{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}')
-        self.dynamic_integration.save(output_dir)
-        return super()._save_checkpoint(model, trial, *args, **kwargs)
 
 
-_MIXED_CLASSES: dict[type, type] = {}
+_MIXED_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def _hf_input_tokens(trainer: Any, batch: Mapping[str, Any]) -> Any:
@@ -224,6 +240,19 @@ class PackOffCallback(TrainerCallback):
                                                   samples_seen=0))
 
 
+#: the trainer classes of ``swift rlhf`` that draw their own batches (:data:`..config.rules.RLHF_RUN_LEVEL`)
+RUN_LEVEL_TRAINERS = {'GRPOTrainer': 'grpo', 'GKDTrainer': 'gkd'}
+
+
+def run_level_reason(trainer: Any) -> str | None:
+    """The ``rlhf_type`` whose trainer draws its own batches and passes (the pack acts at the step boundary only),
+    from the trainer's class (its own or a base's name), else ``None``."""
+    for base in type(trainer).__mro__:
+        if base.__name__ in RUN_LEVEL_TRAINERS:
+            return RUN_LEVEL_TRAINERS[base.__name__]
+    return None
+
+
 def install(trainer: Any, config: IntegrationConfig | None = None,
             pack_config: Mapping[str, Any] | None = None) -> Integration | None:
     """Install the integration on ``trainer`` (idempotent) and return it.
@@ -247,13 +276,15 @@ def install(trainer: Any, config: IntegrationConfig | None = None,
         existing.pack_config.update(pack_config or {})
         return existing
     cls = type(trainer)
-    if not issubclass(cls, DynamicTrainerMixin):
-        mixed = _MIXED_CLASSES.get(cls)
+    run_level = run_level_reason(trainer)
+    mixin = RunLevelTrainerMixin if run_level else DynamicTrainerMixin
+    if not issubclass(cls, RunHooks):
+        mixed = _MIXED_CLASSES.get((cls, mixin))
         if mixed is None:
-            mixed = type(f'Dynamic{cls.__name__}', (DynamicTrainerMixin, cls), {'__module__': cls.__module__})
-            _MIXED_CLASSES[cls] = mixed
+            mixed = type(f'Dynamic{cls.__name__}', (mixin, cls), {'__module__': cls.__module__})
+            _MIXED_CLASSES[(cls, mixin)] = mixed
         trainer.__class__ = mixed
-    integration = Integration(trainer, config, pack_config)
+    integration = Integration(trainer, config, pack_config, run_level=run_level)
     trainer.dynamic_integration = integration
     _skip_first_batches_patch()
     if getattr(trainer, 'callback_handler', None) is not None:

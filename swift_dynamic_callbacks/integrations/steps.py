@@ -179,7 +179,7 @@ class StepRunner:
         off (the returned ``oom_recovery`` record, held for the boundary; a warning) and, where this step would cut a
         micro-batch already (``pieces`` > 1, a pass limit), stops the run here naming the key: never a
         ``ValueError`` mid-pass."""
-        if self.input_refusal:
+        if self.split_refusal() is not None:  # never cut anyway (pairs, packed rows, the loss, a refused key)
             return None
         why = next((w for w in (self.kind.refusal(b) for b in batches if isinstance(b, Mapping)) if w), None)
         if why is None:

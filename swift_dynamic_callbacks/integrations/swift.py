@@ -24,6 +24,7 @@ from ..config import ConfigError, to_mapping  # noqa: F401 - ConfigError re-expo
 from ..config.integration import IntegrationConfig  # noqa: F401 - re-exported
 from ..config.pack import (CALLBACK_CONFIGS, ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig,  # noqa: F401
                            load_env_config, parse_section)
+from ..config.rules import rlhf_refusal
 from .hooks import PackOffCallback, install, pack_disabled
 
 #: Every pack callback by its ms-swift name (the same names as ``config.pack.CALLBACK_CONFIGS``, which the
@@ -85,7 +86,39 @@ def register(settings: Mapping[str, Any] | None = None, **by_name: Any) -> PackC
         _configured = load_env_config()  # validated now: the plugin is imported while ms-swift parses arguments
     for name in CALLBACKS:
         callbacks_map[name] = _factory(name)
+    _check_before_the_model_loads()
     return current_config()
+
+
+def check_pipeline(args: Any) -> None:
+    """The checks that need ms-swift's parsed arguments, before the model loads (the plugin and Python routes; the
+    command line runs them on the YAML first): what ``rlhf_type`` allows (:func:`..config.rules.rlhf_refusal`).
+    Nothing when no pack callback is listed or the pack is off."""
+    listed = [n for n in (getattr(args, 'callbacks', None) or []) if n in CALLBACKS]
+    pack = current_config()
+    if not listed or pack_disabled(pack.integration) is not None:
+        return
+    configs = {n: pack.callback_config(n) for n in listed}
+    message = rlhf_refusal(getattr(args, 'rlhf_type', None), listed, configs, pack.integration.oom_recovery)
+    if message is not None:
+        raise ConfigError(message)
+
+
+def _check_before_the_model_loads() -> None:
+    """Run :func:`check_pipeline` in ms-swift's training pipelines right after their arguments are parsed and before
+    the model loads (``_prepare_model_tokenizer`` of ``SwiftSft`` and of the classes that override it), once."""
+    from swift.pipelines.train import rlhf, sft
+    for cls in (sft.SwiftSft, rlhf.SwiftRLHF):
+        original = cls.__dict__.get('_prepare_model_tokenizer')
+        if original is None or getattr(original, '_sdc_checked', False):
+            continue
+
+        def checked(self, *args, _original=original, **kwargs):
+            check_pipeline(self.args)
+            return _original(self, *args, **kwargs)
+
+        checked._sdc_checked = True
+        setattr(cls, '_prepare_model_tokenizer', checked)
 
 
 def unregister() -> None:

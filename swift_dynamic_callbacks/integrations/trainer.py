@@ -25,7 +25,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .. import distributed, protocol
+from ..config import ConfigError
 from ..config.integration import IntegrationConfig
+from ..config.rules import ROLLOUT_WHY, rlhf_refusal
 from ..data.slots import slot_batches
 from ..records import DECISIONS_FILE, DecisionRecord
 from ..state import stateful_components
@@ -68,8 +70,11 @@ class Integration:
     state_key = 'integration'
 
     def __init__(self, trainer: Any, config: IntegrationConfig | None = None,
-                 pack_config: Mapping[str, Any] | None = None) -> None:
+                 pack_config: Mapping[str, Any] | None = None, *, run_level: str | None = None) -> None:
         self.trainer = trainer
+        #: the ``rlhf_type`` of a trainer that draws its own batches and passes (GRPO, GKD): the pack then acts at the
+        #: step boundary only (:meth:`boundary`), its loader and step runner unused; ``None``: the full integration
+        self.run_level = run_level
         self.config = config or IntegrationConfig()
         self.pack_config = dict(pack_config or {})
         self.decisions = Decisions(self._where)
@@ -110,9 +115,11 @@ class Integration:
         """``train()``, before HF starts: check the trainer, open the decision log, choose the engine, restore the
         pack state of a resumed checkpoint (the loader's when it is built)."""
         trainer = self.trainer
-        check_supported(trainer, self.config)
         self.decisions.open(os.path.join(trainer.args.output_dir, DECISIONS_FILE),
                             enabled=distributed.is_main_process())
+        if self.run_level is not None:
+            return self._begin_run_level(resume_from_checkpoint)
+        check_supported(trainer, self.config)
         self.decisions.write(self.runner.begin(self.config, self.pack_config))
         self.feed.image_rule = self.runner.kind.image_rule(trainer)  # lazily tokenised rows: images counted exactly
         self.checkpoints.write_config()
@@ -131,6 +138,36 @@ class Integration:
         if self.checkpoints.payload is not None:  # OOMs that ended a run after this checkpoint: folded at step 1
             self.crash_ooms = oom_notes(trainer.args.output_dir, self.trainer.state.global_step)
         self.budget.begin()
+
+    def _begin_run_level(self, resume_from_checkpoint: Any) -> None:
+        """``train()`` of a trainer that draws its own batches (:attr:`run_level`): what ``rlhf_type`` allows checked
+        again on the listed callbacks, one ``mode`` record, the pack state of a resumed checkpoint restored (the
+        callbacks' and the LR's; there is no loader of the pack's)."""
+        trainer = self.trainer
+        listed = {cb.name: cb.config for cb in trainer.callback_handler.callbacks
+                  if getattr(cb, 'config_class', None) is not None and getattr(cb, 'config', None) is not None}
+        message = rlhf_refusal(self.run_level, list(listed), listed, self.config.oom_recovery)
+        if message is not None:
+            raise ConfigError(message)
+        host = type(trainer).__bases__[-1].__name__  # the class the pack's mixin was mixed into
+        self.decisions.write(DecisionRecord(
+            'integration', 'mode', 'run_level', {'rlhf_type': self.run_level, 'trainer': host,
+                                                 'callbacks': sorted(listed), 'oom_recovery': False},
+            f'rlhf_type {self.run_level}: {ROLLOUT_WHY[self.run_level]}; the pack acts at the step boundary only (LR '
+            'schedule, early stopping, checkpoint rotation, training log); OOM recovery off'))
+        self.checkpoints.write_config()
+        trainer.control._sdc_integration = True
+        setattr(trainer.control, protocol.FAIL_FAST, self.config.fail_fast)
+        self.checkpoints.resume(resume_from_checkpoint, [self] + self.callback_components())
+        self.budget.begin()
+
+    def boundary(self, control: Any) -> None:
+        """HF's ``get_batch_samples`` of a run-level trainer (:attr:`run_level`): the requests agreed and applied, the
+        LR the step uses noted; the trainer then draws its step as it would."""
+        control._sdc_integration = True
+        self.apply_requests(control)
+        optimizer = getattr(self.trainer, 'optimizer', None)
+        self.step_lr = float(optimizer.param_groups[0]['lr']) if optimizer is not None else None
 
     def build_loader(self, host_loader: Any) -> Any:
         """``get_train_dataloader``: the pack's loader, at the resumed position, with the run's step budget."""
@@ -299,6 +336,8 @@ class Integration:
         """Hand the loader the token budget it plans passes at (the budget owner's; collective when it changes: every
         rank the same budget, so the re-plan happens at this boundary on every rank)."""
         loader = self.loader
+        if loader is None:  # a run-level trainer: its passes are its own
+            return
         self.pass_budget.configure(tokens_ceiling=loader.plan.pass_tokens if loader.cuts_passes else None,
                                    rows=loader.batch_size)
         loader.set_pass_budget(self.pass_budget.plan_tokens())
@@ -324,6 +363,12 @@ class Integration:
 
     def update_logs(self, logs: dict[str, Any], control: Any) -> None:
         """HF's ``log``: the pack's numbers merged into the line."""
+        if self.run_level is not None:  # no loader, no passes of the pack's: the LR and the callbacks' values
+            if 'loss' in logs:
+                logs.update({'dynamic/lr_scale': self.lr.scale, **protocol.current_metrics(control)})
+                if 'learning_rate' in logs and self.step_lr is not None:
+                    logs['learning_rate'] = self.step_lr
+            return
         parts = {'dynamic/lr_scale': self.lr.scale, 'dynamic/pass_size': self.runner.max_pass}
         counts = {'dynamic/oom_count': self.runner.oom_count, **allocator_figures(self.runner.oom_count)}
         if self.loader is not None and self.loader.cuts_passes:

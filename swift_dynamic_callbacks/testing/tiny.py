@@ -37,6 +37,7 @@ __all__ = [
     'write_mixed_length_dataset',
     'build_tiny_vl_model',
     'write_image_dataset',
+    'write_prompt_dataset',
     'VL_ARCHS',
 ]
 
@@ -447,6 +448,24 @@ def write_image_dataset(dest_file: str | Path, n: int = 28, *, text_every: int =
         row['images'] = [str(image_file)]
         rows.append(row)
     return _write_jsonl(path, rows)
+
+
+def write_prompt_dataset(dest_file: str | Path, n: int = 8) -> Path:
+    """Writes GSM8K questions as prompts for ``swift rlhf --rlhf_type grpo`` (a ``messages`` list with the user turn
+    only, and the final number as ``solution``, which ms-swift hands the reward functions).
+
+    Args:
+        dest_file: Output ``.jsonl`` path; parent directories are created.
+        n: Number of prompts (the first ``n`` vendored train rows), 1 to 500.
+
+    Returns:
+        ``dest_file`` as a :class:`~pathlib.Path`.
+    """
+    if not 1 <= n <= GSM8K_ROWS:
+        raise ValueError(f'n must be between 1 and {GSM8K_ROWS}, got n={n!r}')
+    rows = [{'messages': [{'role': 'user', 'content': r['question']}],
+             'solution': r['answer'].split('####')[-1].strip()} for r in _gsm8k_rows()[:n]]
+    return _write_jsonl(dest_file, rows)
 
 
 #: ms-swift flags of each tiny architecture (a local model directory needs model_type and template).

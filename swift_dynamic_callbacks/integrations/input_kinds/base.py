@@ -29,6 +29,11 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 
 
+def _has_rows(batch: Mapping[str, Any]) -> bool:
+    reference = batch.get('input_ids', batch.get('labels'))
+    return isinstance(reference, torch.Tensor) and reference.dim() > 0
+
+
 def batch_rows(batch: Mapping[str, Any]) -> int:
     """The rows of a collated micro-batch: the first dimension of its ``input_ids`` (else ``labels``)."""
     reference = batch.get('input_ids', batch.get('labels'))

@@ -25,7 +25,7 @@ import torch
 
 from ...config.models import QWEN_VL_TYPES
 from ...policies.vision import ResizeRule
-from .base import InputKind, batch_rows
+from .base import InputKind, _has_rows, batch_rows
 
 
 #: per row along dim 0
@@ -88,6 +88,8 @@ class QwenVL(InputKind):
                    merge_size=getattr(vision, 'spatial_merge_size', 2))
 
     def refusal(self, batch: Mapping[str, Any]) -> str | None:
+        if not _has_rows(batch):
+            return 'a micro-batch without an input_ids or labels tensor cannot be cut into rows'
         rows = batch_rows(batch)
         known = set(ROW_KEYS) | {'position_ids'} | set(PER_VIDEO) | {k for media in MEDIA for k in media[:2]}
         for key, value in batch.items():

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
-from .base import InputKind, batch_rows
+from .base import InputKind, _has_rows, batch_rows
 
 #: keys that hold something other than one entry a row in the multimodal families ms-swift collates (images,
 #: patches, grids, audio features, per-image sizes and flags): never sliced as rows, even when their count happens
@@ -29,6 +29,8 @@ class TextRows(InputKind):
         return not multimodal
 
     def refusal(self, batch: Mapping[str, Any]) -> str | None:
+        if not _has_rows(batch):
+            return 'a micro-batch without an input_ids or labels tensor cannot be cut into rows'
         rows = batch_rows(batch)
         for key, value in batch.items():
             if key in MEDIA_KEYS and value is not None:
