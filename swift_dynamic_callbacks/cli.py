@@ -26,7 +26,8 @@ import tempfile
 from typing import Any, Sequence
 
 from .config import ConfigError
-from .config.launch import check_run, drop_flag, listed_callbacks, merged_settings
+from .config.launch import check_callback_names, check_run, drop_flag, listed_callbacks, merged_settings
+from .config.swift_settings import check_swift_settings
 from .config.pack import ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig, parse_section
 
 #: ms-swift commands the launcher runs (``swift <command> FILE.yaml ...``).
@@ -66,9 +67,11 @@ def prepare(path: str, extra: Sequence[str], command: str = 'sft') -> tuple[dict
     config = load_yaml(path)
     section = config.pop(SECTION, None)
     settings = merged_settings(config, extra)  # flags after the file override it, as in swift
+    check_swift_settings(settings, command)  # ms-swift's own keys, types and ranges, before anything loads
     if command == 'rlhf' and settings.get('rlhf_type') is None:
         settings = {**settings, 'rlhf_type': 'dpo'}
     listed = listed_callbacks(settings)
+    check_callback_names(settings)  # a misspelled name first, with the closest one
     pack = parse_section(section, listed)
     notes = check_run(pack, settings, listed)
     plugins = settings.get('external_plugins') or []  # the flag's files when given (it replaces the file's list)
@@ -151,8 +154,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for command in LAUNCH_COMMANDS:
         p_run = sub.add_parser(command, help=f'run swift {command} with the pack (flags after the file go to swift)')
         p_run.add_argument('config')
-    p_check = sub.add_parser('check', help='validate a YAML file (and the swift flags after it)')
-    p_check.add_argument('config')
+    p_check = sub.add_parser(
+        'check', help='validate a YAML file (and the swift flags after it)',
+        description='Validate a YAML file and the ms-swift flags after it, as swift-dynamic sft / rlhf / pt do before '
+                    'they launch: every ms-swift setting (its name, type, choices and range: unknown keys and flags '
+                    'with the closest known names) and the dynamic_callbacks section; nothing loads. Exit 0 (an OK '
+                    'line; the pack settings as JSON on stdout), or 2 with "<key>: <value> ... <what is allowed>".',
+        epilog='Flags: any ms-swift flag after the file, as with swift sft (--max_steps 100 --learning_rate 1e-4, '
+               'either spelling: --max-steps); they override the file. Example: swift-dynamic check my.yaml '
+               '--per_device_train_batch_size 4')
+    p_check.add_argument('config', help='the YAML file (ms-swift settings and the dynamic_callbacks section)')
     sub.add_parser('plugin-path', help='print the ms-swift plugin file of the pack')
     p_demo = sub.add_parser('prepare-demo', help='build the model and the GSM8K files of the demo configs')
     p_demo.add_argument('dir')
@@ -174,9 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in LAUNCH_COMMANDS:
             return launch(args.command, args.config, extra)
         if args.command == 'check':
-            _, pack = prepare(args.config, extra)
+            _, pack = prepare(args.config, extra, 'check')
             _print_notes(pack)
             print(json.dumps(pack.to_json(), indent=1))
+            listed = ', '.join(pack.callbacks) or 'none'
+            print(f'swift-dynamic check: OK: {args.config}{" with " + " ".join(extra) if extra else ""} (ms-swift '
+                  f'settings and the pack\'s callbacks: {listed}; {len(pack.notes)} note(s))', file=sys.stderr)
             return 0
     except ConfigError as e:
         print(f'swift-dynamic: configuration error: {e}', file=sys.stderr)

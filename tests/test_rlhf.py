@@ -104,10 +104,12 @@ def test_rlhf_refuses_split_passes(tmp_path, section, match):
 
 
 @pytest.mark.parametrize('rlhf,callbacks,section,match', [
-    ('grpo', ['batch_growth'], {}, 'rlhf_type: grpo cannot be combined with callbacks: batch_growth: its trainer draws'),
+    ('grpo', ['batch_growth'], {},
+     'rlhf_type: grpo cannot be combined with callbacks: batch_growth: its trainer draws'),
     ('gkd', ['lr_schedule', 'length_batching'], {}, 'rlhf_type: gkd cannot be combined with callbacks: '
                                                     'length_batching.*allowed under gkd: lr_schedule, early_stopping'),
-    ('grpo', ['training_log'], {'training_log': {'noise_scale': True}}, 'training_log.noise_scale: true cannot be used'),
+    ('grpo', ['training_log'], {'training_log': {'noise_scale': True}},
+     'training_log.noise_scale: true cannot be used'),
     ('grpo', ['lr_schedule'], {'integration': {'oom_recovery': True}}, 'oom_recovery: true cannot be used with '
                                                                        'rlhf_type: grpo'),
     ('ppo', ['lr_schedule'], {}, "rlhf_type: ppo is not supported.*TRL's own training loop"),

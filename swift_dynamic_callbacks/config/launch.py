@@ -11,6 +11,7 @@ named rule (:data:`LAUNCH_RULES`); the ones the training process checks again at
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import json
 import math
@@ -210,6 +211,12 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
     return notes
 
 
+def check_callback_names(settings: Mapping[str, Any]) -> list[str]:
+    """The names in ``callbacks:`` checked first (a misspelled pack callback is named as such, with the closest name,
+    before its settings block would be reported as configured but not listed): :func:`_unknown_callbacks`."""
+    return _unknown_callbacks(listed_callbacks(settings), settings)
+
+
 def _unknown_callbacks(listed: Sequence[str], settings: Mapping[str, Any]) -> list[str]:
     """Names in ``callbacks:`` that are neither the pack's nor ms-swift's: refused, or a note when another external
     plugin may register them."""
@@ -219,7 +226,10 @@ def _unknown_callbacks(listed: Sequence[str], settings: Mapping[str, Any]) -> li
     known = f'pack callbacks: {", ".join(sorted(CALLBACK_CONFIGS))}; ms-swift callbacks: {", ".join(SWIFT_CALLBACKS)}'
     others = _plugins(settings)
     if not others:
-        raise ConfigError(f'callbacks: {", ".join(map(repr, unknown))} is not a known callback name ({known}); '
+        close = difflib.get_close_matches(unknown[0], list(CALLBACK_CONFIGS) + list(SWIFT_CALLBACKS), n=1,
+                                          cutoff=0.7)
+        hint = f'; did you mean {close[0]}?' if close else ''
+        raise ConfigError(f'callbacks: {", ".join(map(repr, unknown))} is not a known callback name{hint} ({known}); '
                           'ms-swift would fail with a KeyError when it builds the trainer')
     return [f'callbacks: {", ".join(map(repr, unknown))} is neither a pack nor an ms-swift callback; it must be '
             f'registered by external_plugins {", ".join(others)} (not checked here: ms-swift fails with a KeyError '
