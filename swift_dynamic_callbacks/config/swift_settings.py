@@ -3,8 +3,9 @@
 ms-swift rejects an unknown YAML key only after the launch (``remaining_argv``), a value of the wrong type when its
 argument parser runs, and a negative batch size later still (or never: HF takes ``-1`` in places). The pack's launch
 check knows every field of ms-swift's argument dataclasses (``SftArguments``, ``RLHFArguments``, ``PretrainArguments``:
-their names, types and choices) from a table generated from the installed ms-swift (:func:`generate`, written to
-``swift_args.json`` beside this module; ``tests/test_cli_check.py`` holds the table against the installed package),
+their names, types and choices) from a table generated from ms-swift (:func:`generate`, merged into ``swift_args.json``
+beside this module: the union under transformers 5.19 and 4.57.6, the versions the pack runs with;
+``tests/test_cli_check.py`` holds the table against the installed package),
 and refuses before anything loads:
 
 - a key (or flag) that is none of them, with the closest known names ("did you mean learning_rate");
@@ -178,8 +179,32 @@ def generate() -> dict[str, Any]:
     return {'ms_swift': importlib.metadata.version('ms-swift'), 'fields': dict(sorted(out.items()))}
 
 
-if __name__ == '__main__':  # write the table (after an ms-swift upgrade)
+def merge(table: dict[str, Any], installed: dict[str, Any]) -> dict[str, Any]:
+    """``table`` with the fields of ``installed`` (:func:`generate`) added: the union over the ms-swift and
+    transformers versions the pack supports (a type two versions disagree on becomes ``any``; choices join, and a
+    version without choices lifts them)."""
+    fields_ = dict(table.get('fields', {}))
+    for name, spec in installed['fields'].items():
+        if name not in fields_:
+            fields_[name] = spec
+            continue
+        known = dict(fields_[name])
+        known['type'] = known['type'] if known['type'] == spec['type'] else 'any'
+        known['commands'] = sorted(set(known['commands']) | set(spec['commands']))
+        known['optional'] = bool(known['optional'] or spec['optional'])
+        known['choices'] = (None if known['choices'] is None or spec['choices'] is None
+                            else sorted(set(known['choices']) | set(spec['choices'])))
+        fields_[name] = known
+    return {**table, 'fields': dict(sorted(fields_.items()))}
+
+
+if __name__ == '__main__':  # add the installed ms-swift's arguments to the table (after an upgrade, in each env)
+    try:
+        with open(TABLE_FILE, encoding='utf-8') as f:
+            current = json.load(f)
+    except FileNotFoundError:
+        current = {}
     with open(TABLE_FILE, 'w', encoding='utf-8') as f:
-        json.dump(generate(), f, indent=0, sort_keys=True)
+        json.dump(merge(current, generate()), f, indent=0, sort_keys=True)
         f.write('\n')
     print(f'wrote {TABLE_FILE}')

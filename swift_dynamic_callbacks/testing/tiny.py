@@ -38,6 +38,8 @@ __all__ = [
     'build_tiny_vl_model',
     'write_image_dataset',
     'write_prompt_dataset',
+    'write_text_dataset',
+    'write_preference_dataset',
     'VL_ARCHS',
 ]
 
@@ -448,6 +450,43 @@ def write_image_dataset(dest_file: str | Path, n: int = 28, *, text_every: int =
         row['images'] = [str(image_file)]
         rows.append(row)
     return _write_jsonl(path, rows)
+
+
+def write_text_dataset(dest_file: str | Path, n: int = 64) -> Path:
+    """Writes GSM8K problems as raw text rows (``{"text": ...}``: ms-swift's form for ``swift pt``, continued
+    pretraining: question and answer in one text, no chat template).
+
+    Args:
+        dest_file: Output ``.jsonl`` path; parent directories are created.
+        n: Number of rows (the first ``n`` vendored train rows), 1 to 500.
+
+    Returns:
+        ``dest_file`` as a :class:`~pathlib.Path`.
+    """
+    if not 1 <= n <= GSM8K_ROWS:
+        raise ValueError(f'n must be between 1 and {GSM8K_ROWS}, got n={n!r}')
+    return _write_jsonl(dest_file, [{'text': f'{r["question"]}\n{r["answer"]}'} for r in _gsm8k_rows()[:n]])
+
+
+def write_preference_dataset(dest_file: str | Path, n: int = 64) -> Path:
+    """Writes GSM8K problems as preference pairs for ``swift rlhf --rlhf_type dpo`` (ORPO, SimPO, CPO): the
+    ``messages`` with the real answer chosen, and as ``rejected_response`` the answer cut before its final line.
+
+    Args:
+        dest_file: Output ``.jsonl`` path; parent directories are created.
+        n: Number of pairs (the first ``n`` vendored train rows), 1 to 500.
+
+    Returns:
+        ``dest_file`` as a :class:`~pathlib.Path`.
+    """
+    if not 1 <= n <= GSM8K_ROWS:
+        raise ValueError(f'n must be between 1 and {GSM8K_ROWS}, got n={n!r}')
+    rows = []
+    for r in _gsm8k_rows()[:n]:
+        row = _messages(r['question'], r['answer'])
+        row['rejected_response'] = r['answer'].rsplit('\n', 1)[0] or 'I do not know.'
+        rows.append(row)
+    return _write_jsonl(dest_file, rows)
 
 
 def write_prompt_dataset(dest_file: str | Path, n: int = 8) -> Path:
