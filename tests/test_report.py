@@ -191,3 +191,17 @@ def test_labels_of_decisions_at_the_same_step_do_not_overlap(tmp_path):
         assert not any(box.overlaps(legend) for box in boxes)  # the top panel's legend is out of the labels' way
     finally:
         plt.close(fig)
+
+
+def test_a_sparse_series_is_drawn_as_points_not_a_trend(tmp_path):
+    """An evaluation at the start and at the end of a run (or any series with a gap over a tenth of the run) is
+    drawn as markers: a line between two measurements would read as a measured trend (at 03097fd it was a line)."""
+    from swift_dynamic_callbacks.report import RunData, draw_report, load_run, sparse
+    assert sparse([0, 100], 100) and sparse([5], 100) and sparse([0, 10, 60], 100)
+    assert not sparse([10, 20, 30], 100) and not sparse(list(range(1, 101)), 100)
+    run = load_run(write_run(tmp_path))
+    rows = [dict(r) for r in run.rows] + [{'step': 1, 'eval_loss': 3.0}]
+    fig = draw_report(RunData(run.output_dir, rows, run.summary, run.decisions))
+    lines = {line.get_label(): line for ax in fig.axes for line in ax.get_lines()}
+    assert lines['eval_loss'].get_linestyle() == 'None' and lines['eval_loss'].get_marker() == 'o'
+    assert lines['loss'].get_linestyle() == '-'
