@@ -30,6 +30,56 @@ def is_main_process() -> bool:
     return rank() == 0
 
 
+# ---- the data-parallel group ---------------------------------------------------------------------------------------
+# Under sequence parallelism (ms-swift's ``sequence_parallel_size: N``) the N ranks of a group split every row between
+# them: they train on the same samples, so the data is dealt over the data-parallel ranks, not over all ranks.
+_DATA: tuple[int, int, int] | None = None  # (data rank, data-parallel size, sequence-parallel size)
+
+
+def set_sequence_parallel(data_rank: int, data_world: int, sp_size: int) -> None:
+    """Deal the data over ``data_world`` data ranks (this rank: ``data_rank``), ``sp_size`` ranks to a group that
+    share their samples; ``sp_size`` 1 (or :func:`clear_sequence_parallel`): every rank is its own data rank."""
+    global _DATA
+    _DATA = (int(data_rank), int(data_world), int(sp_size)) if sp_size > 1 else None
+
+
+def clear_sequence_parallel() -> None:
+    set_sequence_parallel(0, 1, 1)
+
+
+def data_rank() -> int:
+    """This rank's data rank: the shard of the data it trains on (its sequence-parallel group's)."""
+    return _DATA[0] if _DATA else rank()
+
+
+def data_world() -> int:
+    """Data ranks: the ranks that train on different samples (all ranks without sequence parallelism)."""
+    return _DATA[1] if _DATA else world_size()
+
+
+def sequence_parallel_size() -> int:
+    """Ranks a group that split each row (1: none)."""
+    return _DATA[2] if _DATA else 1
+
+
+def first_of_group() -> bool:
+    """Whether this rank speaks for its sequence-parallel group in sums over the data (the group's first rank)."""
+    return _DATA is None or rank() % _DATA[2] == 0
+
+
+def gather_data_objects(value: T) -> list[T]:
+    """Every data rank's ``value`` (its sequence-parallel group's first rank's), in data-rank order. Collective."""
+    if _DATA is None:
+        return gather_objects(value)
+    return [v for v, first in gather_objects((value, first_of_group())) if first]
+
+
+def sum_data_ints(values: Sequence[int]) -> list[int]:
+    """Element-wise sums over the data ranks: each sequence-parallel group counted once (its ranks hold the same
+    samples). Collective (every rank calls it)."""
+    return sum_ints([int(v) if first_of_group() else 0 for v in values])
+
+
 def gather_objects(value: T) -> list[T]:
     """Every rank's ``value``, in rank order (``[value]`` without a process group)."""
     dist = _dist()

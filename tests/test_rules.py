@@ -36,9 +36,10 @@ def start_message(args, *, template=None, streaming=False, config=None):
 @pytest.mark.parametrize('settings,args,template,streaming', [
     ({'dataloader_drop_last': True}, {'dataloader_drop_last': True}, None, False),
     ({'auto_find_batch_size': True}, {'auto_find_batch_size': True}, None, False),
-    ({'sequence_parallel_size': 2}, {}, SimpleNamespace(sequence_parallel_size=2), False),
+    ({'sequence_parallel_size': 2, 'streaming': True, 'max_steps': 10}, {'max_steps': 10},
+     SimpleNamespace(sequence_parallel_size=2), True),
     ({'streaming': True}, {'max_steps': -1}, None, True),
-], ids=['drop_last', 'auto_find_batch_size', 'sequence_parallel', 'stream_without_max_steps'])
+], ids=['drop_last', 'auto_find_batch_size', 'sequence_parallel_stream', 'stream_without_max_steps'])
 def test_launch_and_start_refuse_with_one_message(settings, args, template, streaming):
     assert launch_message(settings) == start_message(args, template=template, streaming=streaming)
 

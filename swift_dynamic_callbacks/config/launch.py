@@ -379,6 +379,23 @@ def _rlhf(run: LaunchRun) -> None:
     _check_rlhf(run.pack, run.settings, run.configs, run.uses)
 
 
+def _sequence_parallel_rows(run: LaunchRun) -> None:
+    """Sequence parallelism: ms-swift pads and splits every row across the group itself; the pack's own padding-free
+    packing would hand it one packed row it does not expect (ring attention needs ms-swift's padding_free), and the
+    noise probe's small-batch gradient is not one rank's under it."""
+    size = run.number('sequence_parallel_size', 1) or 1
+    if size <= 1:
+        return
+    length = run.configs.get('length_batching')
+    if length is not None and length.padding_free:
+        raise ConfigError(f'{SECTION}.length_batching.padding_free: true is not supported with sequence_parallel_size: '
+                          f'{size:g} (ms-swift pads and splits each row across the group; for packed rows use '
+                          'ms-swift\'s own padding_free); remove it')
+    for name, _, _ in _noise_asks(run):
+        raise ConfigError(f'{name} cannot be used with sequence_parallel_size: {size:g}: a pass\'s gradient on one '
+                          'rank is not its rows\' under sequence parallelism; remove it')
+
+
 def _vision_rows(run: LaunchRun) -> None:
     """A Qwen-VL run: its rows carry 3-D rotary positions and images, which the pack's own padding-free packing does
     not redo (the step runner refuses it at start too; here before the model loads)."""
@@ -395,7 +412,7 @@ def _vision_rows(run: LaunchRun) -> None:
 LAUNCH_RULES: tuple[Callable[[LaunchRun], None], ...] = (
     _split_passes_and_backoff, _run_facts, _stream_window, _packed_attention, _samples_unit, _packing, _rotation_limit,
     _eval_metrics, _lambda_scheduler, _noise_scale, _optimizer_scaling, _memory_probe, _group_by_length,
-    _ignore_data_skip, _epochs, _rlhf, _vision_rows)
+    _ignore_data_skip, _epochs, _rlhf, _vision_rows, _sequence_parallel_rows)
 
 
 #: ``optim`` values whose param groups have no ``betas`` (HF's names; the rest are Adam-family or Lion)

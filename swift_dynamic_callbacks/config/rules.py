@@ -66,10 +66,25 @@ class RunFacts:
     oom_recovery: bool | str = 'auto'
 
 
+#: why a pass cannot be run again on one rank under sequence parallelism
+SP_WHY = ('under sequence parallelism every forward/backward pass runs its group\'s all-to-all (Ulysses) or ring '
+          'exchange, so one rank cannot run a pass again alone')
+
+
 def sequence_parallel(facts: RunFacts) -> str | None:
-    if facts.sequence_parallel_size > 1:
-        return (f'sequence_parallel_size: swift-dynamic-callbacks does not support sequence parallelism (got '
-                f'{facts.sequence_parallel_size:g}); use 1')
+    """Sequence parallelism (``sequence_parallel_size: N``): the pack deals the data over the data-parallel ranks
+    (a group of N shares its samples and cuts its passes alike). Refused: ``oom_recovery: true`` (an OOM ends the
+    run, with the note a resumed run plans below) and a stream (not supported there)."""
+    size = facts.sequence_parallel_size
+    if size <= 1:
+        return None
+    if facts.oom_recovery is True:
+        return (f'{SECTION}.integration.oom_recovery: true cannot be used with sequence_parallel_size: {size:g}: '
+                f'{SP_WHY}; use auto (off: an OOM ends the run and the resumed run plans below it) or false')
+    if facts.streaming:
+        return (f'streaming: true is not supported with sequence_parallel_size: {size:g} by swift-dynamic-callbacks '
+                '(a stream is read rank::world, not by data-parallel group); use a dataset with a length, or '
+                'sequence_parallel_size: 1')
     return None
 
 

@@ -233,15 +233,16 @@ class ElasticDataLoader:
         has left (inside it: collective, the epoch counts as re-dealt) out again for the new size."""
         if not self.layout.balanced:
             return
-        positions = distributed.gather_objects(self.position)  # every rank, so every rank takes the same branch
+        # every data rank's (a sequence-parallel group once), on every rank, so every rank takes the same branch
+        positions = distributed.gather_data_objects(self.position)
         if self.redealt is None and not any(positions):
             self.shard.order = self.layout.lay_out(self.epoch, self.layout.plan, self.batch_size,
                                                    self.entries_per_step)
             return
-        rests = distributed.gather_objects(self.shard.rest)
+        rests = distributed.gather_data_objects(self.shard.rest)
         consumed = int((self.redealt or {}).get('consumed', 0)) + sum(positions)
         merged = redeal(rests, 1)[0]  # the order in which the ranks would have drawn them
-        self._take_balanced(merged, self.layout.plan, consumed, distributed.rank(), distributed.world_size())
+        self._take_balanced(merged, self.layout.plan, consumed, distributed.data_rank(), distributed.data_world())
 
     def _take_balanced(self, merged: list[int], plan: length_policy.BatchPlan, consumed: int, rank: int,
                        world: int) -> None:

@@ -57,7 +57,7 @@ class EpochLayout:
         """``(order, chunks, spreads)`` of ``epoch`` laid out by ``plan`` (None or a plan that lays nothing out: the
         host's order); does not change the current layout."""
         if plan is not None and plan.balanced:
-            source = self._global_order or (self.epoch_order if distributed.world_size() == 1 else None)
+            source = self._global_order or (self.epoch_order if distributed.data_world() == 1 else None)
             if source is None:
                 raise ValueError('balanced steps under several processes need the epoch order of every rank '
                                  '(global_order); this loader was built without it')
@@ -82,8 +82,8 @@ class EpochLayout:
                        world: int | None = None) -> tuple[list[int], list[tuple[float, float]]]:
         """Rank ``rank``'s share of ``order`` (all ranks' samples) laid out in balanced steps over ``world`` ranks,
         and the steps' spreads (``None``: this process's rank and world size)."""
-        world = distributed.world_size() if world is None else world
-        rank = distributed.rank() if rank is None else rank
+        world = distributed.data_world() if world is None else world
+        rank = distributed.data_rank() if rank is None else rank
         layout = balanced_layout(order, self.rows.costs, world=world, batch=batch,
                                  entries=entries, seed=plan.seed + salt, epoch=epoch, jitter=plan.bucket_width,
                                  coef=self.work_coef, padding_free=plan.padding_free)

@@ -95,7 +95,7 @@ class StreamLoader:
         self.num_workers = min(int(self.loader_kwargs.get('num_workers', 0)), 1)
         self.plan: length_policy.BatchPlan | None = None
         self.stats = DrawStats()
-        self._rank, self._world = distributed.rank(), distributed.world_size()
+        self._rank, self._world = distributed.data_rank(), distributed.data_world()
         self._source: Iterator[tuple[int, Any]] | None = None
         self._ahead: deque[tuple[int, Any]] = deque()  # rows read from the shard, not yet consumed
         self._exhausted = False  # this rank's shard has no row left after ``_ahead``

@@ -143,6 +143,12 @@ class Checkpoints:
                 raise ignore_data_skip_error(checkpoint)
             self._check_same_data(checkpoint, fingerprint)
             states = _rank_states(payload['components'], loader.state_key)
+            saved_sp = int((payload['components'].get('integration') or {}).get('sequence_parallel_size', 1) or 1)
+            if saved_sp != distributed.sequence_parallel_size():
+                raise StateError(f'{os.path.join(checkpoint, STATE_FILE)} was written with sequence_parallel_size '
+                                 f'{saved_sp} and is resumed with {distributed.sequence_parallel_size()}: the ranks of '
+                                 'a group hold the same samples, so its data position cannot be re-dealt over another '
+                                 'grouping; resume with the same sequence_parallel_size')
             if self._redeal(loader, states, layout):
                 return
             restore_components([loader], {'components': {loader.state_key: states[distributed.rank()]}},
@@ -173,6 +179,10 @@ class Checkpoints:
         if (old_world, old_entries) == (world, entries) and not states[0].get('redealt'):
             return False
         source = os.path.join(self.checkpoint, STATE_FILE)
+        if distributed.sequence_parallel_size() > 1:
+            raise StateError(f'{source} was written by {old_world} processes with {old_entries} micro-batches a step '
+                             f'and is resumed by {world} with {entries}: under sequence parallelism resume with the '
+                             'same number of processes and gradient_accumulation_steps')
         if not loader.has_length:
             raise StateError(f'{source} was written by {old_world} processes and is resumed by {world}: a stream is '
                              'read rank::world, so its position cannot be re-dealt; resume a streaming run with the '

@@ -258,9 +258,10 @@ def epoch_order_fn(host_loader: Any, dataset: Any, args: Any) -> Callable[[int],
 
     Single process: the host's own sampler decides (so the order is exactly plain ms-swift's / HF's, including
     ``group_by_length``). Several processes: a seeded permutation of *all* samples (seed ``data_seed + epoch``,
-    as ms-swift) dealt ``rank::world``, because ms-swift's sampler leaves out ``len % world`` samples per epoch.
+    as ms-swift) dealt ``rank::world``, because ms-swift's sampler leaves out ``len % world`` samples per epoch. Under
+    sequence parallelism the ranks are the data ranks (a group shares its samples).
     """
-    world = distributed.world_size()
+    world = distributed.data_world()
     if world == 1:
 
         def host_order(epoch: int) -> list[int]:
@@ -277,7 +278,7 @@ def epoch_order_fn(host_loader: Any, dataset: Any, args: Any) -> Callable[[int],
         return host_order
     if getattr(args, 'group_by_length', False):
         raise group_by_length_error(f'world size {world}')
-    rank, every = distributed.rank(), global_order_fn(dataset, args)
+    rank, every = distributed.data_rank(), global_order_fn(dataset, args)
 
     def shard_order(epoch: int) -> list[int]:
         return every(epoch)[rank::world]
@@ -289,7 +290,7 @@ def global_order_fn(dataset: Any, args: Any) -> Callable[[int], list[int]] | Non
     """``epoch -> all samples in the order the ranks' shards are dealt from`` (several processes; ``None`` on one:
     the host's sampler order is the epoch order there): a seeded permutation (``data_seed + epoch``), or the
     dataset order without ``train_dataloader_shuffle``. The same on every rank."""
-    if distributed.world_size() == 1:
+    if distributed.data_world() == 1:
         return None
     n = len(dataset)
     seed = args.data_seed if args.data_seed is not None else 0

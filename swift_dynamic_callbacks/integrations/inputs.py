@@ -27,18 +27,20 @@ from .padding_free import PackedBatch, flatten_rows
 
 
 def prepare_slot(slot: Any, *, padding_free: bool, device: torch.device | None, attention: str = 'sdpa',
-                 kind: InputKind | None = None) -> Any:
-    """One of HF's micro-batch slots (an empty one, a batch, or a :class:`PassGroup`) with every batch prepared."""
+                 kind: InputKind | None = None, mask_free: bool = True) -> Any:
+    """One of HF's micro-batch slots (an empty one, a batch, or a :class:`PassGroup`) with every batch prepared
+    (``mask_free``: an all-ones mask may be dropped; not under sequence parallelism, where transformers would read
+    the split rows' positions as packed rows)."""
     if isinstance(slot, EmptyMicroBatch):
         return slot
-    options = dict(padding_free=padding_free, device=device, attention=attention, kind=kind)
+    options = dict(padding_free=padding_free, device=device, attention=attention, kind=kind, mask_free=mask_free)
     if isinstance(slot, PassGroup):  # its padding passes (empty: engines whose every pass communicates) stay empty
         return PassGroup([b if isinstance(b, EmptyMicroBatch) else prepare_batch(b, **options) for b in slot.passes])
     return prepare_batch(slot, **options)
 
 
 def prepare_batch(batch: Any, *, padding_free: bool, device: torch.device | None, attention: str = 'sdpa',
-                  kind: InputKind | None = None) -> Any:
+                  kind: InputKind | None = None, mask_free: bool = True) -> Any:
     """One collated batch, packed (for ``attention``: :func:`.attention.finish_packed`) or mask-free as the
     module docstring says, with what its input ``kind`` needs to cut it later (:meth:`~.input_kinds.InputKind.prepare`,
     on the host), then on ``device`` (``None``: left where it is)."""
@@ -47,7 +49,7 @@ def prepare_batch(batch: Any, *, padding_free: bool, device: torch.device | None
     if padding_free:
         batch = flatten_rows(batch, attention)
     else:
-        if same_length_rows(batch):
+        if mask_free and same_length_rows(batch):
             batch = type(batch)({k: v for k, v in batch.items() if k != 'attention_mask'})
         if kind is not None:
             batch = kind.prepare(batch)

@@ -45,7 +45,7 @@ def allocator_figures(caught_ooms: int) -> dict[str, int]:
 
 def global_batch_size(loader: Any) -> int:
     """Samples per optimizer step over all ranks at the loader's current batch size."""
-    return loader.batch_size * loader.entries_per_step * distributed.world_size()
+    return loader.batch_size * loader.entries_per_step * distributed.data_world()
 
 
 class Metrics:
@@ -71,7 +71,7 @@ class Metrics:
         """At every step boundary: the first step of this run (or of a resumed one) starts the tokens/s clock.
         Collective the first time."""
         if self._token_mark is None:
-            self._token_mark = (time.monotonic(), distributed.sum_ints([self.tokens_seen])[0])
+            self._token_mark = (time.monotonic(), distributed.sum_data_ints([self.tokens_seen])[0])
 
     def count(self, batches: Iterable[Any], *, padding_free: bool = False) -> None:
         """Add the tokens of a step's real micro-batches (without and with padding; ``padding_free``: they run as
@@ -110,8 +110,10 @@ class Metrics:
         values: dict[str, float] = {}
         if self.config.log_values:
             counts = dict(rank_counts or {})
-            samples, tokens, padded, passes, steps, padding, *summed = distributed.sum_ints([
-                loader.samples_seen, self.tokens_seen, self.padded_tokens_seen, *pass_stats, *counts.values()])
+            data = [loader.samples_seen, self.tokens_seen, self.padded_tokens_seen, *pass_stats]
+            own = distributed.first_of_group()  # a sequence-parallel group's ranks hold the same data: counted once
+            samples, tokens, padded, passes, steps, padding, *summed = distributed.sum_ints(
+                [v if own else 0 for v in data] + list(counts.values()))
             values['dynamic/padding_passes'] = padding
             values.update(zip(counts, summed))
             values.update(self.throughput_values(tokens))
@@ -128,7 +130,7 @@ class Metrics:
                 values['dynamic/passes_per_step'] = round(passes / steps, 4)
             if not loader.has_length:  # a stream: no coverage, the rows of the epoch so far instead
                 del values['dynamic/epoch_coverage']
-                values['dynamic/stream_position'] = distributed.sum_ints([loader.position])[0]
+                values['dynamic/stream_position'] = distributed.sum_data_ints([loader.position])[0]
             if loader.plan is not None:
                 values.update(self.token_values(loader))
                 if loader.lengths_estimated:
@@ -150,7 +152,7 @@ class Metrics:
     def token_values(loader: Any) -> dict[str, float]:
         """Padded tokens per micro-batch and padding fraction of the micro-batches drawn since the last log line
         (all ranks), from the samples' lengths (a batch plan is set)."""
-        real, padded, batches = distributed.sum_ints(loader.take_token_stats())
+        real, padded, batches = distributed.sum_data_ints(loader.take_token_stats())
         spread, unbalanced, steps = loader.take_spread_stats()
         values = {}
         if steps:  # balanced steps (the same figures on every rank: they come from the layout)
@@ -163,7 +165,7 @@ class Metrics:
 
     def speed_values(self, loader: Any, runtime: float) -> dict[str, float]:
         """HF's ``train_samples_per_second`` assumes a constant batch; this counts the samples really used."""
-        samples = sum(distributed.gather_objects(loader.samples_seen - self.samples_at_start))
+        samples = distributed.sum_data_ints([loader.samples_seen - self.samples_at_start])[0]
         return {'train_samples_per_second': round(samples / runtime, 3) if runtime > 0 else 0.0}
 
     def state_dict(self) -> dict[str, Any]:

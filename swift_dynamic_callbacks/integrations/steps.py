@@ -36,7 +36,7 @@ import torch
 from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
-from ..config.rules import PAIRS_WHY, recovery_refused
+from ..config.rules import PAIRS_WHY, SP_WHY, recovery_refused
 from ..data.slots import EmptyMicroBatch, PassGroup
 from ..device_memory import device_figures, free_memory, is_oom
 from ..policies.data_plan import piece_bounds
@@ -136,6 +136,8 @@ class StepRunner:
             if config.oom_recovery is True:
                 raise ConfigError(recovery_refused(self.loss.setting, self.loss.why))
             recovery, why_off = False, f'{self.loss.setting}: {self.loss.why}'
+        if recovery and distributed.sequence_parallel_size() > 1:  # every pass holds the group's exchange
+            recovery, why_off = False, f'sequence_parallel_size: {distributed.sequence_parallel_size()}: {SP_WHY}'
         self.kind = select_input_kind(self.trainer)
         self.input_refusal = self.kind.refusal({}) if isinstance(self.kind, Unsupported) else None
         if recovery and self.input_refusal:
@@ -217,6 +219,10 @@ class StepRunner:
                                   'pairs them; they are not flattened)')
             if host_packs_rows(self.trainer):
                 raise ConfigError(f'{setting}: ms-swift\'s padding_free / packing already pack the rows; use one')
+            if distributed.sequence_parallel_size() > 1:
+                raise ConfigError(f'{setting}: not supported with sequence_parallel_size: '
+                                  f'{distributed.sequence_parallel_size()} (ms-swift pads and splits each row across '
+                                  'the group; for packed rows use ms-swift\'s own padding_free)')
             if not self.kind.packs:
                 raise ConfigError(f'{setting}: not supported for {self.kind.setting or self.kind.name} rows '
                                   f'({self.kind.name}: 3-D rotary positions and images the pack\'s packing does not '
@@ -264,8 +270,12 @@ class StepRunner:
             return None
         self.engine.refuse('noise_scale', 'control.measure_grad_noise (batch_growth policy: noise_scale, '
                            'training_log noise_scale)')
+        if distributed.sequence_parallel_size() > 1:
+            raise ConfigError('control.measure_grad_noise (batch_growth policy: noise_scale, training_log '
+                              'noise_scale): not supported with sequence_parallel_size > 1 (a pass\'s gradient on one '
+                              'rank is not its rows\')')
         return GradNoiseProbe(
-            sum(len(indices) for indices, _ in pairs), world=distributed.world_size(),
+            sum(len(indices) for indices, _ in pairs), world=distributed.data_world(),
             tokens_averaged=bool(getattr(self.trainer.args, 'average_tokens_across_devices', False)),
             num_items_in_batch=num_items_in_batch)
 

@@ -120,6 +120,7 @@ class Integration:
         if self.run_level is not None:
             return self._begin_run_level(resume_from_checkpoint)
         check_supported(trainer, self.config)
+        self._sequence_parallel_mesh()
         self.decisions.write(self.runner.begin(self.config, self.pack_config))
         self.feed.image_rule = self.runner.kind.image_rule(trainer)  # lazily tokenised rows: images counted exactly
         self.checkpoints.write_config()
@@ -138,6 +139,23 @@ class Integration:
         if self.checkpoints.payload is not None:  # OOMs that ended a run after this checkpoint: folded at step 1
             self.crash_ooms = oom_notes(trainer.args.output_dir, self.trainer.state.global_step)
         self.budget.begin()
+
+    def _sequence_parallel_mesh(self) -> None:
+        """Under ms-swift's sequence parallelism the pack's data ranks are its data-parallel ranks (read from
+        ms-swift's mesh, not derived): a group of ``sequence_parallel_size`` ranks draws the same samples and cuts them
+        alike (:func:`..distributed.set_sequence_parallel`); one ``sequence_parallel`` record."""
+        size = int(getattr(getattr(self.trainer, 'template', None), 'sequence_parallel_size', 1) or 1)
+        if size <= 1:
+            distributed.clear_sequence_parallel()
+            return
+        from swift.sequence_parallel import sequence_parallel as mesh
+        distributed.set_sequence_parallel(mesh.dp_rank, mesh.dp_world_size, size)
+        self.decisions.write(DecisionRecord(
+            'integration', 'sequence_parallel', 'mesh', {
+                'sequence_parallel_size': size, 'data_parallel_size': mesh.dp_world_size,
+                'ulysses': mesh.sp_world_size, 'ring': mesh.rp_world_size, 'world_size': distributed.world_size()},
+            f'sequence_parallel_size {size}: {mesh.dp_world_size} data rank(s); each group of {size} ranks draws the '
+            'same samples and passes (budgets in tokens a data rank)'))
 
     def _begin_run_level(self, resume_from_checkpoint: Any) -> None:
         """``train()`` of a trainer that draws its own batches (:attr:`run_level`): what ``rlhf_type`` allows checked
@@ -174,7 +192,7 @@ class Integration:
         loader = self.feed.build(host_loader)
         loader.equal_passes = self.runner.engine.collective_passes  # every rank the same passes a step
         initial_batch_size = loader.batch_size
-        self.layout.begin(distributed.world_size(), loader.entries_per_step, initial_batch_size)
+        self.layout.begin(distributed.data_world(), loader.entries_per_step, initial_batch_size)
         self.checkpoints.restore_loader(loader, self.feed.fingerprint, self.layout)
         if loader.plan is not None and loader.plan.padding_free:  # a resumed plan is not requested again
             attention = self.runner.set_padding_free(True, self.trainer.model)
@@ -201,6 +219,7 @@ class Integration:
         return self.lr.horizon
 
     def end_train(self) -> None:
+        distributed.clear_sequence_parallel()
         self.budget.end()
         if self.loader is not None:
             self.loader.close()
@@ -237,7 +256,8 @@ class Integration:
         target = trainer.args.device if trainer.args.device.type == 'cuda' else None
         pairs = [(indices, prepare_slot(slot, padding_free=self.runner.padding_free,
                                                  attention=self.attention.kernel, device=target,
-                                                 kind=self.runner.kind))
+                                                 kind=self.runner.kind,
+                                                 mask_free=distributed.sequence_parallel_size() == 1))
                  for indices, slot in pairs]
         real = [batch for _, slot in pairs for batch in slot_batches(slot)]
         # A rank whose step is placeholders only still counts (0) items: HF gathers the count across ranks.
@@ -401,6 +421,7 @@ class Integration:
             'layout': self.layout.state_dict(),
             'optimizer': self.optimizer.state_dict(),
             'scheduler_steps': self.budget.scheduler_steps,
+            'sequence_parallel_size': distributed.sequence_parallel_size(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
