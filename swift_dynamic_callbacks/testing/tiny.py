@@ -452,6 +452,13 @@ def write_image_dataset(dest_file: str | Path, n: int = 28, *, text_every: int =
     return _write_jsonl(path, rows)
 
 
+def _train_rows(n: int) -> list[dict[str, str]]:
+    """The first ``n`` vendored GSM8K train rows (``question`` / ``answer``), 1 to :data:`GSM8K_ROWS`."""
+    if not 1 <= n <= GSM8K_ROWS:
+        raise ValueError(f'n must be between 1 and {GSM8K_ROWS}, got n={n!r}')
+    return _gsm8k_rows()[:n]
+
+
 def write_text_dataset(dest_file: str | Path, n: int = 64) -> Path:
     """Writes GSM8K problems as raw text rows (``{"text": ...}``: ms-swift's form for ``swift pt``, continued
     pretraining: question and answer in one text, no chat template).
@@ -463,9 +470,7 @@ def write_text_dataset(dest_file: str | Path, n: int = 64) -> Path:
     Returns:
         ``dest_file`` as a :class:`~pathlib.Path`.
     """
-    if not 1 <= n <= GSM8K_ROWS:
-        raise ValueError(f'n must be between 1 and {GSM8K_ROWS}, got n={n!r}')
-    return _write_jsonl(dest_file, [{'text': f'{r["question"]}\n{r["answer"]}'} for r in _gsm8k_rows()[:n]])
+    return _write_jsonl(dest_file, [{'text': f'{r["question"]}\n{r["answer"]}'} for r in _train_rows(n)])
 
 
 def write_preference_dataset(dest_file: str | Path, n: int = 64) -> Path:
@@ -479,10 +484,8 @@ def write_preference_dataset(dest_file: str | Path, n: int = 64) -> Path:
     Returns:
         ``dest_file`` as a :class:`~pathlib.Path`.
     """
-    if not 1 <= n <= GSM8K_ROWS:
-        raise ValueError(f'n must be between 1 and {GSM8K_ROWS}, got n={n!r}')
     rows = []
-    for r in _gsm8k_rows()[:n]:
+    for r in _train_rows(n):
         row = _messages(r['question'], r['answer'])
         row['rejected_response'] = r['answer'].rsplit('\n', 1)[0] or 'I do not know.'
         rows.append(row)
@@ -500,10 +503,8 @@ def write_prompt_dataset(dest_file: str | Path, n: int = 8) -> Path:
     Returns:
         ``dest_file`` as a :class:`~pathlib.Path`.
     """
-    if not 1 <= n <= GSM8K_ROWS:
-        raise ValueError(f'n must be between 1 and {GSM8K_ROWS}, got n={n!r}')
     rows = [{'messages': [{'role': 'user', 'content': r['question']}],
-             'solution': r['answer'].split('####')[-1].strip()} for r in _gsm8k_rows()[:n]]
+             'solution': r['answer'].split('####')[-1].strip()} for r in _train_rows(n)]
     return _write_jsonl(dest_file, rows)
 
 
