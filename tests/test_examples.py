@@ -41,20 +41,28 @@ def test_the_readme_python_example_runs_as_written(tmp_path):
     assert os.path.isdir(os.path.join(os.path.dirname(log), 'checkpoint-8'))
 
 
+@pytest.fixture(scope='module')
+def demo_root(tmp_path_factory):
+    """A checkout-like folder: ``configs/`` copied and ``swift-dynamic prepare-demo .cache/demo --rows 128`` run in it
+    (once for the module)."""
+    root = tmp_path_factory.mktemp('demo-root')
+    shutil.copytree(os.path.join(ROOT, 'configs'), root / 'configs')
+    _run([sys.executable, '-m', 'swift_dynamic_callbacks.cli', 'prepare-demo', '.cache/demo', '--rows', '128'],
+         cwd=root)
+    return root
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize('config,command,steps', [('demo_pt_lora_length_batching.yaml', 'pt', 12),
                                                   ('demo_dpo_lora_batch_growth.yaml', 'rlhf', 8)])
-def test_the_demo_configs_run_as_their_headers_say(config, command, steps, tmp_path):
+def test_the_demo_configs_run_as_their_headers_say(config, command, steps, demo_root):
     """``swift-dynamic prepare-demo .cache/demo --rows 128`` then ``swift-dynamic <command> configs/<file>`` from the
     repository root (a copy of ``configs/`` here): the raw-text pretraining example and the DPO example train."""
     with open(os.path.join(ROOT, 'configs', config), encoding='utf-8') as f:
         header = f.read()
     assert 'swift-dynamic prepare-demo .cache/demo --rows 128' in header
     assert f'swift-dynamic {command} configs/{config}' in header
-    shutil.copytree(os.path.join(ROOT, 'configs'), tmp_path / 'configs')
-    cli = [sys.executable, '-m', 'swift_dynamic_callbacks.cli']
-    _run(cli + ['prepare-demo', '.cache/demo', '--rows', '128'], cwd=tmp_path)
-    _run(cli + [command, f'configs/{config}'], cwd=tmp_path)
+    _run([sys.executable, '-m', 'swift_dynamic_callbacks.cli', command, f'configs/{config}'], cwd=demo_root)
     out = 'demo_pt' if command == 'pt' else 'demo_dpo'
-    logs = [row for row in read_jsonl(str(tmp_path / 'output' / out / 'logging.jsonl')) if 'loss' in row]
+    logs = [row for row in read_jsonl(str(demo_root / 'output' / out / 'logging.jsonl')) if 'loss' in row]
     assert len(logs) == steps

@@ -497,12 +497,15 @@ def test_swift_sft_pass_tokens_auto_on_a_full_fine_tune_fits_its_device(tmp_path
     assert max(tokens for _, tokens in injector.passes) > auto['values']['pass_tokens'] // 2  # passes filled it
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_swift_sft_a_first_oom_keeps_the_speed_of_a_ten_step_epoch(tmp_path, tiny_qwen):
     """Issue 56's held-out shape: ``pass_tokens: 1200`` on a device whose memory ends at 900 tokens a pass, one
     problem a row (many rows a pass), 4 x GA 4, 160 rows: a ten-step epoch. The first OOM halves the failing pass;
     the budget grows halfway back after one clean step and settles near the end, so the epoch runs within 1.3x the
-    passes (failed ones included) of a run planned at 900 (at 03097fd: 1.35x here, an eighth every two steps)."""
+    passes (failed ones included) of a run planned at 900 (at 03097fd: 1.35x here, an eighth every two steps).
+    Slow (two minutes): ``pytest -m slow``; ``test_a_first_oom_keeps_the_speed_of_a_short_run`` holds the same policy
+    in the default run, and ``scripts/bench_memory_end.py --data gsm8k`` prints the figure."""
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.testing.faults import OomInjector

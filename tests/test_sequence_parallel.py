@@ -31,14 +31,14 @@ def _logs(out: str) -> list[dict]:
 def test_passes_under_sequence_parallelism_keep_the_gradient(tmp_path, tiny_qwen, mixed_15):
     """``mode: balanced`` with ``pass_tokens`` (several passes a step) against the same balanced steps in one pass a
     micro-batch, both under sequence parallelism on 2 processes (one data rank): the same samples, and every step's
-    loss and grad_norm within 1e-5; both ranks of the group ran the same passes (the same trace)."""
+    loss and grad_norm within 1e-5; both ranks of the group ran the same passes (the same trace). Then the run with
+    passes killed right after its step-2 checkpoint and resumed: the uninterrupted run's samples and losses."""
     common = dict(engine='ddp', callbacks=['length_batching'], **SP)
     one = run_ranks(str(tmp_path / 'one'), tiny_qwen, mixed_15,
                     pack={'integration': {'record_samples': True}, 'length_batching': {'mode': 'balanced'}},
                     **common)
-    cut = run_ranks(str(tmp_path / 'cut'), tiny_qwen, mixed_15,
-                    pack={'integration': {'record_samples': True},
-                          'length_batching': {'mode': 'balanced', 'pass_tokens': 200}}, **common)
+    cut_pack = {'integration': {'record_samples': True}, 'length_batching': {'mode': 'balanced', 'pass_tokens': 200}}
+    cut = run_ranks(str(tmp_path / 'cut'), tiny_qwen, mixed_15, pack=cut_pack, save_steps=2, **common)
     for out in (one, cut):
         [mesh] = [d for d in decisions(out) if d['kind'] == 'sequence_parallel']
         assert mesh['values']['data_parallel_size'] == 1 and mesh['values']['sequence_parallel_size'] == 2
@@ -57,6 +57,14 @@ def test_passes_under_sequence_parallelism_keep_the_gradient(tmp_path, tiny_qwen
     assert engine['values']['oom_recovery'] is False and 'sequence_parallel_size: 2' in engine['values'][
         'oom_recovery_off']
     assert sorted(indices_by_epoch(sample_trace(cut))[0]) == list(range(15))
+    # killed right after the step-2 checkpoint and resumed from it: the samples and losses of the run that never stopped
+    part = str(tmp_path / 'part' / 'out')
+    run_ranks(str(tmp_path / 'part'), tiny_qwen, mixed_15, pack=cut_pack, stop_at=2, output_dir=part, save_steps=2,
+              **common)
+    run_ranks(str(tmp_path / 'part-resumed'), tiny_qwen, mixed_15, pack=cut_pack, output_dir=part, save_steps=2,
+              resume_from_checkpoint=os.path.join(part, 'checkpoint-2'), **common)
+    assert [r['batches'] for r in sample_trace(part)] == [r['batches'] for r in sample_trace(cut)]
+    assert [r['loss'] for r in _logs(part)] == pytest.approx([r['loss'] for r in b], rel=1e-5)
 
 
 @pytest.fixture
@@ -92,21 +100,6 @@ def test_an_oom_on_one_rank_of_the_group_ends_the_run_and_it_resumes_below_it(tm
     assert_same_steps(t0, t1)
     assert t0['global_step'] == 3 and (t0['steps'][0]['pass_limit'] or {}).get('samples') == 1
     assert (t1['steps'][0]['pass_limit'] or {}).get('samples') == 1  # the whole group cuts alike
-
-
-def test_kill_and_resume_under_sequence_parallelism_gives_the_uninterrupted_losses(tmp_path, tiny_qwen, mixed_15):
-    """Stopped right after the step-2 checkpoint and resumed from it: the same samples and losses as the run that
-    never stopped (balanced steps, several passes a step)."""
-    pack = {'integration': {'record_samples': True}, 'length_batching': {'mode': 'balanced', 'pass_tokens': 200}}
-    common = dict(engine='ddp', callbacks=['length_batching'], pack=pack, **{**SP, 'save_steps': 2})
-    full = run_ranks(str(tmp_path / 'full'), tiny_qwen, mixed_15, **common)
-    part = str(tmp_path / 'part' / 'out')
-    run_ranks(str(tmp_path / 'part'), tiny_qwen, mixed_15, stop_at=2, output_dir=part, **common)
-    run_ranks(str(tmp_path / 'part-resumed'), tiny_qwen, mixed_15, output_dir=part,
-              resume_from_checkpoint=os.path.join(part, 'checkpoint-2'), **common)
-    assert [r['batches'] for r in sample_trace(part)] == [r['batches'] for r in sample_trace(full)]
-    a, b = _logs(full), _logs(part)
-    assert [r['loss'] for r in b] == pytest.approx([r['loss'] for r in a], rel=1e-5)
 
 
 def test_two_groups_of_two_deal_every_row_once_with_the_one_process_gradient(tmp_path, tiny_qwen, mixed_15):

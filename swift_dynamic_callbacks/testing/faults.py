@@ -62,25 +62,87 @@ class OomInjector:
         self.counts = {'forward': 0, 'backward': 0}
         self.passes: list[tuple[int, int]] = []  # (rows, tokens) of every first-layer forward in training
         self._originals: dict[type, Any] = {}
+        self._hooks: dict[int, tuple[Any, Any]] = {}  # id(layer) -> its two hook handles
+        self._pass: tuple[int, int] | None = None  # (index, rows) of the pass whose forward is running
 
     def install(self) -> 'OomInjector':
         for cls in _layer_classes():
-            method = '__call__' if '__call__' in vars(cls) else 'forward'
-            original = getattr(cls, method)
-            self._originals[cls] = (method, original)
-            setattr(cls, method, self._wrap(original))
+            if '__call__' in vars(cls):  # the base of every decoder layer: hooks on the model's first one
+                original = cls.__call__
+                self._originals[cls] = ('__call__', original)
+                cls.__call__ = self._attach(original)
+            else:  # transformers < 4.52: the two layer classes' forward
+                original = cls.forward
+                self._originals[cls] = ('forward', original)
+                cls.forward = self._wrap(original)
         return self
 
     def remove(self) -> None:
         for cls, (method, original) in self._originals.items():
             setattr(cls, method, original)
         self._originals.clear()
+        for handles in self._hooks.values():
+            for handle in handles:
+                handle.remove()
+        self._hooks.clear()
 
     def __enter__(self) -> 'OomInjector':
         return self.install()
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+    # ---- the first decoder layer of the language model: a forward pre-hook and a forward hook on it, attached at its
+    # first call. Module hooks run on every forward of the layer, gradient checkpointing's recomputation in backward
+    # included (which calls the module past GradientCheckpointingLayer.__call__), so passes are counted as before.
+    def _attach(self, original: Any) -> Any:
+        injector = self
+
+        def call(layer, *args, **kwargs):
+            if getattr(getattr(layer, 'self_attn', None), 'layer_idx', None) == 0 and id(layer) not in injector._hooks:
+                injector._hooks[id(layer)] = (layer.register_forward_pre_hook(injector._before, with_kwargs=True),
+                                              layer.register_forward_hook(injector._after, with_kwargs=True))
+            return original(layer, *args, **kwargs)
+
+        return call
+
+    def _before(self, layer: Any, args: tuple, kwargs: dict) -> None:
+        self._pass = None
+        hidden_states = args[0] if args else kwargs.get('hidden_states')
+        if not (torch.is_grad_enabled() and layer.training and isinstance(hidden_states, torch.Tensor)
+                and hidden_states.dim() == 3):
+            return None
+        rows = int(hidden_states.shape[0])
+        self._check_forward(rows, int(hidden_states.shape[1]))
+        self._pass = (len(self.passes) - 1, rows)
+        return None
+
+    def _after(self, layer: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        if self._pass is None:
+            return None
+        index, rows = self._pass
+        self._pass = None
+        return self._fail_backward(out) if self._backward_chosen(index, rows) else None
+
+    def _check_forward(self, rows: int, length: int) -> None:
+        """Count a training pass of ``rows`` x ``length`` tokens; raise its forward OOM when one is due."""
+        tokens = rows * length
+        self.passes.append((rows, tokens))
+        budget = self.token_budget() if callable(self.token_budget) else self.token_budget
+        over = budget is not None and tokens > budget
+        chosen = len(self.passes) - 1 in self.forward_passes
+        if over or chosen or (rows > 1 and self.random.random() < self.forward_rate):
+            self.counts['forward'] += 1
+            raise torch.OutOfMemoryError(f'CUDA out of memory (injected: a pass of {rows} x {length} tokens)')
+
+    def _backward_chosen(self, index: int, rows: int) -> bool:
+        return index in self.fail_passes or (rows > 1 and self.random.random() < self.backward_rate)
+
+    def _fail_backward(self, out: Any) -> Any:
+        self.counts['backward'] += 1
+        if isinstance(out, tuple):
+            return (_FailInBackward.apply(out[0]), ) + tuple(out[1:])
+        return _FailInBackward.apply(out)
 
     def _wrap(self, original: Any) -> Any:
         injector = self
@@ -92,23 +154,10 @@ class OomInjector:
                     and hidden_states.dim() == 3):
                 return original(layer, *args, **kwargs)
             rows = int(hidden_states.shape[0])
-            tokens = rows * int(hidden_states.shape[1])
-            injector.passes.append((rows, tokens))
-            budget = injector.token_budget() if callable(injector.token_budget) else injector.token_budget
-            over = budget is not None and tokens > budget
-            chosen = len(injector.passes) - 1 in injector.forward_passes
-            if over or chosen or (rows > 1 and injector.random.random() < injector.forward_rate):
-                injector.counts['forward'] += 1
-                raise torch.OutOfMemoryError(f'CUDA out of memory (injected: a pass of {rows} x '
-                                             f'{hidden_states.shape[1]} tokens)')
+            injector._check_forward(rows, int(hidden_states.shape[1]))
+            index = len(injector.passes) - 1
             out = original(layer, *args, **kwargs)
-            chosen = len(injector.passes) - 1 in injector.fail_passes
-            if chosen or (rows > 1 and injector.random.random() < injector.backward_rate):
-                injector.counts['backward'] += 1
-                if isinstance(out, tuple):
-                    return (_FailInBackward.apply(out[0]), ) + tuple(out[1:])
-                return _FailInBackward.apply(out)
-            return out
+            return injector._fail_backward(out) if injector._backward_chosen(index, rows) else out
 
         return forward
 
