@@ -73,6 +73,7 @@ def _two_processes(tmp_path, name, model, data, length_batching):
     return out
 
 
+@pytest.mark.slow  # DDP passes by tokens: test_engines.py's pass_tokens test in CI; padding-free: the test above
 def test_two_processes_passes_by_tokens_train_the_same_steps(tmp_path, tiny_qwen):
     """Balanced steps under two DDP processes as micro-batches of the per-device size, as passes of at most 2,000
     padded tokens and as padding-free passes of 2,000 real tokens: every step the same samples over both ranks, the

@@ -40,6 +40,7 @@ def test_the_table_gives_each_slope_its_ratio_and_the_fixed_part():
 
 
 @pytest.mark.engines
+@pytest.mark.slow  # a benchmark's figures (scripts/bench_activation_bytes.py), out of CI's engine run
 def test_fsdp2_and_zero3_hold_the_bytes_a_token_of_no_engine_on_cpu(capsys):
     pytest.importorskip('deepspeed')
     assert bench.main(['--shape', '128', '512', '4', '2', '--layers', '2', '--tokens', '128', '256',

@@ -42,10 +42,14 @@ def _deepspeed_available() -> bool:
     return True
 
 
-def engine_param(name: str):
+def engine_param(name: str, slow: bool = False):
+    """An engine as a test parameter; ``slow``: an arm whose path another engine's arm already takes (ZeRO-2 beside
+    ZeRO-3: the same DeepSpeed checkpoint and end-of-run code), out of CI's engine run (``-m engines`` runs it)."""
     marks = [pytest.mark.skipif(not _deepspeed_available(),
                                 reason='deepspeed is not installed (pip install .[deepspeed])')
              ] if name.startswith('zero') else []
+    if slow:
+        marks.append(pytest.mark.slow)
     return pytest.param(name, marks=marks, id=name)
 
 
@@ -115,7 +119,7 @@ def test_ddp_noise_scale_reads_the_reduced_gradient(tmp_path, tiny_qwen, dataset
         assert math.sqrt(a['big_sqnorm']) == pytest.approx(float(logged[str(step)]), rel=1e-4)
 
 
-@pytest.mark.parametrize('engine', [engine_param('ddp'), engine_param('fsdp2'), engine_param('zero2'),
+@pytest.mark.parametrize('engine', [engine_param('ddp'), engine_param('fsdp2'), engine_param('zero2', slow=True),
                                     engine_param('zero3')])
 def test_growth_token_budget_lr_schedule_resume_and_early_stop(engine, tmp_path, tiny_qwen, dataset_15):
     """Every engine, every callback that is not refused there: batch growth with GA 2 and sqrt LR scaling, a token
@@ -361,7 +365,7 @@ def dataset_16(fixture_dir):
     return str(write_gsm8k_dataset(fixture_dir / 'gsm8k-16.jsonl', 16))
 
 
-@pytest.mark.parametrize('engine', [engine_param('fsdp2'), engine_param('zero2'), engine_param('zero3')])
+@pytest.mark.parametrize('engine', [engine_param('fsdp2'), engine_param('zero2', slow=True), engine_param('zero3')])
 def test_an_oom_on_one_rank_ends_the_run_and_the_checkpoint_resumes_below_it(engine, tmp_path, tiny_qwen, dataset_16):
     """Under a sharded engine (no OOM recovery) rank 1 alone runs out of memory in step 2: every rank ends (no hang:
     the launcher is gone within 60 s of the OOM, the time in rank 1's note), the log names the pass, the budget and
