@@ -43,7 +43,8 @@ def test_parse_good_section():
                                              'oom_recovery': 'auto', 'oom_single_sample_retries': 2,
                                              'oom_grow_back_steps': 1, 'oom_probe_steps': 64, 'enabled': True,
                                              'fail_fast': False, 'replay': None, 'allow_config_change': False,
-                                             'stream_window': 1024, 'packed_attention': 'auto'}
+                                             'stream_window': 1024, 'packed_attention': 'auto',
+                                             'grpo_pass_tokens': None}
     assert pack.to_json()['batch_schedule']['via'] == 'dataloader'
 
 
@@ -138,9 +139,9 @@ def test_integration_unknown_setting():
     message = config_error({'integration': {'record_sample': True}})
     assert 'dynamic_callbacks.integration' in message
     assert 'record_sample' in message
-    assert ('allowed: allow_config_change, enabled, fail_fast, log_values, max_steps_unit, oom_grow_back_steps, '
-            'oom_probe_steps, oom_recovery, oom_single_sample_retries, packed_attention, record_samples, '
-            'replay') in message
+    assert ('allowed: allow_config_change, enabled, fail_fast, grpo_pass_tokens, log_values, max_steps_unit, '
+            'oom_grow_back_steps, oom_probe_steps, oom_recovery, oom_single_sample_retries, packed_attention, '
+            'record_samples, replay') in message
 
 
 @pytest.mark.parametrize('section', [
@@ -177,7 +178,7 @@ def test_check_good_yaml(tmp_path, capsys):
                                       'oom_recovery': 'auto', 'oom_single_sample_retries': 2,
                                              'oom_grow_back_steps': 1, 'oom_probe_steps': 64, 'enabled': True,
                                       'fail_fast': False, 'replay': None, 'allow_config_change': False,
-                                      'stream_window': 1024, 'packed_attention': 'auto'}
+                                      'stream_window': 1024, 'packed_attention': 'auto', 'grpo_pass_tokens': None}
     assert err.startswith('swift-dynamic check: OK: ')
 
 

@@ -6,15 +6,11 @@ reward that varies: the completion's length)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
-import yaml
 
-from swift_runs import decisions, free_port, read_jsonl
+from swift_runs import decisions, read_jsonl
 
 pytestmark = pytest.mark.skipif(__import__('importlib').util.find_spec('msgspec') is None,
                                 reason="ms-swift's GRPO imports msgspec (the grpo extra)")
@@ -125,27 +121,6 @@ def test_grpo_refuses_a_batch_callback_before_the_model_loads(grpo_inputs, tmp_p
             rlhf_main(RLHFArguments(**kwargs))
     finally:
         plugin.unregister()
-
-
-@pytest.mark.e2e
-@pytest.mark.distributed
-@pytest.mark.engines
-def test_grpo_on_two_processes_stops_and_rotates_as_one(grpo_inputs, tmp_path):
-    """``NPROC_PER_NODE=2 swift-dynamic rlhf run.yaml`` (the user's route; real DDP on CPU): the same decisions, written
-    once, both ranks stop at the same step."""
-    model, prompts, reward = grpo_inputs
-    out = str(tmp_path / 'out')
-    config = _grpo_kwargs(model, prompts, reward, out, use_cpu=True, ddp_backend='gloo')
-    config.update(report_to='none', dynamic_callbacks=PACK)
-    path = tmp_path / 'run.yaml'
-    path.write_text(yaml.safe_dump(config, sort_keys=False), encoding='utf-8')
-    env = {**os.environ, 'NPROC_PER_NODE': '2', 'MASTER_PORT': str(free_port()), 'OMP_NUM_THREADS': '1'}
-    result = subprocess.run([sys.executable, '-m', 'swift_dynamic_callbacks.cli', 'rlhf', str(path)],
-                            capture_output=True, text=True, env=env, timeout=900, start_new_session=True)
-    assert result.returncode == 0, result.stderr[-4000:]
-    _check_run_level(out)
-    written = [json.loads(line) for line in open(os.path.join(out, 'dynamic_decisions.jsonl'), encoding='utf-8')]
-    assert len([d for d in written if d['kind'] == 'mode']) == 1
 
 
 @pytest.mark.e2e

@@ -113,11 +113,33 @@ def test_rlhf_refuses_split_passes(tmp_path, section, match):
     ('grpo', ['lr_schedule'], {'integration': {'oom_recovery': True}}, 'oom_recovery: true cannot be used with '
                                                                        'rlhf_type: grpo'),
     ('ppo', ['lr_schedule'], {}, "rlhf_type: ppo is not supported.*TRL's own training loop"),
+    ('dpo', ['lr_schedule'], {'integration': {'grpo_pass_tokens': 512}},
+     "grpo_pass_tokens: 512 cuts GRPO's loss passes: it needs rlhf_type: grpo"),
 ])
 def test_rlhf_refuses_what_a_rollout_trainer_cannot_run(tmp_path, rlhf, callbacks, section, match):
     """Under GRPO / GKD the run-level callbacks run; everything that builds batches or cuts passes is refused before
     anything launches, naming rlhf_type and why; PPO's own loop refuses every callback."""
     path = _yaml(tmp_path, {'model': 'm', 'rlhf_type': rlhf, 'callbacks': callbacks, 'dynamic_callbacks': section})
+    with pytest.raises(ConfigError, match=match):
+        cli.prepare(path, [], 'rlhf')
+
+
+@pytest.mark.parametrize('settings,match', [
+    ({'loss_type': 'real'}, "grpo_pass_tokens: 512 cannot be used with loss_type: 'real'"),
+    ({'use_liger_kernel': True}, 'use_liger_kernel: True: the liger loss'),
+    ({'deepspeed': 'zero2'}, "deepspeed: 'zero2': every backward under DeepSpeed"),
+    ({'sequence_parallel_size': 2}, 'sequence_parallel_size: 2'),
+    ({'loss_type': 'dapo'}, None),
+])
+def test_grpo_pass_tokens_is_checked_before_launch(tmp_path, settings, match):
+    """``integration.grpo_pass_tokens`` under GRPO: what would make a pass's loss other than its share of the one-pass
+    loss is refused at ``check`` time naming the setting; ``oom_recovery: true`` is allowed with it."""
+    section = {'lr_schedule': {}, 'integration': {'grpo_pass_tokens': 512, 'oom_recovery': True}}
+    path = _yaml(tmp_path, {'model': 'm', 'rlhf_type': 'grpo', 'callbacks': ['lr_schedule'],
+                            'dynamic_callbacks': section, **settings})
+    if match is None:
+        cli.prepare(path, [], 'rlhf')
+        return
     with pytest.raises(ConfigError, match=match):
         cli.prepare(path, [], 'rlhf')
 

@@ -74,6 +74,10 @@ class IntegrationConfig(Settings):
             all ranks and written as a ``packed_attention`` record; under ``auto`` a kernel that fails to load or a
             proof is undone (said in the record). A switched kernel that fails during training (not an OOM) falls
             back to the model's own attention with a record, and the step runs again.
+        grpo_pass_tokens: under ``rlhf_type: grpo``, GRPO's loss over a micro-batch of completions runs as passes of
+            at most this many padded tokens (prompt + completion) each, whole completions, each weighted by its
+            share of the loss under ``loss_type`` (the one-pass gradient); on one process an OOM in a pass runs its
+            halves instead and lowers the budget (the ``oom_*`` settings). ``null`` (default): GRPO's own passes.
     """
 
     record_samples: bool = setting(Flag(), False)
@@ -89,6 +93,7 @@ class IntegrationConfig(Settings):
     allow_config_change: bool = setting(Flag(), False)
     stream_window: int = setting(Int(1, 10_000_000), 1024)
     packed_attention: str = setting(Choice(PACKED_ATTENTION), 'auto')
+    grpo_pass_tokens: int | None = setting(Int(1, 1_000_000_000, optional=True), None)
 
     reads = (Reads('oom_recovery', {'auto': ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_probe_steps'),
                                     True: ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_probe_steps'),

@@ -16,7 +16,7 @@ import importlib.metadata
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from ..state import STATE_FILE
@@ -24,7 +24,8 @@ from . import ConfigError
 from .engines import check_engine, engine_from_swift
 from .integration import IntegrationConfig
 from .models import qwen_vl_model
-from .rules import RunFacts, check_facts, noise_scale_passes, pass_splitters, rlhf_refusal
+from .rules import (RLHF_RUN_LEVEL, RunFacts, check_facts, grpo_passes_refusal, noise_scale_passes, pass_splitters,
+                    rlhf_refusal)
 from .pack import (CALLBACK_CONFIGS, NON_LAMBDA_SCHEDULERS, PLUGIN_FILE, SECTION, SWIFT_CALLBACKS, PackConfig,
                    _names, check_controls)
 
@@ -202,6 +203,12 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
     notes = list(pack.notes) + _unknown_callbacks(listed, settings)
     pack_listed = [n for n in listed if n in CALLBACK_CONFIGS]
     check_controls(pack_listed)
+    if pack_listed and str(settings.get('rlhf_type') or '').lower() in RLHF_RUN_LEVEL:
+        # GRPO / GKD: what the rollout trainer allows first; OOM recovery there is the GRPO passes' own (one process,
+        # checked at start), so the step runner's rules see it as auto
+        _check_rlhf(pack, settings, {n: pack.callback_config(n) for n in pack_listed}, ', '.join(pack_listed))
+        if pack.integration.grpo_pass_tokens is not None:
+            pack = replace(pack, integration=replace(pack.integration, oom_recovery='auto'))
     check_engine(engine_from_swift(settings), pack.to_json(), listed)
     if not pack_listed:  # nothing of the pack runs: the rest concerns the pack's integration
         return notes
@@ -455,7 +462,9 @@ def ignore_data_skip_error(checkpoint: str) -> ConfigError:
 #: completion with its KL row; their batches and token budgets count both rows (``rows.row_cost``)
 def _check_rlhf(pack: PackConfig, settings: Mapping[str, Any], configs: Mapping[str, Any], uses: str) -> None:
     """``rlhf_type`` (``swift rlhf``): :func:`.rules.rlhf_refusal`, the rule every route asks before the model loads."""
-    message = rlhf_refusal(settings.get('rlhf_type'), list(configs), configs, pack.integration.oom_recovery)
+    message = rlhf_refusal(settings.get('rlhf_type'), list(configs), configs, pack.integration.oom_recovery,
+                           grpo_pass_tokens=pack.integration.grpo_pass_tokens)
+    message = message or grpo_passes_refusal(pack.integration.grpo_pass_tokens, settings.get)
     if message is not None:
         raise ConfigError(message)
 

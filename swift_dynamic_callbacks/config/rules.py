@@ -308,7 +308,8 @@ RUN_LEVEL_CALLBACKS = ('lr_schedule', 'early_stopping', 'checkpoint_rotation', '
 ROLLOUT_WHY = {
     'grpo': ('its trainer draws each step\'s prompts with its own repeat sampler (every prompt num_generations '
              'times, advantages computed over a group) and runs its own loss passes over the completions, so the '
-             'pack does not build its batches or cut its passes'),
+             'pack does not build its batches (it cuts the loss passes by tokens with '
+             'dynamic_callbacks.integration.grpo_pass_tokens)'),
     'gkd': ('its trainer samples its own prompts and generates on-policy completions inside each step (scored '
             'against the teacher\'s logits), so the pack does not build its batches or cut its passes'),
 }
@@ -317,7 +318,7 @@ PPO_WHY = 'ms-swift\'s PPO trainer runs TRL\'s own training loop, which has no s
 
 
 def rlhf_refusal(rlhf_type: str | None, listed: Sequence[str], configs: Mapping[str, Any],
-                 oom_recovery: bool | str = 'auto') -> str | None:
+                 oom_recovery: bool | str = 'auto', *, grpo_pass_tokens: int | None = None) -> str | None:
     """What the pack refuses under ``swift rlhf --rlhf_type <rlhf_type>`` (``listed``: the pack callbacks listed,
     ``configs``: their settings), or ``None``: checked before the model loads on every route (``swift-dynamic check``
     and ``rlhf``, the plugin and Python routes: ``integrations/swift.py``) and again when the trainer is built."""
@@ -337,9 +338,10 @@ def rlhf_refusal(rlhf_type: str | None, listed: Sequence[str], configs: Mapping[
         if log is not None and getattr(log, 'noise_scale', False):
             return (f'{SECTION}.training_log.noise_scale: true cannot be used with rlhf_type: {rlhf}: {why} '
                     '(the probe reads its passes); set it false')
-        if oom_recovery is True:
+        if oom_recovery is True and not (rlhf == 'grpo' and grpo_pass_tokens is not None):
             return (f'{SECTION}.integration.oom_recovery: true cannot be used with rlhf_type: {rlhf}: {why}; '
-                    'use auto or false')
+                    'use auto or false' + ('; under grpo it recovers in the loss passes cut by '
+                                           f'{SECTION}.integration.grpo_pass_tokens' if rlhf == 'grpo' else ''))
         return None
     if rlhf not in RLHF_PAIRS:
         return (f'rlhf_type: {rlhf} is not supported by swift-dynamic-callbacks (callbacks: {uses}); allowed: '
@@ -351,4 +353,59 @@ def rlhf_refusal(rlhf_type: str | None, listed: Sequence[str], configs: Mapping[
     if oom_recovery is True:
         return (f'{SECTION}.integration.oom_recovery: true is not supported with rlhf_type: {rlhf}: {PAIRS_WHY}; use '
                 'auto (off under swift rlhf) or false')
+    return None
+
+
+#: GRPO settings under which a loss pass over some of a micro-batch's completions would not be its share of the
+#: one-pass loss (or whose loss is not computed where the passes cut), with why: refused with ``grpo_pass_tokens``
+GRPO_PASSES_REFUSED = {
+    'use_liger_kernel': 'the liger loss runs its own fused kernel over the whole micro-batch',
+    'top_entropy_quantile': ('the entropy threshold is a quantile over all of a call\'s tokens: each pass would '
+                             'take its own'),
+    'chord_sft_dataset': 'CHORD draws another SFT batch at every loss call: passes would draw several',
+    'sdar_loss_coef': 'SDAR\'s auxiliary loss is a token mean over a call, not weighted as the passes are',
+    'rollout_importance_sampling_mode': 'not checked with passes (its weights are not proven per completion)',
+    'padding_free': 'a packed micro-batch is one [1, N] row and cannot be cut by completions',
+    'multimodal': 'not proven with passes (ms-swift re-encodes a multimodal slice from its samples)',
+    'deepspeed': ('every backward under DeepSpeed is an engine step of its own; the passes run on one process or '
+                  'under DDP'),
+    'fsdp': 'the passes run on one process or under DDP (FSDP2 reduces in every backward)',
+    'sequence_parallel_size': 'every pass would hold the group\'s all-to-all',
+}
+
+
+def grpo_passes_refusal(pass_tokens: int | None, get: Callable[[str], Any]) -> str | None:
+    """What ``integration.grpo_pass_tokens`` cannot run with (``get(name)``: an ms-swift setting as the YAML, the
+    parsed arguments or the trainer hold it; ``None`` where unknown), or ``None``; asked before the model loads and
+    again when training starts."""
+    if pass_tokens is None:
+        return None
+    name = f'{SECTION}.integration.grpo_pass_tokens: {pass_tokens}'
+    rlhf = get('rlhf_type')
+    if str(rlhf or '').lower() != 'grpo':
+        return f'{name} cuts GRPO\'s loss passes: it needs rlhf_type: grpo (got {rlhf!r}); remove it'
+    from ..policies.rl_passes import WEIGHTING
+    loss_type = get('loss_type')
+    if isinstance(loss_type, (list, tuple)) and len(loss_type) == 1:
+        loss_type = loss_type[0]
+    if loss_type is not None and loss_type not in WEIGHTING:
+        return (f'{name} cannot be used with loss_type: {loss_type!r}: its loss is not a sum of per-completion '
+                f'parts the passes can weight; allowed: {", ".join(WEIGHTING)}')
+    off = {'use_liger_kernel': bool(get('use_liger_kernel')),
+           'top_entropy_quantile': get('top_entropy_quantile') not in (None, 1, 1.0),
+           'chord_sft_dataset': bool(get('chord_sft_dataset')),
+           'sdar_loss_coef': bool(get('sdar_loss_coef')),
+           'rollout_importance_sampling_mode': get('rollout_importance_sampling_mode') is not None,
+           'padding_free': bool(get('padding_free')) or bool(get('packing')),
+           'multimodal': bool(get('multimodal')),
+           'deepspeed': bool(get('deepspeed')),
+           'fsdp': bool(get('fsdp')),
+           'sequence_parallel_size': int(get('sequence_parallel_size') or 1) > 1}
+    for setting, refused in off.items():
+        if refused:
+            shown = 'a multimodal model' if setting == 'multimodal' else f'{setting}: {get(setting)!r}'
+            return f'{name} cannot be used with {shown}: {GRPO_PASSES_REFUSED[setting]}; remove one of them'
+    if loss_type == 'bnpo' and get('off_policy_sequence_mask_delta') is not None:
+        return (f'{name} cannot be used with loss_type: bnpo and off_policy_sequence_mask_delta: the mask changes the '
+                'completion tokens bnpo divides by after the passes were weighted; remove one of them')
     return None

@@ -120,6 +120,15 @@ class RunLevelTrainerMixin(RunHooks):
         self.dynamic_integration.boundary(self.control)
         return super().get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """GRPO's loss in training as passes by tokens where ``grpo_pass_tokens`` asks for it (:mod:`.grpo_passes`),
+        else the trainer's own."""
+        passes = self.dynamic_integration.grpo_passes
+        if passes is None or return_outputs or not (model.training and torch.is_grad_enabled()):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        return passes.compute_loss(self, model, inputs, num_items_in_batch)
+
 
 class DynamicTrainerMixin(RunHooks):
     """Overrides mixed into the trainer's own class by :func:`install` (see the module docstring)."""

@@ -27,7 +27,7 @@ import torch
 from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
-from ..config.rules import ROLLOUT_WHY, rlhf_refusal
+from ..config.rules import ROLLOUT_WHY, grpo_passes_refusal, rlhf_refusal
 from ..data.slots import slot_batches
 from ..records import DECISIONS_FILE, DecisionRecord
 from ..state import stateful_components
@@ -37,6 +37,7 @@ from .checkpoint import Checkpoints
 from .data import DataFeed, check_supported
 from .decisions import Decisions
 from .engines import Engine
+from .grpo_passes import GrpoPasses
 from .inputs import prepare_slot, to_device
 from .layout import Layout
 from .optimizer import OptimizerScale
@@ -95,6 +96,7 @@ class Integration:
         self.crash_ooms: list[DecisionRecord] = []  # OOMs that ended an earlier run after the resumed checkpoint
         self.saved_oom_count = 0  # every rank's OOMs at the last save (the checkpoint's ``oom_count``)
         self.replay: dict[int, protocol.BatchRequest] | None = None  # step -> recorded request (replay setting)
+        self.grpo_passes: GrpoPasses | None = None  # GRPO's loss passes by tokens (grpo_pass_tokens; run level)
 
     @property
     def loader(self) -> Any:
@@ -164,24 +166,58 @@ class Integration:
         trainer = self.trainer
         listed = {cb.name: cb.config for cb in trainer.callback_handler.callbacks
                   if getattr(cb, 'config_class', None) is not None and getattr(cb, 'config', None) is not None}
-        message = rlhf_refusal(self.run_level, list(listed), listed, self.config.oom_recovery)
+        message = rlhf_refusal(self.run_level, list(listed), listed, self.config.oom_recovery,
+                               grpo_pass_tokens=self.config.grpo_pass_tokens)
+        message = message or grpo_passes_refusal(self.config.grpo_pass_tokens,
+                                                 lambda name: _grpo_setting(trainer, name))
         if message is not None:
             raise ConfigError(message)
         host = type(trainer).__bases__[-1].__name__  # the class the pack's mixin was mixed into
+        if self.config.grpo_pass_tokens is not None:
+            self._begin_grpo_passes()
+        recovery = self.grpo_passes is not None and self.grpo_passes.oom_recovery
         self.decisions.write(DecisionRecord(
             'integration', 'mode', 'run_level', {'rlhf_type': self.run_level, 'trainer': host,
-                                                 'callbacks': sorted(listed), 'oom_recovery': False},
-            f'rlhf_type {self.run_level}: {ROLLOUT_WHY[self.run_level]}; the pack acts at the step boundary only (LR '
-            'schedule, early stopping, checkpoint rotation, training log); OOM recovery off'))
+                                                 'callbacks': sorted(listed), 'oom_recovery': recovery,
+                                                 'grpo_pass_tokens': self.config.grpo_pass_tokens},
+            f'rlhf_type {self.run_level}: {ROLLOUT_WHY[self.run_level]}; the pack acts at the step boundary (LR '
+            'schedule, early stopping, checkpoint rotation, training log)'
+            + ('; its loss passes cut by grpo_pass_tokens' if self.grpo_passes is not None else '')
+            + ('' if recovery else '; OOM recovery off')))
         self.checkpoints.write_config()
         trainer.control._sdc_integration = True
         setattr(trainer.control, protocol.FAIL_FAST, self.config.fail_fast)
         self.checkpoints.resume(resume_from_checkpoint, [self] + self.callback_components())
         self.budget.begin()
 
+    def _begin_grpo_passes(self) -> None:
+        """``grpo_pass_tokens``: GRPO's loss passes cut by tokens (:mod:`.grpo_passes`), OOM recovery on one process
+        (``oom_recovery`` auto or true); one ``grpo_passes`` record."""
+        config = self.config
+        processes = distributed.world_size()
+        recovery = config.oom_recovery is not False and processes == 1
+        if config.oom_recovery is True and processes > 1:
+            raise ConfigError(f'dynamic_callbacks.integration.oom_recovery: true cannot be used with rlhf_type: grpo '
+                              f'under {processes} processes: every GRPO loss pass holds ms-swift\'s metric gathers, so '
+                              'one rank cannot re-cut a pass alone; use auto (off there) or false')
+        self.grpo_passes = GrpoPasses(config.grpo_pass_tokens, str(self.trainer.loss_type), oom_recovery=recovery,
+                                      single_sample_retries=config.oom_single_sample_retries,
+                                      grow_back_steps=config.oom_grow_back_steps,
+                                      probe_steps=config.oom_probe_steps)
+        values = self.grpo_passes.describe()
+        self.decisions.write(DecisionRecord(
+            'integration', 'grpo_passes', 'pass_tokens', values,
+            f'GRPO loss passes of at most {config.grpo_pass_tokens} padded tokens, each weighted by its '
+            f'{values["weighting"]} under loss_type {values["loss_type"]}'
+            + ('; OOM recovery on' if recovery else '; OOM recovery off')))
+
     def boundary(self, control: Any) -> None:
         """HF's ``get_batch_samples`` of a run-level trainer (:attr:`run_level`): the requests agreed and applied, the
-        LR the step uses noted; the trainer then draws its step as it would."""
+        LR the step uses noted; the trainer then draws its step as it would. Under ``grpo_pass_tokens`` the last
+        step's OOMs and budget changes are written first."""
+        if self.grpo_passes is not None:
+            for record in self.grpo_passes.end_step(int(self.trainer.state.global_step)):
+                self.decisions.write(record)
         control._sdc_integration = True
         self.apply_requests(control)
         optimizer = getattr(self.trainer, 'optimizer', None)
@@ -386,6 +422,8 @@ class Integration:
         if self.run_level is not None:  # no loader, no passes of the pack's: the LR and the callbacks' values
             if 'loss' in logs:
                 logs.update({'dynamic/lr_scale': self.lr.scale, **protocol.current_metrics(control)})
+                if self.grpo_passes is not None:
+                    logs.update(self.grpo_passes.metrics())
                 if 'learning_rate' in logs and self.step_lr is not None:
                     logs['learning_rate'] = self.step_lr
             return
@@ -422,6 +460,7 @@ class Integration:
             'optimizer': self.optimizer.state_dict(),
             'scheduler_steps': self.budget.scheduler_steps,
             'sequence_parallel_size': distributed.sequence_parallel_size(),
+            'grpo_passes': self.grpo_passes.state_dict() if self.grpo_passes is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -435,7 +474,25 @@ class Integration:
         self.layout.load_state_dict(state.get('layout'))
         self.optimizer.load_state_dict(state.get('optimizer'))
         self.budget.saved_scheduler_steps = state.get('scheduler_steps')
+        if self.grpo_passes is not None:
+            self.grpo_passes.load_state_dict(state.get('grpo_passes'))
         self.metrics.load_state_dict(state)
         pending = state.get('pending_request')
         if pending:
             set_request(self.trainer.control, pending)
+
+
+def _grpo_setting(trainer: Any, name: str) -> Any:
+    """A GRPO setting as the trainer runs it (its own attribute where ms-swift keeps one, else its arguments')."""
+    if name == 'rlhf_type':
+        return 'grpo'
+    if name == 'loss_type' and getattr(trainer, 'loss_type', None) is not None:
+        return trainer.loss_type
+    if name == 'padding_free':
+        return bool(getattr(getattr(trainer, 'template', None), 'padding_free', False)
+                    or getattr(trainer.args, 'padding_free', False))
+    if name == 'multimodal':
+        return bool(getattr(trainer, 'is_multimodal', False))
+    if name in ('deepspeed', 'fsdp'):
+        return bool(getattr(trainer, 'is_deepspeed_enabled' if name == 'deepspeed' else 'is_fsdp_enabled', False))
+    return getattr(trainer.args, name, None)

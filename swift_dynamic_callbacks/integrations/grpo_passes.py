@@ -1,0 +1,221 @@
+"""GRPO's training phase cut into passes by tokens (``dynamic_callbacks.integration.grpo_pass_tokens``), with OOM
+recovery on one process.
+
+ms-swift's ``GRPOTrainer.compute_loss`` runs a micro-batch of completions (its ``model_inputs`` and ``grpo_batch``)
+as one forward and one backward. With a token budget, :meth:`GrpoPasses.compute_loss` (called by the trainer mixin's
+``compute_loss``, :class:`~.hooks.RunLevelTrainerMixin`) runs it as passes of whole completions, each at most
+``budget`` padded tokens (:func:`..policies.rl_passes.plan_passes`): each pass is sliced with ms-swift's own
+``get_chunked_inputs``, its loss computed by ms-swift's own ``_compute_loss_and_metrics`` (the same advantages, old
+and reference log-probs, KL and clipping as the one-pass call), weighted by its share of the micro-batch's loss under
+``loss_type`` (:func:`..policies.rl_passes.pass_weight`) and backpropagated at once, so only one pass's activations
+live at a time. The summed weighted losses are the one-pass loss and gradient; the value returned to HF's
+``training_step`` is that sum as a leaf (its backward adds nothing). Under DDP every rank runs as many passes as the
+rank with most (zero-weight passes: ms-swift's gathers of metrics and DDP's reduction stay in step), all but the
+last under ``no_sync``. A ``num_generations`` group's advantages were computed by ms-swift before the batch reached
+here and are only sliced, never changed; a micro-batch never leaves its optimizer step.
+
+On one process an OOM in a pass (forward or backward) restores the gradients from before the pass and runs its two
+halves instead (a one-row pass is retried ``oom_single_sample_retries`` times, then the run ends naming what to
+lower); the budget then follows the SFT rule (:func:`..policies.pass_cost.budget_after_oom` / ``budget_after_step``:
+the largest clean pass, else half the failing one; growing back every ``oom_grow_back_steps`` clean steps).
+Under several processes an OOM ends the run with the pass and what to lower (one rank cannot re-cut alone: every
+pass holds ms-swift's metric gathers).
+
+State (``state_dict``): the budget after OOMs and the OOM count; per step: the passes run and the largest clean pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import asdict
+from typing import Any, Mapping
+
+import torch
+
+from .. import distributed
+from ..device_memory import free_memory, is_oom
+from ..policies.pass_cost import BudgetState, budget_after_oom, budget_after_step
+from ..policies.rl_passes import WEIGHTING, halves, pass_weight, plan_passes
+from ..records import DecisionRecord
+from .passes import grad_snapshot, restore_grads
+
+logger = logging.getLogger('swift_dynamic_callbacks')
+
+
+class GrpoPassTooLargeError(RuntimeError):
+    """A one-completion pass of GRPO's training phase ran out of memory after its retries."""
+
+
+class GrpoPasses:
+    """Runs GRPO's loss over a micro-batch of completions as passes within a token budget (see the module docstring).
+
+    Args:
+        pass_tokens: the budget, in padded tokens (prompt + completion) a pass.
+        loss_type: the trainer's ``loss_type`` (one of :data:`..policies.rl_passes.WEIGHTING`).
+        oom_recovery: whether an OOM in a pass is recovered from (one process).
+        single_sample_retries / grow_back_steps / probe_steps: the ``integration`` OOM settings.
+    """
+
+    def __init__(self, pass_tokens: int, loss_type: str, *, oom_recovery: bool, single_sample_retries: int,
+                 grow_back_steps: int, probe_steps: int) -> None:
+        if loss_type not in WEIGHTING:
+            raise ValueError(f'loss_type {loss_type!r}: not one the passes weight ({", ".join(WEIGHTING)})')
+        self.ceiling = pass_tokens
+        self.loss_type = loss_type
+        self.oom_recovery = oom_recovery
+        self.single_sample_retries = single_sample_retries
+        self.grow_back_steps = grow_back_steps
+        self.probe_steps = probe_steps
+        self.state = BudgetState()
+        self.oom_count = 0
+        self.records: list[DecisionRecord] = []  # decisions made inside a step, written at the next boundary
+        self.step_passes = 0  # the most passes a micro-batch of the last step ran
+        self._fitted = 0  # the largest pass (tokens) that ran clean in this step
+        self._oom_in_step = False
+
+    @property
+    def budget(self) -> int:
+        """The tokens a pass may hold now (the setting, or lower after an OOM)."""
+        return self.state.budget if self.state.budget is not None else self.ceiling
+
+    def describe(self) -> dict[str, Any]:
+        return {'grpo_pass_tokens': self.ceiling, 'loss_type': self.loss_type,
+                'weighting': WEIGHTING[self.loss_type], 'oom_recovery': self.oom_recovery}
+
+    # ---- one micro-batch -----------------------------------------------------------------------------------------
+    def compute_loss(self, trainer: Any, model: Any, inputs: Any, num_items_in_batch: Any) -> torch.Tensor:
+        """The trainer's ``compute_loss`` in training: every pass's forward and backward here; returns the summed loss
+        as a leaf for HF's ``training_step`` to scale and backpropagate (nothing flows from it)."""
+        if isinstance(inputs, list):
+            assert len(inputs) == 1
+            inputs = inputs[0]
+        model_inputs, batch = inputs['model_inputs'], inputs['grpo_batch']
+        origin = inputs.get('_origin_data')
+        rows, length = (int(n) for n in model_inputs['input_ids'].shape[:2])
+        mask = batch.completion_mask
+        total_tokens = int(mask.sum())
+        plan = plan_passes(rows, length, self.budget)
+        passes = max(distributed.max_ints([len(plan)])[0], len(plan))
+        queue: list[tuple[int, int, bool]] = [(s, e, True) for s, e in plan]
+        queue += [(0, 1, False)] * (passes - len(plan))  # zero-weight passes: as many passes as every rank
+        divisor = _ga_divisor(trainer, num_items_in_batch)
+        total = 0.0
+        metrics: list[tuple[Any, int]] = []
+        ran = 0
+        retries = 0
+        while queue:
+            start, end, real = queue.pop(0)
+            last = not queue
+            weight = (pass_weight(self.loss_type, end - start, rows, int(mask[start:end].sum()), total_tokens)
+                      if real else 0.0)
+            snapshot = grad_snapshot(model) if self.oom_recovery else None
+            failed = None
+            try:
+                part_inputs, part_batch = trainer.get_chunked_inputs(model_inputs, batch, start, end, origin)
+                context = trainer.accelerator.no_sync(model) if not last else contextlib.nullcontext()
+                with context:
+                    loss, data = trainer._compute_loss_and_metrics(model, part_inputs, part_batch)
+                    trainer.accelerator.backward(loss * (weight / divisor))
+            except Exception as error:  # noqa: BLE001 - only OOMs are recovered; everything else is raised
+                if not (self.oom_recovery and is_oom(error)):
+                    if is_oom(error):
+                        raise RuntimeError(self._unrecovered(end - start, length)) from error
+                    raise
+                failed = (end - start) * length
+            if failed is not None:
+                restore_grads(model, snapshot)
+                del snapshot
+                free_memory()
+                self._note_oom(trainer, start, end, length)
+                if end - start > 1:
+                    queue[:0] = [(s, e, real) for s, e in halves(start, end)]
+                    continue
+                retries += 1
+                if retries > self.single_sample_retries:
+                    raise GrpoPassTooLargeError(self._too_large(length))
+                queue.insert(0, (start, end, real))
+                continue
+            ran += 1
+            self._fitted = max(self._fitted, (end - start) * length)
+            if real:
+                total += float(loss.detach()) * weight
+                metrics.append((data, end - start))
+            del loss
+        self.step_passes = max(self.step_passes, ran)
+        trainer._aggregate_and_update_metrics(metrics, 'train')
+        device = model_inputs['input_ids'].device
+        return torch.tensor(total, device=device, requires_grad=True)
+
+    def _note_oom(self, trainer: Any, start: int, end: int, length: int) -> None:
+        self.oom_count += 1
+        self._oom_in_step = True
+        old = self.budget
+        self.state = budget_after_oom(self.state, (end - start) * length, self.ceiling, fitted=self._fitted)
+        step = int(trainer.state.global_step) + 1
+        message = (f'out of memory in a GRPO loss pass of {end - start} completions x {length} tokens; its halves run '
+                   f'instead (the same gradient); passes of at most {self.budget} tokens from now on')
+        logger.warning(message)
+        self.records.append(DecisionRecord('integration', 'oom', 'recovered',
+                                           {'rows': end - start, 'tokens': (end - start) * length, 'phase': 'loss',
+                                            'rank': distributed.rank()}, message, step=step))
+        if self.budget != old:
+            self.records.append(DecisionRecord('integration', 'pass_budget', 'oom',
+                                               {'old': old, 'new': self.budget, 'unit': 'tokens'},
+                                               f'GRPO passes of at most {self.budget} tokens', step=step))
+
+    def _unrecovered(self, rows: int, length: int) -> str:
+        return (f'out of memory in a GRPO loss pass of {rows} completions x {length} tokens under '
+                f'{distributed.world_size()} processes (OOM recovery runs on one process: every pass holds ms-swift\'s '
+                f'metric gathers); lower dynamic_callbacks.integration.grpo_pass_tokens (now {self.budget}) or '
+                'max_completion_length')
+
+    def _too_large(self, length: int) -> str:
+        return (f'one completion of {length} tokens (prompt + completion, padded) runs out of memory alone after '
+                f'{self.single_sample_retries} retries: lower max_completion_length or max_length (GRPO\'s passes '
+                'cannot cut a completion)')
+
+    # ---- at the step boundary ----------------------------------------------------------------------------------
+    def end_step(self, step: int) -> list[DecisionRecord]:
+        """After a step: grow the lowered budget back after clean steps (the SFT rule); returns the step's records
+        (OOMs, budget changes) for the decision log."""
+        if not self._oom_in_step and self.state.budget is not None:
+            old = self.budget
+            self.state = budget_after_step(self.state, self.ceiling, fitted=self._fitted,
+                                           grow_after=self.grow_back_steps, probe_after=self.probe_steps)
+            if self.budget != old:
+                self.records.append(DecisionRecord('integration', 'pass_budget', 'grow_back',
+                                                   {'old': old, 'new': self.budget, 'unit': 'tokens'},
+                                                   f'GRPO passes of at most {self.budget} tokens', step=step))
+        records, self.records = self.records, []
+        self._fitted, self._oom_in_step = 0, False
+        return records
+
+    def metrics(self) -> dict[str, Any]:
+        """The numbers of the last step for the log line."""
+        values = {'dynamic/grpo_passes': self.step_passes, 'dynamic/pass_budget': self.budget,
+                  'dynamic/oom_count': self.oom_count}  # recovered on one process only: this rank's are all
+        self.step_passes = 0
+        return values
+
+    def state_dict(self) -> dict[str, Any]:
+        return {'state': asdict(self.state), 'oom_count': self.oom_count, 'ceiling': self.ceiling}
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        if not state:
+            return
+        self.state = BudgetState(**state['state']) if state.get('ceiling') == self.ceiling else BudgetState()
+        self.oom_count = int(state.get('oom_count', 0))
+
+
+def _ga_divisor(trainer: Any, num_items_in_batch: Any) -> float:
+    """What HF's ``training_step`` divides the returned loss by (``current_gradient_accumulation_steps`` unless the loss
+    is already scaled for it): every pass's backward is scaled the same."""
+    scaled = getattr(trainer, 'loss_is_scaled_for_ga', None)
+    if scaled is None:
+        scaled = ((getattr(trainer, 'model_accepts_loss_kwargs', False) and num_items_in_batch is not None)
+                  or getattr(trainer, 'compute_loss_func', None) is not None)
+    if scaled:
+        return 1.0
+    return float(getattr(trainer, 'current_gradient_accumulation_steps', None)
+                 or trainer.args.gradient_accumulation_steps)

@@ -1,0 +1,151 @@
+"""GRPO's training phase cut into passes by tokens (``integration.grpo_pass_tokens``): real ``swift rlhf --rlhf_type
+grpo`` trainings of the tiny Qwen2 (no vLLM, a reward that varies: the completion's length) against the same run
+with GRPO's own one pass a micro-batch. The completions are sampled from the same seed, so the steps whose rewards
+agree trained on the same completions: their loss and grad_norm must agree."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from swift_runs import decisions, read_jsonl
+from test_grpo import REWARD_PLUGIN
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(__import__('importlib').util.find_spec('msgspec') is None,
+                                 reason="ms-swift's GRPO imports msgspec (the grpo extra)")]
+
+
+@pytest.fixture(scope='module')
+def grpo_data(tmp_path_factory, tiny_qwen):
+    from swift_dynamic_callbacks.testing.tiny import write_prompt_dataset
+    root = tmp_path_factory.mktemp('grpo-passes')
+    plugin = root / 'reward_plugin.py'
+    plugin.write_text(REWARD_PLUGIN, encoding='utf-8')
+    return tiny_qwen, str(write_prompt_dataset(root / 'prompts.jsonl', 8)), str(plugin)
+
+
+def _run(data, out: str, integration: dict | None, *, faults: dict | None = None, **extra) -> list[dict]:
+    """One GRPO run (Python route, 4 completions of 2 prompts a micro-batch, 2 steps) with ``training_log`` listed;
+    returns its logged steps."""
+    import swift_dynamic_callbacks as sdc
+    from swift import RLHFArguments, rlhf_main
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
+    model, prompts, reward = data
+    kwargs = offline_sft_kwargs(model, prompts, out, arch='qwen2', callbacks=['training_log'], max_steps=2,
+                                per_device_train_batch_size=4, gradient_checkpointing=False, learning_rate=1e-3,
+                                seed=7, lora_dropout=0.0)  # dropout masks would differ by pass
+    kwargs.update(rlhf_type='grpo', reward_funcs=['completion_length'], external_plugins=[reward], use_vllm=False,
+                  num_generations=2, max_completion_length=16, temperature=1.0, **extra)
+    injector = None
+    try:
+        sdc.register(training_log={}, integration=integration or {})
+        if faults:
+            from swift_dynamic_callbacks.testing.faults import OomInjector
+            injector = OomInjector(**faults).install()
+        rlhf_main(RLHFArguments(**kwargs))
+    finally:
+        plugin.unregister()
+        if injector is not None:
+            injector.remove()
+    return [row for row in read_jsonl(os.path.join(out, 'logging.jsonl')) if 'loss' in row]
+
+
+def _same_steps(a: list[dict], b: list[dict], rel: float) -> None:
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b):
+        assert y['reward'] == pytest.approx(x['reward'], rel=1e-6), (x, y)  # the same completions
+        assert y['loss'] == pytest.approx(x['loss'], rel=rel, abs=1e-7), (x, y)
+        assert y['grad_norm'] == pytest.approx(x['grad_norm'], rel=rel, abs=1e-7), (x, y)
+
+
+@pytest.mark.parametrize('loss_type', ['grpo'] + [pytest.param(t, marks=pytest.mark.slow)  # weights: test_rl_passes
+                                                   for t in ('bnpo', 'dr_grpo', 'dapo')])
+def test_passes_of_one_completion_give_the_one_pass_gradient(grpo_data, tmp_path, loss_type):
+    """Every completion its own pass (``grpo_pass_tokens: 1``: 4 passes a micro-batch, weighted by rows, completion
+    tokens or the window as ``loss_type`` reduces): the loss and grad_norm of both steps within 1e-5 of GRPO's one
+    pass; the passes are what the pack requested (a ``grpo_passes`` record, ``dynamic/grpo_passes`` 4 a step)."""
+    one = _run(grpo_data, str(tmp_path / 'one'), None, loss_type=loss_type)
+    out = str(tmp_path / 'cut')
+    cut = _run(grpo_data, out, {'grpo_pass_tokens': 1}, loss_type=loss_type)
+    _same_steps(one, cut, 1e-5)
+    [record] = [d for d in decisions(out) if d['kind'] == 'grpo_passes']
+    assert record['values']['loss_type'] == loss_type and record['values']['grpo_pass_tokens'] == 1
+    assert record['values']['oom_recovery'] is True
+    assert [row['dynamic/grpo_passes'] for row in cut] == [4, 4]
+    assert all('dynamic/grpo_passes' not in row for row in one)
+
+
+def test_an_oom_in_a_loss_pass_runs_its_halves_with_the_same_gradient(grpo_data, tmp_path):
+    """One pass a micro-batch by the budget; its first forward runs out of memory (injected), then the first half's
+    backward: the halves run instead (the quarter where the half failed), the gradient as the run without OOMs
+    (2e-4), two ``oom`` records, the budget lowered in a ``pass_budget`` record and then grown back."""
+    clean = _run(grpo_data, str(tmp_path / 'clean'), {'grpo_pass_tokens': 100_000})
+    out = str(tmp_path / 'oom')
+    hit = _run(grpo_data, out, {'grpo_pass_tokens': 100_000},
+               faults={'forward_passes': (0, ), 'fail_passes': (1, )})
+    _same_steps(clean, hit, 1e-5)  # the goal is 2e-4; the halves give the same sums
+    records = decisions(out)
+    ooms = [d for d in records if d['kind'] == 'oom']
+    assert [(d['reason'], d['values']['rows']) for d in ooms] == [('recovered', 4), ('recovered', 2)]
+    budgets = [d for d in records if d['kind'] == 'pass_budget']
+    assert budgets[0]['reason'] == 'oom' and budgets[0]['values']['new'] < budgets[0]['values']['old']
+    assert hit[0]['dynamic/oom_count'] == 2 and hit[0]['dynamic/grpo_passes'] == 3
+
+
+@pytest.mark.distributed
+@pytest.mark.engines
+def test_two_processes_pass_by_pass_give_the_one_pass_gradient_and_the_callbacks_run(grpo_data, tmp_path):
+    """``NPROC_PER_NODE=2 swift-dynamic rlhf run.yaml`` (the user's route; real DDP on CPU) with the four run-level
+    callbacks, every completion its own pass against GRPO's one pass a micro-batch: the loss and grad_norm (of the
+    gradient DDP reduced) of every step within 1e-5; the run-level callbacks decide as on one process (a warmup, a stop
+    on the reward at step 3, the last and the best checkpoint kept), the decisions written once."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from swift_runs import free_port
+    from test_grpo import PACK, _check_run_level, _grpo_kwargs
+    model, prompts, reward = grpo_data
+    logs = []
+    for name, integration in (('one', {}), ('cut', {'grpo_pass_tokens': 1})):
+        out = str(tmp_path / name)
+        config = _grpo_kwargs(model, prompts, reward, out, use_cpu=True, ddp_backend='gloo', seed=7, lora_dropout=0.0,
+                              per_device_train_batch_size=4)
+        config.update(report_to='none', dynamic_callbacks={**PACK, 'integration': integration})
+        path = tmp_path / f'{name}.yaml'
+        path.write_text(yaml.safe_dump(config, sort_keys=False), encoding='utf-8')
+        env = {**os.environ, 'NPROC_PER_NODE': '2', 'MASTER_PORT': str(free_port()), 'OMP_NUM_THREADS': '1'}
+        result = subprocess.run([sys.executable, '-m', 'swift_dynamic_callbacks.cli', 'rlhf', str(path)],
+                                capture_output=True, text=True, env=env, timeout=900, start_new_session=True)
+        assert result.returncode == 0, result.stderr[-4000:]
+        logs.append([row for row in read_jsonl(os.path.join(out, 'logging.jsonl')) if 'loss' in row])
+    _check_run_level(out)
+    written = [json.loads(line) for line in open(os.path.join(out, 'dynamic_decisions.jsonl'), encoding='utf-8')]
+    assert len([d for d in written if d['kind'] == 'mode']) == 1
+    one, cut = logs
+    assert len(one) == len(cut) == 3  # both stopped at step 3
+    for x, y in zip(one, cut):
+        assert y['reward'] == pytest.approx(x['reward'], rel=1e-6), (x, y)  # the same completions
+        assert y['loss'] == pytest.approx(x['loss'], rel=1e-5, abs=1e-7), (x, y)
+        assert y['grad_norm'] == pytest.approx(x['grad_norm'], rel=1e-5, abs=1e-7), (x, y)
+    assert [row['dynamic/grpo_passes'] for row in cut] == [4, 4, 4]
+
+
+def test_grpo_pass_tokens_is_refused_where_passes_would_change_the_loss(grpo_data, tmp_path, monkeypatch):
+    """``loss_type: real`` (a loss over whole groups) with ``grpo_pass_tokens``: refused once ms-swift parsed the
+    arguments, before the model loads, naming both settings."""
+    from swift.arguments import BaseArguments
+
+    from swift_dynamic_callbacks.config import ConfigError
+
+    def no_model(self, *args, **kwargs):
+        raise AssertionError('the model was loaded')
+
+    monkeypatch.setattr(BaseArguments, 'get_model_processor', no_model)
+    with pytest.raises(ConfigError, match=r"grpo_pass_tokens: 512 cannot be used with loss_type: 'real'"):
+        _run(grpo_data, str(tmp_path / 'out'), {'grpo_pass_tokens': 512}, loss_type='real')

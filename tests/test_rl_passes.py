@@ -1,0 +1,174 @@
+"""GRPO's loss passes by tokens: the pure plan and weights (``policies/rl_passes.py``) and :class:`GrpoPasses` on a
+fake GRPO trainer (what it asks of ms-swift's trainer: ``get_chunked_inputs``, ``_compute_loss_and_metrics``, the
+accelerator's ``backward`` / ``no_sync``, ``_aggregate_and_update_metrics``); the real trainings are in
+``test_grpo_passes.py``."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swift_dynamic_callbacks.config import ConfigError
+from swift_dynamic_callbacks.config.rules import grpo_passes_refusal
+from swift_dynamic_callbacks.integrations import grpo_passes as module
+from swift_dynamic_callbacks.integrations.grpo_passes import GrpoPasses, GrpoPassTooLargeError
+from swift_dynamic_callbacks.policies.rl_passes import WEIGHTING, halves, pass_weight, plan_passes
+
+
+def test_the_plan_covers_every_row_once_within_the_budget():
+    assert plan_passes(5, 10, 25) == [(0, 2), (2, 4), (4, 5)]
+    assert plan_passes(3, 10, 5) == [(0, 1), (1, 2), (2, 3)]  # a row over the budget runs alone
+    assert plan_passes(4, 10, 1000) == [(0, 4)]
+    assert plan_passes(0, 10, 100) == []
+    assert halves(2, 7) == [(2, 4), (4, 7)]
+    with pytest.raises(ValueError):
+        halves(3, 4)
+
+
+@pytest.mark.parametrize('loss_type', sorted(WEIGHTING))
+def test_the_weights_of_a_cut_add_up_to_the_one_pass_loss(loss_type):
+    rows, tokens = [1, 2, 1], [3, 9, 0]
+    weights = [pass_weight(loss_type, r, 4, t, 12) for r, t in zip(rows, tokens)]
+    if WEIGHTING[loss_type] == 'window':
+        assert weights == [1.0, 1.0, 1.0]
+    elif WEIGHTING[loss_type] == 'tokens':
+        assert weights == [0.25, 0.75, 0.0]
+    else:
+        assert weights == [0.25, 0.5, 0.25]
+    with pytest.raises(ValueError, match='real'):
+        pass_weight('real', 1, 2, 1, 2)
+
+
+def test_the_refusals_name_the_setting_and_why():
+    settings = {'rlhf_type': 'grpo', 'loss_type': 'grpo'}
+    assert grpo_passes_refusal(512, settings.get) is None
+    assert grpo_passes_refusal(None, {}.get) is None
+    assert "needs rlhf_type: grpo (got 'dpo')" in grpo_passes_refusal(512, {'rlhf_type': 'dpo'}.get)
+    assert 'top_entropy_quantile: 0.2' in grpo_passes_refusal(512, {**settings, 'top_entropy_quantile': 0.2}.get)
+    assert 'deepspeed' in grpo_passes_refusal(512, {**settings, 'deepspeed': 'zero2'}.get)
+    assert 'off_policy_sequence_mask_delta' in grpo_passes_refusal(
+        512, {**settings, 'loss_type': 'bnpo', 'off_policy_sequence_mask_delta': 0.1}.get)
+    assert grpo_passes_refusal(512, {**settings, 'off_policy_sequence_mask_delta': 0.1}.get) is None
+
+
+class FakeGrpo:
+    """The slice of ms-swift's GRPOTrainer the passes use: a loss per row ``(w * x_row).sum()``, reduced over the
+    call's rows as ``grpo`` does (the mean), ``oom_rows``: calls of more rows than this run out of memory."""
+
+    def __init__(self, oom_rows: int = 99) -> None:
+        self.w = torch.nn.Parameter(torch.ones(3))
+        self.model = torch.nn.Module()
+        self.model.register_parameter('w', self.w)
+        self.oom_rows = oom_rows
+        self.calls: list[tuple[int, int]] = []
+        self.backwards: list[float] = []
+        self.synced: list[bool] = []
+        self.aggregated = None
+        self._no_sync = False
+        self.args = SimpleNamespace(gradient_accumulation_steps=1)
+        self.state = SimpleNamespace(global_step=0)
+        self.current_gradient_accumulation_steps = 2
+        self.accelerator = SimpleNamespace(backward=self._backward, no_sync=self._no_sync_context)
+
+    @contextlib.contextmanager
+    def _no_sync_context(self, model):
+        self._no_sync = True
+        yield
+        self._no_sync = False
+
+    def _backward(self, loss):
+        self.backwards.append(float(loss.detach()))
+        self.synced.append(not self._no_sync)
+        loss.backward()
+
+    def get_chunked_inputs(self, model_inputs, batch, start, end, origin=None):
+        part = SimpleNamespace(completion_mask=batch.completion_mask[start:end])
+        return {'input_ids': model_inputs['input_ids'][start:end]}, part
+
+    def _compute_loss_and_metrics(self, model, inputs, batch):
+        rows = inputs['input_ids'].shape[0]
+        self.calls.append((rows, len(self.backwards)))
+        if rows > self.oom_rows:
+            raise torch.OutOfMemoryError('injected')
+        return (inputs['input_ids'].float() @ self.w).mean(), {'rows': rows}
+
+    def _aggregate_and_update_metrics(self, metrics, mode):
+        self.aggregated = metrics
+
+
+def _inputs(rows: int = 4, length: int = 3):
+    x = torch.arange(rows * length, dtype=torch.float32).reshape(rows, length)
+    batch = SimpleNamespace(completion_mask=torch.ones(rows, length))
+    return {'model_inputs': {'input_ids': x}, 'grpo_batch': batch}, x
+
+
+def _passes(budget: int, **kwargs) -> GrpoPasses:
+    return GrpoPasses(budget, 'grpo', oom_recovery=kwargs.pop('oom_recovery', True), single_sample_retries=1,
+                      grow_back_steps=1, probe_steps=0, **kwargs)
+
+
+def test_passes_give_the_one_pass_gradient_and_the_last_one_syncs():
+    trainer, (inputs, x) = FakeGrpo(), _inputs()
+    passes = _passes(6)  # 2 rows of 3 tokens a pass
+    loss = passes.compute_loss(trainer, trainer.model, inputs, None)
+    expected = (x @ torch.ones(3)).mean()
+    assert float(loss) == pytest.approx(float(expected)) and loss.requires_grad and loss.grad_fn is None
+    assert [rows for rows, _ in trainer.calls] == [2, 2] and trainer.synced == [False, True]
+    assert torch.allclose(trainer.w.grad, x.mean(0) / 2)  # / current_gradient_accumulation_steps, as HF divides
+    assert [m[1] for m in trainer.aggregated] == [2, 2] and passes.step_passes == 2
+
+
+def test_a_rank_with_fewer_passes_runs_zero_weight_passes(monkeypatch):
+    monkeypatch.setattr(module.distributed, 'max_ints', lambda values: [4])  # another rank runs 4 passes
+    trainer, (inputs, x) = FakeGrpo(), _inputs()
+    _passes(6).compute_loss(trainer, trainer.model, inputs, None)
+    assert len(trainer.calls) == 4 and trainer.backwards[2:] == [0.0, 0.0] and trainer.synced == [False] * 3 + [True]
+    assert torch.allclose(trainer.w.grad, x.mean(0) / 2)  # the padding passes add nothing
+    assert len(trainer.aggregated) == 2  # nor metrics
+
+
+def test_an_oom_runs_the_halves_with_the_same_gradient_and_lowers_the_budget():
+    trainer, (inputs, x) = FakeGrpo(oom_rows=1), _inputs()
+    passes = _passes(100)
+    loss = passes.compute_loss(trainer, trainer.model, inputs, None)
+    assert [rows for rows, _ in trainer.calls] == [4, 2, 1, 1, 2, 1, 1]
+    assert float(loss) == pytest.approx(float((x @ torch.ones(3)).mean()))
+    assert torch.allclose(trainer.w.grad, x.mean(0) / 2)
+    assert passes.oom_count == 3 and passes.budget == 3  # the largest clean pass (1 row x 3 tokens)
+    records = passes.end_step(1)
+    assert [r.kind for r in records].count('oom') == 3 and records[1].kind == 'pass_budget'
+    assert passes.metrics()['dynamic/oom_count'] == 3
+
+
+def test_a_row_that_never_fits_ends_the_run_naming_what_to_lower():
+    trainer, (inputs, _) = FakeGrpo(oom_rows=0), _inputs()
+    with pytest.raises(GrpoPassTooLargeError, match='max_completion_length'):
+        _passes(100).compute_loss(trainer, trainer.model, inputs, None)
+
+
+def test_without_recovery_an_oom_ends_the_run_naming_the_setting():
+    trainer, (inputs, _) = FakeGrpo(oom_rows=1), _inputs()
+    with pytest.raises(RuntimeError, match='grpo_pass_tokens'):
+        _passes(100, oom_recovery=False).compute_loss(trainer, trainer.model, inputs, None)
+
+
+def test_the_budget_state_survives_a_checkpoint():
+    passes = _passes(100)
+    trainer, (inputs, _) = FakeGrpo(oom_rows=1), _inputs()
+    passes.compute_loss(trainer, trainer.model, inputs, None)
+    again = _passes(100)
+    again.load_state_dict(passes.state_dict())
+    assert again.budget == passes.budget and again.oom_count == 3
+    other = _passes(200)
+    other.load_state_dict(passes.state_dict())  # another ceiling: the lowered budget is not carried over
+    assert other.budget == 200
+
+
+def test_the_setting_is_checked_at_config_time():
+    from swift_dynamic_callbacks.config.integration import IntegrationConfig
+    with pytest.raises(ConfigError, match='grpo_pass_tokens'):
+        IntegrationConfig.from_mapping({'grpo_pass_tokens': 0})
+    assert IntegrationConfig.from_mapping({'grpo_pass_tokens': 4096}).grpo_pass_tokens == 4096
