@@ -4,7 +4,7 @@
 # x86_64 is a CUDA build that does not load next to the CPU torch the main environment pins (torch 2.13.0+cpu:
 # "operator torchvision::nms does not exist"), so this environment takes torch 2.14.1 with its torchvision 0.29.1
 # (both CUDA builds from PyPI, which run on a CPU; about 5 GB), and DeepSpeed for the ZeRO-2 run. docs/development.md says why and how on other machines.
-# Usage (from anywhere): bash scripts/test_vl.sh [extra pytest args]
+# Usage (from anywhere): bash scripts/test_vl.sh [extra pytest args] (`-m vl` runs the slow ones too: ZeRO-2)
 # VL_VENV=path chooses another environment; VL_SETUP_ONLY=1 builds it and runs no test (.ci/run builds it while the
 # main tests run).
 set -euo pipefail
@@ -48,4 +48,4 @@ fi
 echo "[test_vl] environment ready in $(( $(date +%s) - start ))s"
 
 source scripts/pytest_env.sh load  # a test a worker
-"$VL_VENV/bin/python" -m pytest tests -m vl -q -p no:cacheprovider --durations=10 "${PYTEST_WORKERS[@]}" "$@"
+"$VL_VENV/bin/python" -m pytest tests -m 'vl and not slow' -q -p no:cacheprovider --durations=10 "${PYTEST_WORKERS[@]}" "$@"

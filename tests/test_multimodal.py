@@ -272,7 +272,7 @@ def test_lazy_vl_rows_under_a_token_budget_train_every_row_once(vl_model, vl_row
 @pytest.mark.e2e
 @pytest.mark.distributed
 @needs_vl
-@pytest.mark.parametrize('engine', ['ddp', 'fsdp2', 'zero2'])
+@pytest.mark.parametrize('engine', ['ddp', 'fsdp2', pytest.param('zero2', marks=pytest.mark.slow)])  # CI time
 def test_two_processes_balanced_vl_rows_with_passes_equal_one_process(engine, vl_rows, fixture_dir, tmp_path):
     """2 CPU processes, ``mode: balanced`` with ``pass_tokens`` over rows with images of 10 sizes (and text-only
     rows): every row once, and the weights equal one process's over the same micro-batches a step (1e-5) under DDP,

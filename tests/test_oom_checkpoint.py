@@ -93,6 +93,7 @@ def dataset_15(fixture_dir):
 @pytest.mark.e2e
 @pytest.mark.distributed
 @pytest.mark.engines
+@pytest.mark.slow  # CI time: one process above; rank 1's OOM and resume under engines: test_engines / SP tests
 def test_two_processes_a_checkpoint_at_rank_1s_oom_resumes_with_its_budget(tmp_path, tiny_qwen, dataset_15):
     """DDP on 2 processes, rank 1 alone out of memory (passes over 500 padded tokens) in step 1, the checkpoint at
     step 1 written by rank 0: rank 1's OOM is in it (exchanged when it was written), so the resumed run has rank 0's
