@@ -24,8 +24,7 @@ from . import ConfigError
 from .engines import check_engine, engine_from_swift
 from .integration import IntegrationConfig
 from .models import qwen_vl_model
-from .rules import (RLHF_RUN_LEVEL, RunFacts, check_facts, grpo_passes_refusal, noise_scale_passes, pass_splitters,
-                    rlhf_refusal)
+from .rules import RLHF_RUN_LEVEL, RunFacts, check_facts, noise_scale_passes, pass_splitters, rlhf_refusal
 from .pack import (CALLBACK_CONFIGS, NON_LAMBDA_SCHEDULERS, PLUGIN_FILE, SECTION, SWIFT_CALLBACKS, PackConfig,
                    _names, check_controls)
 
@@ -463,8 +462,7 @@ def ignore_data_skip_error(checkpoint: str) -> ConfigError:
 def _check_rlhf(pack: PackConfig, settings: Mapping[str, Any], configs: Mapping[str, Any], uses: str) -> None:
     """``rlhf_type`` (``swift rlhf``): :func:`.rules.rlhf_refusal`, the rule every route asks before the model loads."""
     message = rlhf_refusal(settings.get('rlhf_type'), list(configs), configs, pack.integration.oom_recovery,
-                           grpo_pass_tokens=pack.integration.grpo_pass_tokens)
-    message = message or grpo_passes_refusal(pack.integration.grpo_pass_tokens, settings.get)
+                           grpo_pass_tokens=pack.integration.grpo_pass_tokens, get=settings.get)
     if message is not None:
         raise ConfigError(message)
 

@@ -318,10 +318,20 @@ PPO_WHY = 'ms-swift\'s PPO trainer runs TRL\'s own training loop, which has no s
 
 
 def rlhf_refusal(rlhf_type: str | None, listed: Sequence[str], configs: Mapping[str, Any],
-                 oom_recovery: bool | str = 'auto', *, grpo_pass_tokens: int | None = None) -> str | None:
+                 oom_recovery: bool | str = 'auto', *, grpo_pass_tokens: int | None = None,
+                 get: Callable[[str], Any] | None = None) -> str | None:
     """What the pack refuses under ``swift rlhf --rlhf_type <rlhf_type>`` (``listed``: the pack callbacks listed,
     ``configs``: their settings), or ``None``: checked before the model loads on every route (``swift-dynamic check``
-    and ``rlhf``, the plugin and Python routes: ``integrations/swift.py``) and again when the trainer is built."""
+    and ``rlhf``, the plugin and Python routes: ``integrations/swift.py``) and again when the trainer is built. Then
+    what ``integration.grpo_pass_tokens`` cannot run with (:func:`grpo_passes_refusal`; ``get`` reads the ms-swift
+    settings as the route holds them, ``rlhf_type`` alone without it)."""
+    return (_rlhf_type_refusal(rlhf_type, listed, configs, oom_recovery, grpo_pass_tokens)
+            or grpo_passes_refusal(grpo_pass_tokens, get or {'rlhf_type': rlhf_type}.get))
+
+
+def _rlhf_type_refusal(rlhf_type: str | None, listed: Sequence[str], configs: Mapping[str, Any],
+                       oom_recovery: bool | str, grpo_pass_tokens: int | None) -> str | None:
+    """:func:`rlhf_refusal` by ``rlhf_type``: what its trainer allows of the listed callbacks."""
     if rlhf_type is None or not listed:
         return None
     rlhf = str(rlhf_type).strip().lower()

@@ -96,7 +96,7 @@ class GrpoPasses:
         mask = batch.completion_mask
         total_tokens = int(mask.sum())
         plan = plan_passes(rows, length, self.budget)
-        passes = max(distributed.max_ints([len(plan)])[0], len(plan))
+        passes = distributed.max_ints([len(plan)])[0]  # the most any rank runs (this one's included)
         queue: list[tuple[int, int, bool]] = [(s, e, True) for s, e in plan]
         queue += [(0, 1, False)] * (passes - len(plan))  # zero-weight passes: as many passes as every rank
         divisor = _ga_divisor(trainer, num_items_in_batch)

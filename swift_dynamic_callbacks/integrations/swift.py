@@ -24,7 +24,7 @@ from ..config import ConfigError, to_mapping  # noqa: F401 - ConfigError re-expo
 from ..config.integration import IntegrationConfig  # noqa: F401 - re-exported
 from ..config.pack import (CALLBACK_CONFIGS, ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig,  # noqa: F401
                            load_env_config, parse_section)
-from ..config.rules import grpo_passes_refusal, rlhf_refusal
+from ..config.rules import rlhf_refusal
 from .hooks import PackOffCallback, install, pack_disabled
 
 #: Every pack callback by its ms-swift name (the same names as ``config.pack.CALLBACK_CONFIGS``, which the
@@ -100,8 +100,8 @@ def check_pipeline(args: Any) -> None:
         return
     configs = {n: pack.callback_config(n) for n in listed}
     message = rlhf_refusal(getattr(args, 'rlhf_type', None), listed, configs, pack.integration.oom_recovery,
-                           grpo_pass_tokens=pack.integration.grpo_pass_tokens)
-    message = message or grpo_passes_refusal(pack.integration.grpo_pass_tokens, lambda name: getattr(args, name, None))
+                           grpo_pass_tokens=pack.integration.grpo_pass_tokens,
+                           get=lambda name: getattr(args, name, None))
     if message is not None:
         raise ConfigError(message)
 

@@ -27,7 +27,7 @@ import torch
 from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
-from ..config.rules import ROLLOUT_WHY, grpo_passes_refusal, rlhf_refusal
+from ..config.rules import ROLLOUT_WHY, rlhf_refusal
 from ..data.slots import slot_batches
 from ..records import DECISIONS_FILE, DecisionRecord
 from ..state import stateful_components
@@ -167,9 +167,8 @@ class Integration:
         listed = {cb.name: cb.config for cb in trainer.callback_handler.callbacks
                   if getattr(cb, 'config_class', None) is not None and getattr(cb, 'config', None) is not None}
         message = rlhf_refusal(self.run_level, list(listed), listed, self.config.oom_recovery,
-                               grpo_pass_tokens=self.config.grpo_pass_tokens)
-        message = message or grpo_passes_refusal(self.config.grpo_pass_tokens,
-                                                 lambda name: _grpo_setting(trainer, name))
+                               grpo_pass_tokens=self.config.grpo_pass_tokens,
+                               get=lambda name: _grpo_setting(trainer, name))
         if message is not None:
             raise ConfigError(message)
         host = type(trainer).__bases__[-1].__name__  # the class the pack's mixin was mixed into
