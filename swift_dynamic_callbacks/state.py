@@ -183,9 +183,13 @@ def _names_pack_state(checkpoint_dir: str | os.PathLike) -> bool:
     return isinstance(hf_state, dict) and BINDING_KEY in (hf_state.get('stateful_callbacks') or {})
 
 
-def restore_components(components: Iterable[Stateful], payload: Mapping[str, Any], *, source: str = STATE_FILE
-                       ) -> list[str]:
+def restore_components(components: Iterable[Stateful], payload: Mapping[str, Any], *, source: str = STATE_FILE,
+                       intact: bool = False) -> list[str]:
     """Load each component's entry; return the ``state_key`` of components that had none (new since the save).
+
+    ``intact``: the file is known to be the one the pack wrote with its checkpoint (its digest matched the
+    checkpoint's binding, :func:`check_binding`), so an entry that does not load is the pack's own defect, not a
+    damaged file, and the error says so.
 
     Raises:
         StateError: an entry that does not load (a missing field, a value of the wrong type or range), naming
@@ -206,6 +210,10 @@ def restore_components(components: Iterable[Stateful], payload: Mapping[str, Any
             raise StateError(f'{source}: {component.state_key}: {e}') from e
         except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError, IndexError) as e:
             what = f'missing field {e}' if isinstance(e, KeyError) else f'{type(e).__name__}: {e}'
+            if intact:
+                raise StateError(f'{source}: {component.state_key}: {what}. The file is intact (its digest matches '
+                                 'the checkpoint\'s trainer_state.json): swift-dynamic-callbacks wrote a state it '
+                                 'cannot read back, a defect of the pack; please report it with this file') from e
             raise StateError(f'{source}: {component.state_key}: {what} (a corrupt or edited state file; resume '
                              'from an intact checkpoint)') from e
     return missing

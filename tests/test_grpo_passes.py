@@ -26,31 +26,51 @@ def grpo_data(tmp_path_factory, tiny_qwen):
     return tiny_qwen, str(write_prompt_dataset(root / 'prompts.jsonl', 8)), str(plugin)
 
 
-def _run(data, out: str, integration: dict | None, *, faults: dict | None = None, **extra) -> list[dict]:
-    """One GRPO run (Python route, 4 completions of 2 prompts a micro-batch, 2 steps) with ``training_log`` listed;
-    returns its logged steps."""
+def _run(data, out: str, integration: dict | None, *, faults: dict | None = None, pack: dict | None = None,
+         stop_at: int | None = None, **extra) -> list[dict]:
+    """One GRPO run (Python route, 4 completions of 2 prompts a micro-batch, 2 steps) with ``training_log`` listed
+    (or the callbacks of ``pack``); ``stop_at``: the run ends after that step (and its checkpoint), as one killed
+    there. Returns its logged steps."""
     import swift_dynamic_callbacks as sdc
     from swift import RLHFArguments, rlhf_main
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     model, prompts, reward = data
-    kwargs = offline_sft_kwargs(model, prompts, out, arch='qwen2', callbacks=['training_log'], max_steps=2,
+    pack = pack or {'training_log': {}}
+    from swift.callbacks import callbacks_map
+    kwargs = offline_sft_kwargs(model, prompts, out, arch='qwen2', callbacks=list(pack), max_steps=2,
                                 per_device_train_batch_size=4, gradient_checkpointing=False, learning_rate=1e-3,
                                 seed=7, lora_dropout=0.0)  # dropout masks would differ by pass
     kwargs.update(rlhf_type='grpo', reward_funcs=['completion_length'], external_plugins=[reward], use_vllm=False,
-                  num_generations=2, max_completion_length=16, temperature=1.0, **extra)
+                  num_generations=2, max_completion_length=16, temperature=1.0)
+    kwargs.update(extra)
+    if stop_at is not None:
+        callbacks_map['_test_stop_at'] = lambda args, trainer: _StopAt(stop_at)
+        kwargs['callbacks'] = kwargs['callbacks'] + ['_test_stop_at']
     injector = None
     try:
-        sdc.register(training_log={}, integration=integration or {})
+        sdc.register(**pack, integration=integration or {})
         if faults:
             from swift_dynamic_callbacks.testing.faults import OomInjector
             injector = OomInjector(**faults).install()
         rlhf_main(RLHFArguments(**kwargs))
     finally:
         plugin.unregister()
+        callbacks_map.pop('_test_stop_at', None)
         if injector is not None:
             injector.remove()
     return [row for row in read_jsonl(os.path.join(out, 'logging.jsonl')) if 'loss' in row]
+
+
+class _StopAt(__import__('transformers').TrainerCallback):
+    """Ends a run after step ``step`` (its checkpoint written first): a run killed right after a checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
 
 
 def _same_steps(a: list[dict], b: list[dict], rel: float) -> None:
@@ -149,3 +169,41 @@ def test_grpo_pass_tokens_is_refused_where_passes_would_change_the_loss(grpo_dat
     monkeypatch.setattr(BaseArguments, 'get_model_processor', no_model)
     with pytest.raises(ConfigError, match=r"grpo_pass_tokens: 512 cannot be used with loss_type: 'real'"):
         _run(grpo_data, str(tmp_path / 'out'), {'grpo_pass_tokens': 512}, loss_type='real')
+
+
+@pytest.mark.parametrize('loss_type', ['bnpo', pytest.param('grpo', marks=pytest.mark.slow)])
+def test_overlong_filter_passes_give_the_one_pass_gradient(grpo_data, tmp_path, loss_type):
+    """``overlong_filter: true`` drops truncated completions from the loss inside ms-swift's loss call (after the batch
+    reached the pack): every completion its own pass gives GRPO's one-pass loss and grad_norm (1e-5), truncated
+    completions among them (bnpo's weights count the completion tokens the loss keeps, not the collated mask's)."""
+    from swift_dynamic_callbacks.testing.tiny import build_stopping_model
+    model, prompts, reward = grpo_data
+    data = (str(build_stopping_model(tmp_path.parent / 'tiny-qwen2-stopping', model)), prompts, reward)
+    extra = dict(loss_type=loss_type, overlong_filter=True)
+    one = _run(data, str(tmp_path / 'one'), None, **extra)
+    cut = _run(data, str(tmp_path / 'cut'), {'grpo_pass_tokens': 1}, **extra)
+    truncated = [row.get('completions/clipped_ratio') for row in one]
+    assert all(0 < t < 1 for t in truncated), truncated  # some completions truncated, not all: the case in question
+    _same_steps(one, cut, 1e-5)
+
+
+@pytest.mark.parametrize('integration', [{}, {'grpo_pass_tokens': 1}], ids=['one_pass', 'pass_tokens'])
+def test_a_resumed_grpo_run_trains_as_the_uninterrupted_one(grpo_data, tmp_path, integration):
+    """GRPO with the pack (``lr_schedule`` and ``training_log``; with and without ``grpo_pass_tokens``) run 4 steps,
+    and again to step 2 then resumed from its checkpoint: steps 3-4 log the uninterrupted run's loss, grad_norm and LR
+    (1e-5), and the pack's state came back (a ``resume`` record, the budget of the passes)."""
+    pack = {'lr_schedule': {'warmup': 1, 'hold': 0}, 'training_log': {}}
+    whole = _run(grpo_data, str(tmp_path / 'whole'), integration, pack=pack, max_steps=4)
+    out = str(tmp_path / 'resumed')
+    _run(grpo_data, out, integration, pack=pack, max_steps=4, save_steps=2, stop_at=2)
+    _run(grpo_data, out, integration, pack=pack, max_steps=4, save_steps=2,
+         resume_from_checkpoint=os.path.join(out, 'checkpoint-2'))
+    rows = [row for row in read_jsonl(os.path.join(out, 'logging.jsonl')) if 'loss' in row]
+    later = rows[-2:]
+    assert len(whole) == 4 and len(later) == 2
+    for x, y in zip(whole[2:], later):
+        assert y['reward'] == pytest.approx(x['reward'], rel=1e-6), (x, y)
+        assert y['loss'] == pytest.approx(x['loss'], rel=1e-5, abs=1e-7), (x, y)
+        assert y['grad_norm'] == pytest.approx(x['grad_norm'], rel=1e-5, abs=1e-7), (x, y)
+        assert y['learning_rate'] == pytest.approx(x['learning_rate'], rel=1e-6), (x, y)
+    assert [d for d in decisions(out) if d['kind'] == 'resume']

@@ -95,6 +95,17 @@ def test_a_wrong_value_in_the_state_names_the_file_and_the_component(state, foun
     with pytest.raises(StateError) as e:
         restore_components([Strict()], {'components': {'integration.data': state}}, source='ckpt/state.json')
     assert str(e.value).startswith('ckpt/state.json: integration.data: ') and found in str(e.value)
+    assert 'a corrupt or edited state file' in str(e.value)
+
+
+def test_a_state_the_pack_wrote_that_does_not_load_is_called_the_packs_defect_not_a_corrupt_file():
+    """An intact file (its digest matched the checkpoint's binding) that does not load is the pack's own defect: the
+    message says so and does not call the checkpoint corrupt."""
+    with pytest.raises(StateError) as e:
+        restore_components([Strict()], {'components': {'integration.data': {}}}, source='ckpt/state.json',
+                           intact=True)
+    assert 'is intact' in str(e.value) and 'defect of the pack' in str(e.value)
+    assert 'corrupt' not in str(e.value)
 
 
 # ---- real runs -----------------------------------------------------------------------------------------------------

@@ -97,10 +97,22 @@ class Checkpoints:
         if not checkpoint or self.payload is None:
             return
         self._check_state(checkpoint, self.payload)
-        missing = restore_components(list(components), self.payload, source=os.path.join(checkpoint, STATE_FILE))
+        missing = restore_components(list(components), self.payload, source=os.path.join(checkpoint, STATE_FILE),
+                                     intact=self.binding is not None)
         for key in missing:
             self.decisions.write(DecisionRecord('integration', 'resume', 'new_component', {'state_key': key},
                                                 f'{key} has no state in {checkpoint}; it starts fresh'))
+
+    def resumed_without_loader(self) -> None:
+        """A run whose trainer draws its own batches (GRPO, GKD) resumed: one ``resume`` record naming the checkpoint
+        and the restored components (the data position is the trainer's own: ms-swift resumes its sampler)."""
+        if self.checkpoint and self.payload is not None:
+            components = sorted(self.payload['components'])
+            self.decisions.write(DecisionRecord(
+                'integration', 'resume', 'checkpoint', {'checkpoint': os.path.basename(self.checkpoint),
+                                                        'components': components},
+                f'resumed from {self.checkpoint}: the pack\'s state restored ({", ".join(components)}); the data '
+                'position is the trainer\'s own'))
 
     def _check_state(self, checkpoint: str, payload: Mapping[str, Any]) -> None:
         """Refuse a state that does not belong to ``checkpoint`` and settings that changed since it was written
@@ -152,7 +164,7 @@ class Checkpoints:
             if self._redeal(loader, states, layout):
                 return
             restore_components([loader], {'components': {loader.state_key: states[distributed.rank()]}},
-                               source=os.path.join(checkpoint, STATE_FILE))
+                               source=os.path.join(checkpoint, STATE_FILE), intact=self.binding is not None)
             self.decisions.write(DecisionRecord('integration', 'resume', 'checkpoint', {
                 'checkpoint': os.path.basename(checkpoint), 'epoch': loader.epoch, 'position': loader.position,
                 'batch_size': loader.batch_size, 'num_pieces': loader.num_pieces}, 'resumed at the next unseen sample'))

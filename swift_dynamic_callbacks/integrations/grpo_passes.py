@@ -93,7 +93,7 @@ class GrpoPasses:
         model_inputs, batch = inputs['model_inputs'], inputs['grpo_batch']
         origin = inputs.get('_origin_data')
         rows, length = (int(n) for n in model_inputs['input_ids'].shape[:2])
-        mask = batch.completion_mask
+        mask = counted_mask(trainer, batch)
         total_tokens = int(mask.sum())
         plan = plan_passes(rows, length, self.budget)
         passes = distributed.max_ints([len(plan)])[0]  # the most any rank runs (this one's included)
@@ -206,6 +206,20 @@ class GrpoPasses:
             return
         self.state = BudgetState(**state['state']) if state.get('ceiling') == self.ceiling else BudgetState()
         self.oom_count = int(state.get('oom_count', 0))
+
+
+def counted_mask(trainer: Any, batch: Any) -> torch.Tensor:
+    """The completion tokens ms-swift's loss counts (``_compute_loss_and_metrics``): the collated ``completion_mask``,
+    less every truncated completion under ``overlong_filter`` (ms-swift drops them inside each loss call, so a pass
+    holding none filters nothing and one holding them drops them: the same tokens as the one-pass call). The other
+    masks ms-swift applies inside a call either act on whole completions of a row-weighted loss
+    (``off_policy_sequence_mask_delta``) or are refused with passes (top-entropy masking, rollout importance
+    sampling; :data:`..config.rules.GRPO_PASSES_REFUSED`)."""
+    mask = batch.completion_mask
+    truncated = getattr(batch, 'truncated_mask', None)
+    if getattr(trainer, 'overlong_filter', False) and truncated is not None and bool(truncated.any()):
+        mask = mask & ~truncated.bool().unsqueeze(-1)
+    return mask
 
 
 def _ga_divisor(trainer: Any, num_items_in_batch: Any) -> float:

@@ -17,7 +17,8 @@ class Layout:
     """The run's reference layout (its first: ``world``, ``entries``, the initial per-device ``batch``) and the
     current one.
 
-    State (under the integration's, key ``layout``): the reference layout, kept across resumes.
+    State (under the integration's, key ``layout``): the reference layout, kept across resumes; all ``None`` in a run
+    whose batches are its trainer's (GRPO, GKD: no loader of the pack's lays them out).
     """
 
     def __init__(self) -> None:
@@ -51,5 +52,5 @@ class Layout:
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         if state:
-            self.world, self.entries = int(state['world']), int(state['entries'])
-            self.batch = int(state['batch']) if state.get('batch') is not None else None
+            self.world, self.entries, self.batch = (None if state.get(key) is None else int(state[key])
+                                                    for key in ('world', 'entries', 'batch'))

@@ -187,6 +187,7 @@ class Integration:
         trainer.control._sdc_integration = True
         setattr(trainer.control, protocol.FAIL_FAST, self.config.fail_fast)
         self.checkpoints.resume(resume_from_checkpoint, [self] + self.callback_components())
+        self.checkpoints.resumed_without_loader()
         self.budget.begin()
 
     def _begin_grpo_passes(self) -> None:

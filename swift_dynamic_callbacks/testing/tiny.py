@@ -32,6 +32,7 @@ __all__ = [
     'ARCHS',
     'GSM8K_ROWS',
     'build_tiny_model',
+    'build_stopping_model',
     'materialize_tokenizer',
     'write_gsm8k_dataset',
     'write_mixed_length_dataset',
@@ -219,6 +220,36 @@ def build_tiny_model(
             bos_token_id=bos_id, eos_token_id=list(dict.fromkeys([eos_id, pad_id])), pad_token_id=pad_id,
             do_sample=False)
         model.save_pretrained(tmp)
+        move_model_into_place(tmp, dest)
+    return dest
+
+
+def build_stopping_model(dest: str | Path, base: str | Path, *, eos_margin: float = 0.15) -> Path:
+    """A copy of the tiny model in ``base`` whose sampled completions end by themselves about half the time within 16
+    tokens (a random tiny model almost never samples its eos among 151,936 tokens, so every GRPO completion would be
+    truncated). Embedding dimension 0 of every token is set to 1, which then dominates the normalised last hidden
+    state and shifts every logit alike; the eos row gets ``1 + eos_margin`` there, lifting the eos logit alone
+    (embeddings are tied). With the tiny Qwen2 (hidden 64) and ``eos_margin`` 0.15, about 45 % of 16-token sampled
+    completions are truncated. Rebuilt only when ``dest`` lacks a model."""
+    dest, base = Path(dest), Path(base)
+    if (dest / 'config.json').is_file() and (dest / 'model.safetensors').is_file():
+        return dest
+    from transformers import AutoModelForCausalLM
+    config = json.loads((base / 'config.json').read_text(encoding='utf-8'))
+    eos = config['eos_token_id']
+    eos = eos[0] if isinstance(eos, list) else eos
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        weight = model.get_input_embeddings().weight
+        weight[:, 0] = 1.0
+        weight[eos, 0] = 1.0 + eos_margin
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f'.{dest.name}.build-') as tmp_name:
+        tmp = Path(tmp_name)
+        model.save_pretrained(tmp)
+        for item in base.iterdir():  # the tokenizer and generation files
+            if item.is_file() and not (tmp / item.name).exists():
+                shutil.copy2(item, tmp / item.name)
         move_model_into_place(tmp, dest)
     return dest
 
