@@ -110,11 +110,25 @@ def dataset_fingerprint(dataset: Any, samples: int = 8) -> dict[str, Any]:
     picked = sorted({round(i * (size - 1) / max(samples - 1, 1)) for i in range(min(samples, size))}) if size else []
     for index in picked:
         item = dataset[index]
-        ids = item.get('input_ids') if isinstance(item, Mapping) else None
+        ids = _sample_ids(item) if isinstance(item, Mapping) else None
         if ids is None:
             return {'size': size, 'sha256': None}
-        digest.update(repr([int(x) for x in ids]).encode())
+        digest.update(repr(ids).encode())
     return {'size': size, 'sha256': digest.hexdigest()}
+
+
+def _sample_ids(item: Mapping[str, Any]) -> list[Any] | None:
+    """The token ids of an encoded sample, as plain ints: its ``input_ids`` (a list per row where a sample is several
+    rows: a reranker's documents), else every ``<prefix>_input_ids`` in key order (an embedding sample's anchor,
+    positive and negatives); ``None`` when it has none."""
+    if item.get('input_ids') is not None:
+        return _plain_ids(item['input_ids'])
+    keys = sorted(k for k in item if k.endswith('_input_ids') and item[k] is not None)
+    return [[k, _plain_ids(item[k])] for k in keys] or None
+
+
+def _plain_ids(ids: Any) -> list[Any]:
+    return [_plain_ids(x) if isinstance(x, (list, tuple)) or getattr(x, 'ndim', 0) > 0 else int(x) for x in ids]
 
 
 class RowLengths:

@@ -328,9 +328,11 @@ class StepRunner:
 
     def _first_row(self, batch: Any) -> Any:
         """The first row of a collated batch, cut by its input kind (a packed batch: its first packed row), for
-        the zero-weight passes of a rank without samples (``Engine.zero_weight_batch``); ``None`` stays ``None``."""
+        the zero-weight passes of a rank without samples (``Engine.zero_weight_batch``); ``None`` stays ``None``. A
+        batch this run may not cut (:meth:`split_refusal`: pairs, rows compared by the loss, a key the kind does not
+        cut) is kept whole: a zero-weight pass over all of it is still a valid call of the loss."""
         rows = batch_shape(batch)[0] if batch is not None else 0
-        if rows <= 1 or isinstance(batch, PackedBatch) or self.input_refusal:
+        if rows <= 1 or isinstance(batch, PackedBatch) or self.split_refusal() is not None:
             return batch
         return self.kind.cut(batch, [(0, 1), (1, rows)])[0]
 

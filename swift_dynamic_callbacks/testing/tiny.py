@@ -41,6 +41,7 @@ __all__ = [
     'write_prompt_dataset',
     'write_text_dataset',
     'write_preference_dataset',
+    'write_retrieval_dataset',
     'VL_ARCHS',
 ]
 
@@ -520,6 +521,34 @@ def write_preference_dataset(dest_file: str | Path, n: int = 64) -> Path:
         row = _messages(r['question'], r['answer'])
         row['rejected_response'] = r['answer'].rsplit('\n', 1)[0] or 'I do not know.'
         rows.append(row)
+    return _write_jsonl(dest_file, rows)
+
+
+def write_retrieval_dataset(dest_file: str | Path, n: int = 32, *, negatives: int = 2) -> Path:
+    """Writes GSM8K problems as retrieval rows for ``task_type: embedding`` (InfoNCE) and ``reranker``: the question as
+    ``messages``, its own answer as the one ``positive_messages`` entry and the answers of the next ``negatives``
+    problems as ``negative_messages`` (ms-swift's MTEB reranking form).
+
+    Args:
+        dest_file: Output ``.jsonl`` path; parent directories are created.
+        n: Number of rows (the first ``n`` vendored train rows), 1 to 500.
+        negatives: Negative documents a row, at least 0.
+
+    Returns:
+        ``dest_file`` as a :class:`~pathlib.Path`.
+    """
+    if negatives < 0:
+        raise ValueError(f'negatives must be >= 0, got negatives={negatives!r}')
+    source = _train_rows(n)
+    pool = _gsm8k_rows()
+
+    def document(text: str) -> list[dict[str, str]]:
+        return [{'role': 'assistant', 'content': text[:200]}]
+
+    rows = [{'messages': [{'role': 'user', 'content': r['question']}],
+             'positive_messages': [document(r['answer'])],
+             'negative_messages': [document(pool[(i + k + 1) % len(pool)]['answer']) for k in range(negatives)]}
+            for i, r in enumerate(source)]
     return _write_jsonl(dest_file, rows)
 
 
