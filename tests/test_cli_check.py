@@ -110,6 +110,9 @@ BAD = [
      ['length_batching.padding_free: true is not supported with sequence_parallel_size: 2']),
     ('drop_last', case(['batch_growth'], GROWTH, dataloader_drop_last=True), [],
      ['dataloader_drop_last: must be false']),
+    # no pack callback listed: the integration still runs (its loader uses every sample), so its rules hold
+    ('drop_last_integration_alone', case(['lisa'], {}, dataloader_drop_last=True), [],
+     ['dataloader_drop_last: must be false']),
     ('auto_find', case(['batch_growth'], GROWTH), ['--auto_find_batch_size', 'true'],
      ['auto_find_batch_size: must be false']),
     ('save_total_limit', case(['checkpoint_rotation'], {'checkpoint_rotation': {'metric': 'loss'}}, save_total_limit=2),
@@ -214,7 +217,7 @@ GOOD = [
     ('fsdp_cap', case(['batch_growth'], {'batch_growth': {'micro_batch_cap': 2}}, fsdp='full_shard'), []),
     ('zero3_pass_tokens', case(['length_batching'], PASS_TOKENS, deepspeed='zero3'), []),
     ('packing_without_splits', case(['batch_growth', 'length_batching'], GROWTH, packing=True), []),
-    ('nothing_of_the_pack', case(['lisa'], {}, streaming=True, dataloader_drop_last=True), []),
+    ('integration_alone', case(['lisa'], {}, streaming=True, max_steps=100), []),
     ('plateau_scheduler_unscaled', case(['batch_growth'], {'batch_growth': {'lr_scaling': 'none'}},
                                         lr_scheduler_type='reduce_lr_on_plateau'), []),
     ('noise_scale_default_accumulation', case(['batch_growth'], {'batch_growth': {'policy': 'noise_scale'}},

@@ -238,3 +238,52 @@ def test_the_advice_keeps_the_global_batch():
         smaller, steps = fewer_rows(rows, 5)
         assert smaller * steps == rows * 5 and smaller <= rows // 2
     assert fewer_rows_advice(3, 2).startswith('gradient_accumulation_steps: 6 (now 2)')
+
+
+@pytest.mark.e2e
+def test_with_no_pack_callback_listed_the_integration_still_recovers_an_oom(tmp_path, tiny_qwen, gsm8k_16):
+    """The pack registered with its settings and no pack callback listed (``callbacks: []``): the integration is
+    installed all the same, so an OOM injected in a pass of 4 rows is recovered (an ``oom`` record, the run ends)
+    with every step's loss and grad_norm equal to plain ms-swift's without the OOM (at f3c4471 the OOM ended the run as
+    in plain ms-swift: the integration came only with a listed callback)."""
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    extra = dict(per_device_train_batch_size=4, max_steps=3)
+    run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'plain'), **{**RUN, **extra})
+    out = str(tmp_path / 'alone')
+    try:
+        sdc.register(integration={'oom_recovery': 'auto'})
+        with OomInjector(forward_passes=(1, )) as injector:
+            run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, callbacks=[], **{**RUN, **extra})
+    finally:
+        plugin.unregister()
+    assert injector.counts['forward'] == 1
+    records = decisions(out)
+    [engine] = [d for d in records if d['kind'] == 'engine']
+    assert engine['values']['oom_recovery'] is True
+    assert [d['reason'] for d in records if d['kind'] == 'oom'] == ['recovered']
+    plain, alone = train_logs(str(tmp_path / 'plain')), train_logs(out)
+    assert len(plain) == len(alone) == 3
+    for a, b in zip(plain, alone):
+        assert b['loss'] == pytest.approx(a['loss'], rel=2e-4), (a, b)
+        assert b['grad_norm'] == pytest.approx(a['grad_norm'], rel=2e-4), (a, b)
+
+
+def test_settings_nothing_reads_are_refused_when_no_callback_is_listed(tmp_path):
+    """The integration alone: a pack callback's settings with the callback not listed, and ``grpo_pass_tokens``
+    under ``swift sft``, are refused at launch (``swift-dynamic check``), never ignored."""
+    import yaml
+
+    from swift_dynamic_callbacks.cli import prepare
+    from swift_dynamic_callbacks.config import ConfigError
+    base = {'model': 'm', 'dataset': ['d.jsonl'], 'tuner_type': 'lora'}
+    for section, match in (({'batch_growth': {'maximum': 8}}, 'batch_growth'),
+                           ({'integration': {'grpo_pass_tokens': 64}}, 'needs rlhf_type: grpo')):
+        path = tmp_path / 'run.yaml'
+        path.write_text(yaml.safe_dump({**base, 'dynamic_callbacks': section}), encoding='utf-8')
+        with pytest.raises(ConfigError, match=match):
+            prepare(str(path), [])
+    path.write_text(yaml.safe_dump({**base, 'dynamic_callbacks': {'integration': {'oom_recovery': True}}}),
+                    encoding='utf-8')
+    config, pack = prepare(str(path), [])
+    assert pack.integration.oom_recovery is True and 'callbacks' not in config

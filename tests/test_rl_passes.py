@@ -151,8 +151,54 @@ def test_a_row_that_never_fits_ends_the_run_naming_what_to_lower():
 
 def test_without_recovery_an_oom_ends_the_run_naming_the_setting():
     trainer, (inputs, _) = FakeGrpo(oom_rows=1), _inputs()
-    with pytest.raises(RuntimeError, match='grpo_pass_tokens'):
+    with pytest.raises(RuntimeError, match='grpo_pass_tokens below 12 ') as e:
         _passes(100, oom_recovery=False).compute_loss(trainer, trainer.model, inputs, None)
+    assert 'now 100' in str(e.value)
+
+
+def test_an_unrecovered_oom_at_one_completion_advises_what_can_still_be_lowered():
+    """A pass of one completion cannot be cut: the message never asks for a lower ``grpo_pass_tokens`` (at f3c4471 it
+    said "lower grpo_pass_tokens (now 1)"), it names ``max_completion_length`` and memory."""
+    trainer, (inputs, _) = FakeGrpo(oom_rows=0), _inputs()
+    with pytest.raises(RuntimeError) as e:
+        _passes(1, oom_recovery=False).compute_loss(trainer, trainer.model, inputs, None)
+    message = str(e.value)
+    assert 'cannot be cut' in message and 'max_completion_length' in message
+    assert 'grpo_pass_tokens below' not in message
+
+
+def test_oom_recovery_true_under_several_processes_is_refused_before_the_model_loads(monkeypatch):
+    """GRPO's passes recover on one process only: ``oom_recovery: true`` under 2 processes is refused by the one rule,
+    on the launch route (``NPROC_PER_NODE``) and the plugin route (torchrun's ``WORLD_SIZE``), before any model loads
+    (at f3c4471 it was refused 42 s in, after the model loaded)."""
+    from swift_dynamic_callbacks.config.rules import rlhf_refusal
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    settings = {'rlhf_type': 'grpo', 'loss_type': 'grpo'}
+    assert rlhf_refusal('grpo', [], {}, True, grpo_pass_tokens=64, get=settings.get, world_size=1) is None
+    message = rlhf_refusal('grpo', [], {}, True, grpo_pass_tokens=64, get=settings.get, world_size=2)
+    assert 'oom_recovery: true cannot be used with rlhf_type: grpo under 2 processes' in message
+    assert rlhf_refusal('grpo', [], {}, 'auto', grpo_pass_tokens=64, get=settings.get, world_size=2) is None
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setattr(plugin, '_active', True)
+    monkeypatch.setattr(plugin, '_configured', plugin.parse_section(
+        {'integration': {'oom_recovery': True, 'grpo_pass_tokens': 64}}))
+    args = SimpleNamespace(callbacks=[], **settings)
+    with pytest.raises(ConfigError, match='under 2 processes'):
+        plugin.check_pipeline(args)
+
+
+def test_the_launch_refuses_grpo_recovery_under_several_processes(tmp_path, monkeypatch):
+    import yaml
+
+    from swift_dynamic_callbacks.cli import prepare
+    path = tmp_path / 'grpo.yaml'
+    path.write_text(yaml.safe_dump({'model': 'm', 'dataset': ['p.jsonl'], 'rlhf_type': 'grpo', 'tuner_type': 'lora',
+                                    'dynamic_callbacks': {'integration': {'oom_recovery': True,
+                                                                          'grpo_pass_tokens': 64}}}), encoding='utf-8')
+    prepare(str(path), [], 'rlhf')  # one process: recovered in the passes
+    monkeypatch.setenv('NPROC_PER_NODE', '2')
+    with pytest.raises(ConfigError, match='under 2 processes'):
+        prepare(str(path), [], 'rlhf')
 
 
 def test_the_budget_state_survives_a_checkpoint():

@@ -202,15 +202,15 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
     notes = list(pack.notes) + _unknown_callbacks(listed, settings)
     pack_listed = [n for n in listed if n in CALLBACK_CONFIGS]
     check_controls(pack_listed)
-    if pack_listed and str(settings.get('rlhf_type') or '').lower() in RLHF_RUN_LEVEL:
+    if str(settings.get('rlhf_type') or '').lower() in RLHF_RUN_LEVEL:
         # GRPO / GKD: what the rollout trainer allows first; OOM recovery there is the GRPO passes' own (one process,
-        # checked at start), so the step runner's rules see it as auto
+        # checked here and at start), so the step runner's rules see it as auto
         _check_rlhf(pack, settings, {n: pack.callback_config(n) for n in pack_listed}, ', '.join(pack_listed))
         if pack.integration.grpo_pass_tokens is not None:
             pack = replace(pack, integration=replace(pack.integration, oom_recovery='auto'))
     check_engine(engine_from_swift(settings), pack.to_json(), listed)
-    if not pack_listed:  # nothing of the pack runs: the rest concerns the pack's integration
-        return notes
+    # The integration runs whenever the pack is on, a pack callback listed or not (OOM recovery and the pass settings
+    # work alone), so every rule applies; a rule about a callback finds none when it is not listed.
     run = LaunchRun(pack, settings, {n: pack.callback_config(n) for n in pack_listed}, ', '.join(pack_listed))
     for rule in LAUNCH_RULES:
         rule(run)
@@ -462,7 +462,8 @@ def ignore_data_skip_error(checkpoint: str) -> ConfigError:
 def _check_rlhf(pack: PackConfig, settings: Mapping[str, Any], configs: Mapping[str, Any], uses: str) -> None:
     """``rlhf_type`` (``swift rlhf``): :func:`.rules.rlhf_refusal`, the rule every route asks before the model loads."""
     message = rlhf_refusal(settings.get('rlhf_type'), list(configs), configs, pack.integration.oom_recovery,
-                           grpo_pass_tokens=pack.integration.grpo_pass_tokens, get=settings.get)
+                           grpo_pass_tokens=pack.integration.grpo_pass_tokens, get=settings.get,
+                           world_size=_world_size())
     if message is not None:
         raise ConfigError(message)
 

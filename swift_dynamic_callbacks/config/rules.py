@@ -319,25 +319,29 @@ PPO_WHY = 'ms-swift\'s PPO trainer runs TRL\'s own training loop, which has no s
 
 def rlhf_refusal(rlhf_type: str | None, listed: Sequence[str], configs: Mapping[str, Any],
                  oom_recovery: bool | str = 'auto', *, grpo_pass_tokens: int | None = None,
-                 get: Callable[[str], Any] | None = None) -> str | None:
+                 get: Callable[[str], Any] | None = None, world_size: int = 1) -> str | None:
     """What the pack refuses under ``swift rlhf --rlhf_type <rlhf_type>`` (``listed``: the pack callbacks listed,
-    ``configs``: their settings), or ``None``: checked before the model loads on every route (``swift-dynamic check``
-    and ``rlhf``, the plugin and Python routes: ``integrations/swift.py``) and again when the trainer is built. Then
-    what ``integration.grpo_pass_tokens`` cannot run with (:func:`grpo_passes_refusal`; ``get`` reads the ms-swift
-    settings as the route holds them, ``rlhf_type`` alone without it)."""
+    ``configs``: their settings; none listed: the integration alone, which runs whenever the pack is on), or ``None``:
+    checked before the model loads on every route (``swift-dynamic check`` and ``rlhf``, the plugin and Python routes:
+    ``integrations/swift.py``) and again when the trainer is built. Then what ``integration.grpo_pass_tokens`` cannot
+    run with (:func:`grpo_passes_refusal`; ``get`` reads the ms-swift settings as the route holds them, ``rlhf_type``
+    alone without it; ``world_size``: the run's processes)."""
     return (_rlhf_type_refusal(rlhf_type, listed, configs, oom_recovery, grpo_pass_tokens)
-            or grpo_passes_refusal(grpo_pass_tokens, get or {'rlhf_type': rlhf_type}.get))
+            or grpo_passes_refusal(grpo_pass_tokens, get or {'rlhf_type': rlhf_type}.get,
+                                   oom_recovery=oom_recovery, world_size=world_size))
 
 
 def _rlhf_type_refusal(rlhf_type: str | None, listed: Sequence[str], configs: Mapping[str, Any],
                        oom_recovery: bool | str, grpo_pass_tokens: int | None) -> str | None:
-    """:func:`rlhf_refusal` by ``rlhf_type``: what its trainer allows of the listed callbacks."""
-    if rlhf_type is None or not listed:
+    """:func:`rlhf_refusal` by ``rlhf_type``: what its trainer allows of the listed callbacks (none listed: of the
+    integration alone)."""
+    if rlhf_type is None:
         return None
     rlhf = str(rlhf_type).strip().lower()
-    uses = ', '.join(listed)
+    uses = ', '.join(listed) if listed else 'none listed: the integration alone'
     if rlhf == 'ppo':
-        return f'rlhf_type: ppo is not supported by swift-dynamic-callbacks (callbacks: {uses}): {PPO_WHY}'
+        return (f'rlhf_type: ppo is not supported by swift-dynamic-callbacks (callbacks: {uses}): {PPO_WHY}; run it '
+                'with swift rlhf, without the pack')
     if rlhf in RLHF_RUN_LEVEL:
         why = ROLLOUT_WHY[rlhf]
         batch = [n for n in listed if n not in RUN_LEVEL_CALLBACKS]
@@ -384,16 +388,26 @@ GRPO_PASSES_REFUSED = {
 }
 
 
-def grpo_passes_refusal(pass_tokens: int | None, get: Callable[[str], Any]) -> str | None:
+#: why GRPO's loss passes recover from an OOM on one process only
+GRPO_RECOVERY_WHY = ('every GRPO loss pass holds ms-swift\'s metric gathers, so one rank cannot re-cut a pass alone '
+                     '(an OOM there ends the run, naming what to lower)')
+
+
+def grpo_passes_refusal(pass_tokens: int | None, get: Callable[[str], Any], *, oom_recovery: bool | str = 'auto',
+                        world_size: int = 1) -> str | None:
     """What ``integration.grpo_pass_tokens`` cannot run with (``get(name)``: an ms-swift setting as the YAML, the
     parsed arguments or the trainer hold it; ``None`` where unknown), or ``None``; asked before the model loads and
-    again when training starts."""
+    again when training starts. ``oom_recovery: true`` is refused under several processes (``world_size``):
+    :data:`GRPO_RECOVERY_WHY`."""
     if pass_tokens is None:
         return None
     name = f'{SECTION}.integration.grpo_pass_tokens: {pass_tokens}'
     rlhf = get('rlhf_type')
     if str(rlhf or '').lower() != 'grpo':
         return f'{name} cuts GRPO\'s loss passes: it needs rlhf_type: grpo (got {rlhf!r}); remove it'
+    if oom_recovery is True and world_size > 1:
+        return (f'{SECTION}.integration.oom_recovery: true cannot be used with rlhf_type: grpo under {world_size} '
+                f'processes: {GRPO_RECOVERY_WHY}; use auto (off there) or false')
     from ..policies.rl_passes import WEIGHTING
     loss_type = get('loss_type')
     if isinstance(loss_type, (list, tuple)) and len(loss_type) == 1:

@@ -35,6 +35,7 @@ import torch
 
 from .. import distributed
 from ..device_memory import free_memory, is_oom
+from ..config.rules import GRPO_RECOVERY_WHY
 from ..policies.pass_cost import BudgetState, budget_after_oom, budget_after_step
 from ..policies.rl_passes import WEIGHTING, halves, pass_weight, plan_passes
 from ..records import DecisionRecord
@@ -165,10 +166,22 @@ class GrpoPasses:
                                                f'GRPO passes of at most {self.budget} tokens', step=step))
 
     def _unrecovered(self, rows: int, length: int) -> str:
-        return (f'out of memory in a GRPO loss pass of {rows} completions x {length} tokens under '
-                f'{distributed.world_size()} processes (OOM recovery runs on one process: every pass holds ms-swift\'s '
-                f'metric gathers); lower dynamic_callbacks.integration.grpo_pass_tokens (now {self.budget}) or '
-                'max_completion_length')
+        """The message of an OOM this run does not recover from (several processes, or ``oom_recovery: false``), with
+        advice that can be followed: a budget below the failing pass while it held several completions; at one
+        completion the budget cannot go lower, so what makes a completion smaller or memory larger."""
+        why = ('OOM recovery runs on one process: ' + GRPO_RECOVERY_WHY if distributed.world_size() > 1
+               else 'oom_recovery: false')
+        if rows > 1:
+            advice = (f'set dynamic_callbacks.integration.grpo_pass_tokens below {rows * length} (now {self.budget}; '
+                      f'{length} is one completion\'s padded tokens), or lower max_completion_length')
+        else:
+            advice = ('a pass of one completion cannot be cut, so a lower grpo_pass_tokens cannot help: lower '
+                      'max_completion_length or max_length, free memory (a smaller num_generations per device, '
+                      'gradient_checkpointing, offloading the reference model) or run on one process, where OOM '
+                      'recovery retries the pass')
+        return (f'out of memory in a GRPO loss pass of {rows} completion{"s" if rows > 1 else ""} x {length} tokens '
+                f'under {distributed.world_size()} process{"es" if distributed.world_size() > 1 else ""} ({why}); '
+                f'{advice}')
 
     def _too_large(self, length: int) -> str:
         return (f'one completion of {length} tokens (prompt + completion, padded) runs out of memory alone after '

@@ -8,11 +8,14 @@ and passes no parameters, so the settings travel separately:
 - ``ENV_CONFIG`` may also name a YAML/JSON file, for plain ``swift sft`` runs;
 - in Python, :func:`register` takes the settings directly.
 
-Each factory installs the integration on the trainer (once) and builds its callback from its settings.
+Each factory installs the integration on the trainer (once) and builds its callback from its settings. With no pack
+callback listed, the integration is installed all the same whenever the pack is on (registered, not disabled): OOM
+recovery and the integration's pass settings work alone (:func:`_install_when_none_listed`).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 from transformers import TrainerCallback
@@ -39,6 +42,7 @@ assert set(CALLBACKS) == set(CALLBACK_CONFIGS) and all(
 
 
 _configured: PackConfig | None = None
+_active = False  # registered (the plugin imported, or register() called) and not unregistered since
 
 
 def current_config() -> PackConfig:
@@ -73,7 +77,7 @@ def register(settings: Mapping[str, Any] | None = None, **by_name: Any) -> PackC
     dataclass instance is accepted in place of a mapping. Without arguments the settings come from
     :data:`ENV_CONFIG` (how ``swift-dynamic sft`` hands them over). Returns the validated settings.
     """
-    global _configured
+    global _configured, _active
     from swift.callbacks import callbacks_map
 
     merged = dict(settings or {})
@@ -87,23 +91,60 @@ def register(settings: Mapping[str, Any] | None = None, **by_name: Any) -> PackC
     for name in CALLBACKS:
         callbacks_map[name] = _factory(name)
     _check_before_the_model_loads()
+    _install_when_none_listed()
+    _active = True
     return current_config()
 
 
 def check_pipeline(args: Any) -> None:
     """The checks that need ms-swift's parsed arguments, before the model loads (the plugin and Python routes; the
-    command line runs them on the YAML first): what ``rlhf_type`` allows (:func:`..config.rules.rlhf_refusal`).
-    Nothing when no pack callback is listed or the pack is off."""
+    command line runs them on the YAML first): settings of pack callbacks that are not listed (nothing would read
+    them), what ``rlhf_type`` allows (:func:`..config.rules.rlhf_refusal`). Nothing when the pack is off or not
+    registered; with no pack callback listed, for the integration alone."""
     listed = [n for n in (getattr(args, 'callbacks', None) or []) if n in CALLBACKS]
     pack = current_config()
-    if not listed or pack_disabled(pack.integration) is not None:
+    if not (_active or listed) or pack_disabled(pack.integration) is not None:
         return
+    parse_section({'integration': {}, **pack.callbacks}, listed)  # settings for unlisted callbacks -> error
     configs = {n: pack.callback_config(n) for n in listed}
     message = rlhf_refusal(getattr(args, 'rlhf_type', None), listed, configs, pack.integration.oom_recovery,
                            grpo_pass_tokens=pack.integration.grpo_pass_tokens,
-                           get=lambda name: getattr(args, name, None))
+                           get=lambda name: getattr(args, name, None), world_size=_launch_world_size())
     if message is not None:
         raise ConfigError(message)
+
+
+def _launch_world_size() -> int:
+    """The run's processes as seen before the model loads: torchrun's ``WORLD_SIZE`` in a training process."""
+    try:
+        return max(1, int(os.environ.get('WORLD_SIZE', '1')))
+    except ValueError:
+        return 1
+
+
+def _install_when_none_listed() -> None:
+    """Make ms-swift's trainers install the integration when the pack is on and no pack callback is listed (the
+    factories install it otherwise): patched once into ``SwiftMixin._get_callbacks``, where ms-swift builds the listed
+    callbacks (the trainer under construction, as the factories see it). When the pack is off, one stand-in writes
+    the ``pack`` / ``disabled`` record instead."""
+    from swift.trainers.mixin import SwiftMixin
+    original = SwiftMixin.__dict__.get('_get_callbacks')
+    if original is None or getattr(original, '_sdc_patched', False):
+        return
+
+    def _get_callbacks(self, args, _original=original):
+        callbacks = _original(self, args)
+        if not _active or any(n in CALLBACKS for n in (getattr(args, 'callbacks', None) or [])):
+            return callbacks
+        pack = current_config()
+        why = pack_disabled(pack.integration)
+        if why is not None:
+            return callbacks + [PackOffCallback(why)]
+        install(self, pack.integration, pack.to_json())
+        return callbacks
+
+    _get_callbacks._sdc_patched = True
+    SwiftMixin._get_callbacks = _get_callbacks
 
 
 def _check_before_the_model_loads() -> None:
@@ -126,5 +167,6 @@ def _check_before_the_model_loads() -> None:
 def unregister() -> None:
     """Forget the settings :func:`register` took (the next run reads :data:`ENV_CONFIG` again, or the defaults); the
     factories stay in ``callbacks_map``. :func:`swift_dynamic_callbacks.run.registered` calls it after each run."""
-    global _configured
+    global _configured, _active
     _configured = None
+    _active = False

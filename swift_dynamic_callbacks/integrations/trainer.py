@@ -168,7 +168,7 @@ class Integration:
                   if getattr(cb, 'config_class', None) is not None and getattr(cb, 'config', None) is not None}
         message = rlhf_refusal(self.run_level, list(listed), listed, self.config.oom_recovery,
                                grpo_pass_tokens=self.config.grpo_pass_tokens,
-                               get=lambda name: _grpo_setting(trainer, name))
+                               get=lambda name: _grpo_setting(trainer, name), world_size=distributed.world_size())
         if message is not None:
             raise ConfigError(message)
         host = type(trainer).__bases__[-1].__name__  # the class the pack's mixin was mixed into
@@ -194,12 +194,8 @@ class Integration:
         """``grpo_pass_tokens``: GRPO's loss passes cut by tokens (:mod:`.grpo_passes`), OOM recovery on one process
         (``oom_recovery`` auto or true); one ``grpo_passes`` record."""
         config = self.config
-        processes = distributed.world_size()
-        recovery = config.oom_recovery is not False and processes == 1
-        if config.oom_recovery is True and processes > 1:
-            raise ConfigError(f'dynamic_callbacks.integration.oom_recovery: true cannot be used with rlhf_type: grpo '
-                              f'under {processes} processes: every GRPO loss pass holds ms-swift\'s metric gathers, so '
-                              'one rank cannot re-cut a pass alone; use auto (off there) or false')
+        # oom_recovery: true under several processes was refused before the model loaded (rules.grpo_passes_refusal)
+        recovery = config.oom_recovery is not False and distributed.world_size() == 1
         self.grpo_passes = GrpoPasses(config.grpo_pass_tokens, str(self.trainer.loss_type), oom_recovery=recovery,
                                       single_sample_retries=config.oom_single_sample_retries,
                                       grow_back_steps=config.oom_grow_back_steps,
