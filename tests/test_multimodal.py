@@ -85,6 +85,24 @@ def test_qwen_vl_cuts_videos_and_their_seconds():
     assert (second['pixel_values_videos'] < -1).all() and first['video_grid_thw'].shape == (1, 3)
 
 
+def test_a_one_row_batchs_packing_keys_stay_with_it_whole():
+    """ms-swift's Qwen-VL collator gives a one-row micro-batch ``cu_seq_lens_q/k`` and ``max_length_q/k`` (its text
+    positions' boundaries, transformers >= 4.53): the kind knows them (no refusal, so OOM recovery stays on from a
+    batch of 1), keeps them on the row whole, and a piece of a batch of several rows never carries them."""
+    kind = QwenVL()
+    one = _batch([[2]])
+    one.update(cu_seq_lens_q=torch.tensor([0, 12], dtype=torch.int32), cu_seq_lens_k=torch.tensor([0, 12]),
+               max_length_q=torch.tensor(12), max_length_k=torch.tensor(12))
+    assert kind.refusal(one) is None
+    [whole] = kind.cut(kind.prepare(one), [(0, 1)])
+    assert torch.equal(whole['cu_seq_lens_q'], one['cu_seq_lens_q']) and int(whole['max_length_k']) == 12
+    two = _batch([[2], [1]])
+    two.update(cu_seq_lens_q=torch.tensor([0, 12, 24]))  # not what ms-swift collates: refused, never sliced as rows
+    assert 'cu_seq_lens_q' in kind.refusal(two)
+    first, _ = kind.cut(kind.prepare(_batch([[2], [1]])), [(0, 1), (1, 2)])
+    assert not set(first) & {'cu_seq_lens_q', 'max_length_q'}
+
+
 def test_a_key_no_kind_cuts_is_named():
     text = TextRows('model_type: qwen2')
     assert text.refusal({'input_ids': torch.ones(3, 4), 'pixel_values': torch.ones(3, 5)}).startswith(
@@ -205,6 +223,35 @@ def test_every_split_of_a_vl_micro_batch_keeps_the_gradient(split, vl_model, vl_
     if split == 'oom':
         assert injector.counts['forward'] == 1 and logs[-1]['dynamic/oom_count'] == 1
 
+
+
+@pytest.mark.vl
+@pytest.mark.e2e
+@needs_vl
+def test_growth_from_one_row_with_a_cap_keeps_the_gradient_and_every_row(vl_model, vl_rows, tmp_path):
+    """The usual VL start, ``per_device_train_batch_size: 1``, grown 1 -> 2 -> 4 with ``micro_batch_cap: 2``: the run
+    ends (at f3c4471 it stopped at step 4 on ms-swift's one-row packing keys, ``cu_seq_lens_q``), OOM recovery stays on
+    from a one-row batch, the batches of 4 ran as passes of 2, every row at most once, and every step's loss and
+    grad_norm equal the same growth uncut (2e-4)."""
+    from swift_runs import decisions, indices_by_epoch, sample_trace
+    arch, model = vl_model
+    growth = {'initial': 1, 'factor': 2.0, 'interval': 1, 'maximum': 4}
+    runs = {}
+    for name, cap in (('uncut', {}), ('capped', {'micro_batch_cap': 2})):
+        pack = {'batch_growth': {**growth, **cap}, 'integration': {'record_samples': True}}
+        runs[name], _ = _vl_run(model, arch, vl_rows, str(tmp_path / name), pack, per_device_train_batch_size=1)
+    uncut, capped = runs['uncut'], runs['capped']
+    assert len(uncut) == len(capped) == RUN['max_steps']
+    for a, b in zip(uncut, capped):
+        assert b['loss'] == pytest.approx(a['loss'], rel=2e-4), (a, b)
+        assert b['grad_norm'] == pytest.approx(a['grad_norm'], rel=2e-4), (a, b)
+    assert [r['dynamic/pass_size'] for r in capped][-1] == 2 and [r['dynamic/pass_size'] for r in uncut][-1] == 4
+    seen = indices_by_epoch(sample_trace(str(tmp_path / 'capped')))[0]
+    assert len(seen) == len(set(seen)) == 2 * (1 + 2 + 4 + 4)
+    assert seen == indices_by_epoch(sample_trace(str(tmp_path / 'uncut')))[0]
+    [engine] = [d for d in decisions(str(tmp_path / 'capped')) if d['kind'] == 'engine']
+    assert engine['values']['oom_recovery'] is True
+    assert not [d for d in decisions(str(tmp_path / 'capped')) if d['kind'] == 'oom_recovery']
 
 
 @pytest.mark.vl

@@ -7,7 +7,11 @@ A collated Qwen-VL micro-batch of ``B`` rows (ms-swift's ``Qwen2VLTemplate._data
 - ``position_ids`` ``[3, B, L]``: the 3-D rotary positions, rows along dim 1;
 - ``pixel_values`` ``[P, C]``: every image's patches, the rows' images in order; ``image_grid_thw`` ``[I, 3]``: one
   row an image (its patches are the product); likewise ``pixel_values_videos`` / ``video_grid_thw`` for videos and
-  ``second_per_grid_ts`` (a list, one entry a video; Qwen2.5-VL).
+  ``second_per_grid_ts`` (a list, one entry a video; Qwen2.5-VL);
+- a one-row micro-batch only (``text_position_ids`` ``[1, L]``, transformers >= 4.53): ``cu_seq_lens_q/k`` and
+  ``max_length_q/k``, the row's boundaries for flash attention's variable-length path
+  (:data:`ONE_ROW_PACKING_KEYS`). A one-row micro-batch is never cut into rows, so they stay with it whole; a piece of
+  several rows never holds them (ms-swift collates none for a batch of several rows).
 
 Each image is ``prod(grid_thw) / merge_size^2`` image tokens in its row's ``input_ids``, so a row's images are the next
 ones in order until its image tokens are accounted for. :meth:`QwenVL.prepare` counts them on the host at the step
@@ -19,12 +23,13 @@ weight (``Template._get_inputs_embeds_hf``), so its gradient is the rows' own.
 from __future__ import annotations
 
 from itertools import accumulate
+from types import SimpleNamespace
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
 from ...config.models import QWEN_VL_TYPES
-from ...policies.vision import ResizeRule
+from ...policies.vision import ResizeRule, VideoRule
 from .base import InputKind, _has_rows, batch_rows
 
 
@@ -36,6 +41,8 @@ MEDIA = (('pixel_values', 'image_grid_thw', 'image_token_id'), ('pixel_values_vi
                                                                   'video_token_id'))
 #: one entry a video (a list)
 PER_VIDEO = ('second_per_grid_ts', )
+#: what ms-swift's Qwen-VL collator adds to a one-row micro-batch (``get_packed_seq_params`` of its text positions)
+ONE_ROW_PACKING_KEYS = ('cu_seq_lens_q', 'cu_seq_lens_k', 'max_length_q', 'max_length_k')
 
 
 class VisionBatch(dict):
@@ -95,6 +102,8 @@ class QwenVL(InputKind):
         for key, value in batch.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
+            if key in ONE_ROW_PACKING_KEYS and rows == 1:  # never cut: a one-row batch stays whole
+                continue
             if key == 'position_ids':
                 if not (value.dim() == 3 and value.shape[1] == rows) and not value.shape[0] == rows:
                     return f'micro-batch key position_ids of shape {tuple(value.shape)} is neither [3, B, L] nor [B, L]'
@@ -122,10 +131,13 @@ class QwenVL(InputKind):
         if not isinstance(batch, VisionBatch):
             batch = self.prepare(batch)
         rows = batch_rows(batch)
+        whole = list(bounds) == [(0, rows)]
         parts: list[dict[str, Any]] = [{} for _ in bounds]
         for key, value in batch.items():
+            if key in ONE_ROW_PACKING_KEYS and not whole:  # a one-row batch's boundaries: not a piece's
+                continue
             for part, (a, b) in zip(parts, bounds):
-                part[key] = _row_slice(key, value, a, b, rows)
+                part[key] = value if key in ONE_ROW_PACKING_KEYS else _row_slice(key, value, a, b, rows)
         for (values, grid, _), media in zip(MEDIA, ('image', 'video')):
             if media not in batch.row_media:
                 continue
@@ -150,7 +162,8 @@ class QwenVL(InputKind):
         """The resize ms-swift's Qwen-VL template applies (:mod:`...policies.vision`), read from what the run
         trains with: the processor's patch size, ``qwen_vl_utils``' limits as ms-swift set them from the environment
         (``MAX_PIXELS``, ``MIN_PIXELS``, ...; imported only here, where the template has imported it already) and the
-        template's ``max_pixels``."""
+        template's ``max_pixels``; with the rule of its videos (:func:`video_rule`) for the templates whose videos it
+        knows."""
         template = getattr(trainer, 'template', None)
         processor = getattr(getattr(template, 'processor', None), 'image_processor', None)
         patch = int(getattr(processor, 'patch_size', 14) or 14)
@@ -167,7 +180,8 @@ class QwenVL(InputKind):
         else:
             low, high = 4 * factor**2, 16384 * factor**2
         return ResizeRule(factor=factor, min_pixels=int(low), max_pixels=int(high),
-                          template_max_pixels=getattr(template, 'max_pixels', None) or None, merge=self.merge)
+                          template_max_pixels=getattr(template, 'max_pixels', None) or None, merge=self.merge,
+                          video=video_rule(template, limits, merge_side=merge_side))
 
     def vision_patches(self, batch: Mapping[str, Any]) -> list[int] | None:
         if not isinstance(batch, VisionBatch):
@@ -182,6 +196,51 @@ class QwenVL(InputKind):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), 'merge': self.merge, **self.token_ids}
+
+
+#: the templates whose videos :func:`video_rule` knows (ms-swift's ``Qwen2VLTemplate.version``): Qwen2-VL / QVQ
+#: (``v2``), Qwen2.5-VL / MiMo-VL (``v2_5``). Qwen3-VL (``v3``) is not: its processor adds a timestamp and the vision
+#: start / end tokens to each temporal patch and samples frames itself.
+VIDEO_TEMPLATES = ('v2', 'v2_5')
+#: qwen-vl-utils 0.0.14's defaults (``vision_process``), where it cannot be imported
+_VIDEO_DEFAULTS = {'VIDEO_MIN_TOKEN_NUM': 128, 'VIDEO_MAX_TOKEN_NUM': 768, 'IMAGE_MIN_TOKEN_NUM': 4,
+                   'IMAGE_MAX_TOKEN_NUM': 16384, 'FPS': 2.0, 'FPS_MIN_FRAMES': 4, 'FPS_MAX_FRAMES': 768,
+                   'FRAME_FACTOR': 2, 'MODEL_SEQ_LEN': 128000}
+
+
+def video_rule(template: Any, limits: Any, *, merge_side: int = 2) -> VideoRule | None:
+    """How ms-swift's Qwen-VL ``template`` turns a video into tokens (:class:`~...policies.vision.VideoRule`), from
+    qwen-vl-utils' module ``limits`` (``qwen_vl_utils.vision_process``) as ms-swift set them from the environment:
+    ``FPS``, ``FPS_MIN_FRAMES``, ``FPS_MAX_FRAMES``, ``FRAME_FACTOR``, ``VIDEO_MIN_TOKEN_NUM`` / ``VIDEO_MAX_TOKEN_NUM``
+    (``VIDEO_MIN_PIXELS`` / ``VIDEO_MAX_PIXELS`` divided by 28^2), ``IMAGE_MIN_TOKEN_NUM`` / ``IMAGE_MAX_TOKEN_NUM``
+    and ``MODEL_SEQ_LEN`` (read by qwen-vl-utils when imported).
+
+    The template calls ``fetch_video`` without a patch size for these versions, so its factor is qwen-vl-utils'
+    default patch (14) x ``merge_side``; the processor's ``temporal_patch_size`` merges frames.
+
+    Returns:
+        ``None`` (videos not counted): a template not of :data:`VIDEO_TEMPLATES`, or qwen-vl-utils before 0.0.14
+        (no ``VIDEO_MAX_TOKEN_NUM``: its frame lists are resized otherwise).
+    """
+    if getattr(template, 'version', None) not in VIDEO_TEMPLATES:
+        return None
+    if limits is None:
+        limits = SimpleNamespace(**_VIDEO_DEFAULTS)
+    if not hasattr(limits, 'VIDEO_MAX_TOKEN_NUM'):
+        return None
+    get = lambda name: getattr(limits, name, _VIDEO_DEFAULTS[name])  # noqa: E731
+    processor = getattr(template, 'processor', None)
+    frames = getattr(processor, 'video_processor', None) or getattr(processor, 'image_processor', None)
+    factor = 14 * merge_side
+    list_factor = factor * merge_side  # qwen-vl-utils 0.0.14 passes its image factor as fetch_image's patch size
+    return VideoRule(factor=factor, min_pixels=int(get('VIDEO_MIN_TOKEN_NUM') * factor**2),
+                     max_pixels=int(get('VIDEO_MAX_TOKEN_NUM') * factor**2),
+                     total_pixels=get('MODEL_SEQ_LEN') * factor**2 * 0.9, fps=float(get('FPS')),
+                     min_frames=int(get('FPS_MIN_FRAMES')), max_frames=int(get('FPS_MAX_FRAMES')),
+                     frame_factor=int(get('FRAME_FACTOR')),
+                     temporal_patch=int(getattr(frames, 'temporal_patch_size', 2) or 2), list_factor=list_factor,
+                     list_min_pixels=int(get('IMAGE_MIN_TOKEN_NUM') * list_factor**2),
+                     list_max_pixels=int(get('IMAGE_MAX_TOKEN_NUM') * list_factor**2))
 
 
 def _rows_of(tokens: Sequence[int], item_tokens: Sequence[int], grid: str) -> list[int]:
