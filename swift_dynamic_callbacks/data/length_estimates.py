@@ -6,8 +6,9 @@ every row first (about 0.8 ms a row: 13 minutes at 1M rows). Instead:
 
 1. the characters of every raw row's text are counted with Arrow compute (the ``messages`` — ms-swift keeps them as
    JSON text —, string columns such as ``query`` / ``response`` / ``rejected_response``): about a second per
-   million rows; a vision-language run's images are counted exactly, from each image file's header and the run's
-   resize rule (:mod:`..policies.vision`), and the line below is fitted to the text alone;
+   million rows; a vision-language run's images and videos are counted exactly, from each image file's header (a
+   video given as a list of image files: each frame's; a video file: its container's header) and the run's resize
+   rules (:mod:`..policies.vision`), and the line below is fitted to the text alone;
 2. ``sample`` evenly spaced rows are encoded for real; a line ``tokens = a + b * characters`` is fitted to their
    costs (:func:`~.rows.row_cost`: both rows of a DPO pair) and scaled up so no sampled row is under-estimated;
 3. the estimates are written to a cache file beside the dataset's Arrow files (else in ``output_dir``), keyed by the
@@ -31,9 +32,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..policies.vision import Video
+
 CACHE_PREFIX = 'sdc_lengths-'
 #: part of the cache key: a file written by another version of the estimate is not read
-ESTIMATE_VERSION = 3
+ESTIMATE_VERSION = 4
 
 
 def is_lazy(dataset: Any) -> bool:
@@ -137,6 +140,87 @@ def image_headers(raw: Any) -> list[list[tuple[int, int]]]:
     return out
 
 
+def _local_path(source: Any) -> str | None:
+    """A local file's path (``file://`` stripped), ``None`` for a URL or anything else."""
+    if not isinstance(source, str) or source.startswith(('http://', 'https://', 'data:')):
+        return None
+    return source[7:] if source.startswith('file://') else source
+
+
+def _video_file(path: str) -> Video | None:
+    """A video file's frames, frame rate and frame size from its container's header (PyAV: nothing decoded), or
+    ``None`` when PyAV is not installed or the header does not give them.
+
+    The frames are the container's count (``nb_frames``; else duration x average rate). qwen-vl-utils' decoders count
+    them their own way (torchcodec and decord from the same header or index; torchvision by decoding every frame),
+    so a file whose header is wrong is counted as its header says."""
+    try:
+        import av
+    except ImportError:
+        return None
+    try:
+        with av.open(path) as container:
+            stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            fps = float(rate) if rate else 0.0
+            frames = int(stream.frames or 0)
+            if not frames and stream.duration and stream.time_base and fps:
+                frames = round(float(stream.duration * stream.time_base) * fps)
+            width, height = stream.codec_context.width, stream.codec_context.height
+    except (OSError, ValueError, IndexError, av.error.FFmpegError):
+        return None
+    if frames <= 0 or fps <= 0 or not width or not height:
+        return None
+    return Video(frames=frames, width=int(width), height=int(height), fps=fps)
+
+
+def video_headers(raw: Any) -> tuple[list[list[Video]], int]:
+    """Every video of every row of a ``datasets.Dataset`` (its ``videos`` column), from headers only, and how many
+    videos could not be read that way.
+
+    A video given as a list of image files (ms-swift's frames) is read from each frame's header (PIL: no pixel
+    decoded; the largest frame is kept: qwen-vl-utils stacks the frames, so they are one size). A video file is read
+    from its container's header (:func:`_video_file`, PyAV). A URL, a file whose header does not give its frames and
+    rate, or PyAV missing: the video is not counted (the second value; its tokens stay in the text line's fit when it
+    is a sampled row's).
+
+    Raises:
+        ValueError: a frame image that cannot be opened (its path named), as for images.
+    """
+    from PIL import Image
+    table, rows = _table_and_rows(raw)
+    if 'videos' not in table.column_names:
+        return [[] for _ in range(len(rows) if rows is not None else table.num_rows)], 0
+    column = table.column('videos').to_pylist()
+    out, missed = [], 0
+    for i in (rows if rows is not None else range(len(column))):
+        videos = []
+        for entry in column[int(i)] or ():
+            if isinstance(entry, (list, tuple)) and entry:
+                sizes = []
+                for frame in entry:
+                    path = _local_path(frame)
+                    if path is None:
+                        break
+                    try:
+                        with Image.open(path) as image:
+                            sizes.append(tuple(image.size))
+                    except (OSError, ValueError) as e:
+                        raise ValueError(f'row {int(i)}: cannot read the size of video frame {frame!r} ({e})') from e
+                if len(sizes) == len(entry):
+                    width, height = max(sizes, key=lambda s: s[0] * s[1])
+                    videos.append(Video(frames=len(sizes), width=width, height=height))
+                    continue
+            elif _local_path(entry) is not None:
+                video = _video_file(_local_path(entry))
+                if video is not None:
+                    videos.append(video)
+                    continue
+            missed += 1
+        out.append(videos)
+    return out, missed
+
+
 def fit(chars: Sequence[int], costs: Sequence[int]) -> tuple[float, float, float]:
     """``(a, b, scale)``: ``cost ~ scale * (a + b * chars)``, least squares on the sample, then scaled so that no
     sampled row is under-estimated (``scale >= 1``). ``b`` is positive; estimates are at least 1."""
@@ -166,8 +250,8 @@ def cache_dir(raw: Any, fallback: str | None) -> str | None:
 
 def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample: int = 64,
                      cache: str | None = None, is_main: bool = True, wait: Callable[[], None] = lambda: None,
-                     key: Sequence[Any] = (), image_tokens: Callable[[int, int], int] | None = None
-                     ) -> tuple[list[int], dict[str, Any]]:
+                     key: Sequence[Any] = (), image_tokens: Callable[[int, int], int] | None = None,
+                     video_tokens: Callable[[Video], int] | None = None) -> tuple[list[int], dict[str, Any]]:
     """Estimated cost of every sample of a lazy ``dataset`` and what the estimate is based on.
 
     Args:
@@ -181,11 +265,16 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
         image_tokens: ``(width, height) -> tokens`` an image becomes (the run's resize rule,
             :func:`~..policies.vision.image_tokens`): every row's images are counted exactly from their headers
             (:func:`image_headers`) and the line is fitted to the text alone (the sampled costs less their images'
-            tokens), so a row's estimate follows its own images, not the sample's. ``None``: text only.
+            tokens), so a row's estimate follows its own images, not the sample's. ``None``: images not counted.
+        video_tokens: ``video -> tokens`` a video becomes (the run's video rule,
+            :func:`~..policies.vision.video_tokens`): every row's videos are counted from their headers
+            (:func:`video_headers`) like the images. ``None``: videos not counted.
 
     Returns:
         ``(lengths, info)``; ``info``: ``rows``, ``sampled``, ``a``, ``b``, ``scale``, ``cache`` (file or ``None``),
-        ``cached`` (read from the file), ``image_tokens`` (the images' tokens over all rows, when counted).
+        ``cached`` (read from the file), ``image_tokens`` (the images' tokens over all rows, when counted),
+        ``video_tokens`` and ``videos_uncounted`` (the videos' tokens over all rows, and the videos whose headers did
+        not give them or whose frames qwen-vl-utils refuses to sample, when videos are counted).
     """
     raw = dataset.dataset
     n = len(dataset)
@@ -193,7 +282,8 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
     picked = sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)}) if n else []
     costs = [int(measure(dataset[i], i)) for i in picked]
     digest = hashlib.sha256(repr((ESTIMATE_VERSION, getattr(raw, '_fingerprint', None), n, picked, costs,
-                                  tuple(key), image_tokens is not None)).encode()).hexdigest()[:20]
+                                  tuple(key), image_tokens is not None, video_tokens is not None)
+                                 ).encode()).hexdigest()[:20]
     path = os.path.join(cache, f'{CACHE_PREFIX}{digest}.npy') if cache else None
     info: dict[str, Any] = {'rows': n, 'sampled': len(picked), 'cache': path, 'cached': False}
     if not is_main:  # the main process writes the cache first
@@ -215,6 +305,17 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
     if image_tokens is not None:
         media = np.array([sum(image_tokens(w, h) for w, h in sizes) for sizes in image_headers(raw)], dtype=np.int64)
         info['image_tokens'] = int(media.sum())
+    if video_tokens is not None:
+        videos, missed = video_headers(raw)
+        counted = np.zeros(n, dtype=np.int64)
+        for row, row_videos in enumerate(videos):
+            for video in row_videos:
+                try:
+                    counted[row] += video_tokens(video)
+                except ValueError:  # frames qwen-vl-utils refuses to sample: ms-swift skips the row when read
+                    missed += 1
+        media += counted
+        info.update(video_tokens=int(counted.sum()), videos_uncounted=missed)
     text = np.maximum(np.asarray(costs, dtype=np.int64) - media[picked], 1)
     a, b, scale = fit(chars[picked], text)
     estimates = apply(chars, a, b, scale) + media

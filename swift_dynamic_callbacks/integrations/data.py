@@ -28,7 +28,7 @@ from ..data.length_estimates import cache_dir, estimate_lengths, is_lazy, mean_r
 from ..data.elastic import ElasticDataLoader
 from ..policies.balance import work_coefficient
 from ..policies.length import BatchPlan
-from ..policies.vision import ResizeRule, image_tokens
+from ..policies.vision import ResizeRule, image_tokens, video_tokens
 from ..records import DecisionRecord
 from ..data.rows import dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths, row_cost
 from ..state import StateError
@@ -161,7 +161,8 @@ class DataFeed:
             cache=cache_dir(dataset.dataset, os.path.join(self.trainer.args.output_dir, '.sdc_cache')),
             is_main=distributed.is_main_process(), wait=lambda: distributed.gather_objects(0),
             key=length_key(self.trainer) + (rule, ),
-            image_tokens=None if rule is None else lambda w, h: image_tokens(w, h, rule))
+            image_tokens=None if rule is None else lambda w, h: image_tokens(w, h, rule),
+            video_tokens=None if rule is None or rule.video is None else lambda v: video_tokens(v, rule.video))
         if rule is not None:
             info['image_rule'] = asdict(rule)
         if self.loader is not None:

@@ -38,6 +38,7 @@ __all__ = [
     'write_mixed_length_dataset',
     'build_tiny_vl_model',
     'write_image_dataset',
+    'write_video_dataset',
     'write_prompt_dataset',
     'write_text_dataset',
     'write_preference_dataset',
@@ -480,6 +481,58 @@ def write_image_dataset(dest_file: str | Path, n: int = 28, *, text_every: int =
         image.save(image_file)
         row = _messages('<image>' + problem['question'][:120], problem['answer'][:160])
         row['images'] = [str(image_file)]
+        rows.append(row)
+    return _write_jsonl(path, rows)
+
+
+def write_video_dataset(dest_file: str | Path, n: int = 16, *, frames: Any = (2, 8), sizes: Any = IMAGE_SIZES,
+                        seed: int = 0, frame_dir: str | Path | None = None) -> Path:
+    """Writes a video + text ``messages`` JSONL file for a vision-language ``swift sft``, each video a list of PNG
+    frames (ms-swift's ``videos`` entry as a list of image files).
+
+    Row ``i`` asks a GSM8K question about a video of ``frames[i % len(frames)]`` frames of ``sizes[i % len(sizes)]``
+    pixels (each frame a random colour with a few random pixels) and answers with the problem's answer. Frames go to
+    ``frame_dir`` (default: ``<dest_file stem>_frames`` beside it), referenced by absolute path.
+
+    Args:
+        dest_file: Output ``.jsonl`` path; parent directories are created.
+        n: Number of rows, at least 1.
+        frames: frames of each row's video (at least 1 each), cycled.
+        sizes: (width, height) of each row's frames, cycled.
+        seed: Seed of the frames' colours.
+        frame_dir: Where the PNG files go.
+
+    Returns:
+        ``dest_file`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ValueError: ``n`` below 1 or a video of fewer than 1 frame.
+    """
+    from PIL import Image
+    if n < 1:
+        raise ValueError(f'n must be >= 1, got n={n!r}')
+    if min(frames) < 1:
+        raise ValueError(f'every video needs at least 1 frame, got frames={frames!r}')
+    path = Path(dest_file)
+    folder = Path(frame_dir) if frame_dir is not None else path.with_name(f'{path.stem}_frames')
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    source = _gsm8k_rows()
+    rows: list[dict[str, Any]] = []
+    for i in range(n):
+        problem = source[i % len(source)]
+        width, height = sizes[i % len(sizes)]
+        files = []
+        for j in range(frames[i % len(frames)]):
+            frame = Image.new('RGB', (width, height), tuple(rng.randrange(256) for _ in range(3)))
+            for _ in range(20):
+                frame.putpixel((rng.randrange(width), rng.randrange(height)),
+                               tuple(rng.randrange(256) for _ in range(3)))
+            frame_file = (folder / f'video{i}_frame{j}.png').resolve()
+            frame.save(frame_file)
+            files.append(str(frame_file))
+        row = _messages('<video>' + problem['question'][:120], problem['answer'][:160])
+        row['videos'] = [files]
         rows.append(row)
     return _write_jsonl(path, rows)
 
