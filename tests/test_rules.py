@@ -115,3 +115,24 @@ def test_hfs_token_counter_under_several_processes_needs_transformers_5_alike(mo
     monkeypatch.setenv('NPROC_PER_NODE', '1')
     monkeypatch.setattr(launch, '_transformers_major', lambda: 4)
     check_run(pack, {'model': 'm', 'callbacks': ['batch_schedule'], 'include_num_input_tokens_seen': True})
+
+
+def test_recovery_true_with_ms_swifts_packing_is_refused_alike():
+    """``oom_recovery: true`` with ms-swift's ``packing`` / ``padding_free``: a micro-batch is one packed row of many
+    samples, which recovery cannot cut (before, recovery stayed on and an OOM ran the packed row again as if it were
+    one sample, then named it a "single sample" too large): refused at launch and at start with one message; with
+    ``auto`` the step runner turns recovery off and says why."""
+    from swift_dynamic_callbacks.integrations.engines import Engine
+    from swift_dynamic_callbacks.integrations.steps import StepRunner
+    section = {'batch_schedule': {'schedule': {0: 2}}, 'integration': {'oom_recovery': True}}
+    at_launch = launch_message({'padding_free': True}, section)
+    assert 'packing / padding_free' in at_launch
+    assert at_launch == start_message({'padding_free': True}, config=IntegrationConfig(oom_recovery=True))
+    trainer = SimpleNamespace(args=SimpleNamespace(padding_free=True, packing=False, loss_type=None,
+                                                   label_smoothing_factor=0.0, router_aux_loss_coef=0.0),
+                              template=None, state=SimpleNamespace(global_step=0), model=None, task_type=None,
+                              compute_loss_func=None,
+                              callback_handler=SimpleNamespace(callbacks=[]))
+    runner = StepRunner(trainer, Engine(trainer), oom_recovery=False, single_sample_retries=0)
+    record = runner.begin(IntegrationConfig(), {})
+    assert record.values['oom_recovery'] is False and 'packing / padding_free' in record.values['oom_recovery_off']

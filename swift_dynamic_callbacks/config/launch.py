@@ -187,7 +187,8 @@ class LaunchRun:
                         include_num_input_tokens_seen=str(self.settings.get('include_num_input_tokens_seen', 'no'))
                         .strip().lower() not in ('no', 'false', '0', 'none', 'n', 'f'),
                         tokens_counted_per_slot=_transformers_major() >= 5,
-                        oom_recovery=self.pack.integration.oom_recovery)
+                        oom_recovery=self.pack.integration.oom_recovery,
+                        packed=self.flag('packing') or self.flag('padding_free'))
 
 
 def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str] | None = None) -> list[str]:

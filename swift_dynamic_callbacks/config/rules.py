@@ -45,6 +45,7 @@ class RunFacts:
         tokens_counted_per_slot: the installed transformers counts input tokens in ``Trainer._track_num_input_tokens``
             (transformers >= 5), which the pack's trainer mixin overrides; older ones count inline.
         oom_recovery: the integration's ``oom_recovery`` (``auto``, ``True`` or ``False``).
+        packed: ms-swift packs a micro-batch into one ``[1, N]`` row (``packing`` / ``padding_free``).
     """
 
     sequence_parallel_size: float = 1
@@ -64,6 +65,7 @@ class RunFacts:
     include_num_input_tokens_seen: bool = False
     tokens_counted_per_slot: bool = True
     oom_recovery: bool | str = 'auto'
+    packed: bool = False
 
 
 #: why a pass cannot be run again on one rank under sequence parallelism
@@ -208,6 +210,19 @@ def recovery_loss(facts: RunFacts) -> str | None:
     return recovery_refused(setting, why) if kind == 'unknown' else None
 
 
+#: why OOM recovery is off where ms-swift packs a micro-batch into one row
+PACKED_WHY = ('ms-swift\'s packing / padding_free collate a micro-batch into one [1, N] row of many samples, which '
+              'recovery cannot cut into smaller passes')
+
+
+def recovery_packed(facts: RunFacts) -> str | None:
+    """``oom_recovery: true`` needs micro-batches it can cut: not ms-swift's packed rows (:data:`PACKED_WHY`)."""
+    if facts.oom_recovery is True and facts.packed:
+        return (f'{SECTION}.integration.oom_recovery: true cannot be combined with packing / padding_free: '
+                f'{PACKED_WHY}; allowed: auto (recovery off for this run, said in the engine record) or false')
+    return None
+
+
 def token_counter(facts: RunFacts) -> str | None:
     """HF's input-token counter gathers across ranks once per micro-batch slot; transformers before 5 counts inline
     and skips a slot without ``input_ids`` (the pack's empty and several-pass slots) on that rank only."""
@@ -247,7 +262,7 @@ def custom_loss_name(loss_func: Any) -> str | None:
 #: the rules both checks run on :class:`RunFacts`, in order
 RUN_RULES: tuple[Callable[[RunFacts], str | None], ...] = (sequence_parallel, drop_last, auto_batch_size,
                                                            stream_steps, stream_unit, token_sum_loss,
-                                                           token_counter, recovery_loss)
+                                                           token_counter, recovery_loss, recovery_packed)
 
 
 def pass_splitters(configs: Mapping[str, Any]) -> list[str]:

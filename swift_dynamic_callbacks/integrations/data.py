@@ -64,7 +64,9 @@ def check_supported(trainer: Any, config: IntegrationConfig | None = None, *, st
                          include_num_input_tokens_seen=getattr(args, 'include_num_input_tokens_seen', 'no') not in (
                              'no', False, None),
                          tokens_counted_per_slot=hasattr(transformers.Trainer, '_track_num_input_tokens'),
-                         oom_recovery=(config or IntegrationConfig()).oom_recovery))
+                         oom_recovery=(config or IntegrationConfig()).oom_recovery,
+                         packed=bool(getattr(template, 'padding_free', False) or getattr(args, 'padding_free', False)
+                                     or getattr(args, 'packing', False))))
 
 
 def length_key(trainer: Any) -> tuple[Any, ...]:

@@ -36,7 +36,7 @@ import torch
 from .. import distributed, protocol
 from ..config import ConfigError
 from ..config.integration import IntegrationConfig
-from ..config.rules import PAIRS_WHY, SP_WHY, recovery_refused
+from ..config.rules import PACKED_WHY, PAIRS_WHY, SP_WHY, recovery_refused
 from ..data.slots import EmptyMicroBatch, PassGroup
 from ..device_memory import device_figures, free_memory, is_oom
 from ..policies.data_plan import piece_bounds
@@ -131,6 +131,8 @@ class StepRunner:
                 raise ConfigError(f'dynamic_callbacks.integration.oom_recovery: true is not supported under swift '
                                   f'rlhf: {PAIRS_WHY}; use auto or false')
             recovery, why_off = False, f'swift rlhf: {PAIRS_WHY}'
+        if recovery and host_packs_rows(self.trainer):  # oom_recovery: true was refused (rules.recovery_packed)
+            recovery, why_off = False, f'packing / padding_free: {PACKED_WHY}'
         self.loss = loss_kind(self.trainer)
         if recovery and not self.loss.splittable:
             if config.oom_recovery is True:
