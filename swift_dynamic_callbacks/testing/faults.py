@@ -2,7 +2,8 @@
 
 :class:`OomInjector` patches the call of every transformers decoder layer (``GradientCheckpointingLayer``, the
 base of every model's layers, class-level, undone by :meth:`OomInjector.remove`) and acts at the first decoder layer
-of the language model, whatever the model (Qwen2, LLaMA, Qwen2-VL, ...). A forward pass whose batch holds more than
+of the language model, whatever the model and whatever that layer's kind (Qwen2, LLaMA, Qwen2-VL, Qwen3.5's
+linear-attention first layer, ...: :func:`decoder_layer_index`). A forward pass whose batch holds more than
 ``token_budget`` tokens raises ``torch.OutOfMemoryError`` before computing anything (a forward OOM). With
 ``backward_rate``, a pass of more than one sample is picked at random (seeded) to fail in the middle of its backward
 (or the passes numbered in ``fail_passes``, counting every training forward from 0; ``forward_passes`` fail in
@@ -45,6 +46,22 @@ def _layer_classes() -> list[type]:
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
         from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
         return [Qwen2DecoderLayer, LlamaDecoderLayer]
+
+
+#: the submodules of a decoder layer that carry its index (``layer_idx``): full attention, or linear attention
+#: (Qwen3.5 / Qwen3-Next Gated DeltaNet layers)
+_MIXERS = ('self_attn', 'linear_attn')
+
+
+def decoder_layer_index(layer: Any) -> int | None:
+    """The index of a language model's decoder layer (its attention's or linear attention's ``layer_idx``, else its
+    own), ``None`` for a layer that has none (a vision block)."""
+    for name in _MIXERS:
+        index = getattr(getattr(layer, name, None), 'layer_idx', None)
+        if index is not None:
+            return int(index)
+    index = getattr(layer, 'layer_idx', None)
+    return int(index) if isinstance(index, int) else None
 
 
 class OomInjector:
@@ -99,7 +116,7 @@ class OomInjector:
         injector = self
 
         def call(layer, *args, **kwargs):
-            if getattr(getattr(layer, 'self_attn', None), 'layer_idx', None) == 0 and id(layer) not in injector._hooks:
+            if decoder_layer_index(layer) == 0 and id(layer) not in injector._hooks:
                 injector._hooks[id(layer)] = (layer.register_forward_pre_hook(injector._before, with_kwargs=True),
                                               layer.register_forward_hook(injector._after, with_kwargs=True))
             return original(layer, *args, **kwargs)
@@ -148,7 +165,7 @@ class OomInjector:
         injector = self
 
         def forward(layer, *args, **kwargs):
-            first = getattr(getattr(layer, 'self_attn', None), 'layer_idx', None) == 0
+            first = decoder_layer_index(layer) == 0
             hidden_states = args[0] if args else kwargs.get('hidden_states')
             if not (first and torch.is_grad_enabled() and layer.training and isinstance(hidden_states, torch.Tensor)
                     and hidden_states.dim() == 3):
