@@ -200,6 +200,27 @@ def test_pass_budget_in_rows_one_row_ooms_and_the_step_cap():
     assert part.limit() == {'samples': 5, 'tokens': None, 'rules': [[100, 2]]}  # the smaller cap, once
 
 
+def test_the_step_cap_after_an_oom_is_the_largest_pass_known_to_run_clean():
+    """After an OOM the rest of the step runs within the largest pass known to run clean below the failing one (this
+    step's, or the budget's since the first OOM), not half the failing pass: a grown budget of 978 tokens that fails
+    goes back to the 870 that ran clean, where halving would run the rest of the step at 489."""
+    part = PassBudget(grow_after=1, probe_after=0)
+    part.configure(tokens_ceiling=1200, rows=4)
+    part.start_step(None)
+    assert part.after_oom(4, 1160) == 580  # nothing known yet: half
+    part.fold([DecisionRecord('integration', 'oom', 'recovered', {'pass_size': 4, 'pass_tokens': 1160,
+                                                                   'fitted': 580})], 1)
+    part.start_step(None)
+    part.ran(3, 870)
+    part.fold([], 2, fitted=870)
+    part.start_step(None)
+    assert part.after_oom(4, 978) == 870  # the budget's clean pass
+    part.start_step(None)
+    part.ran(2, 700)
+    assert part.after_oom(3, 760) == 700  # this step's clean pass below the failure
+    assert part.after_oom(2, 600) == 300  # below every known clean pass: half
+
+
 def test_auto_budget_from_the_shape_by_hand():
     """Qwen2.5-1.5B's shape in bf16 without checkpointing: 5.6 MB a token (a 16,384-token pass peaked at 81.7 GiB
     on an H200); with checkpointing the layers keep one hidden state each; an 80 GB card gets about 13k tokens."""

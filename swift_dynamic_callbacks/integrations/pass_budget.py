@@ -121,12 +121,15 @@ class PassBudget:
 
     def after_oom(self, size: int, cost: int) -> int | None:
         """An OOM in a pass of ``size`` rows costing ``cost`` tokens, inside the step: the cap for the rest of the
-        step (half the failing pass, in the unit), or ``None`` for a one-row pass (it cannot be cut: it is run again
-        as it is)."""
+        step, in the unit: the largest pass known to run clean below the failing one (this step's, or the OOM
+        budget's since the first OOM: a probe that failed goes back to where passes ran), else half the failing pass;
+        ``None`` for a one-row pass (it cannot be cut: it is run again as it is)."""
         if size <= 1:
             return None
-        half = max(1, self._measure(size, cost) // 2)
-        self.step_cap = half if self.step_cap is None else min(self.step_cap, half)
+        failed = self._measure(size, cost)
+        known = [g for g in (self.fitted, self.oom.good) if g and g < failed]
+        cap = max([max(1, failed // 2)] + known)
+        self.step_cap = cap if self.step_cap is None else min(self.step_cap, cap)
         return self.step_cap
 
     def resume_budget(self, size: int, cost: int) -> int | None:
