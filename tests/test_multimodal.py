@@ -122,11 +122,17 @@ def _trainer(model_type, multimodal, **config):
 
 
 def test_the_kind_follows_the_model():
-    vision = SimpleNamespace(spatial_merge_size=2)
+    """The kind is chosen by the layout the model's config describes, not by a list of names: a Qwen model type the
+    pack has never seen with the Qwen-VL layout is cut as Qwen-VL rows."""
+    vision = SimpleNamespace(spatial_merge_size=2, temporal_patch_size=2)
     kind = select_input_kind(_trainer('qwen2_5_vl', True, vision_config=vision, image_token_id=7, video_token_id=8))
     assert isinstance(kind, QwenVL) and kind.token_ids == {'image_token_id': 7, 'video_token_id': 8}
+    new = select_input_kind(_trainer('qwen3_9', True, vision_config=vision, image_token_id=7, video_token_id=8))
+    assert isinstance(new, QwenVL)
     assert isinstance(select_input_kind(_trainer('qwen2', False)), TextRows)
     assert isinstance(select_input_kind(_trainer('llava1_5_hf', True)), Unsupported)
+    glm = select_input_kind(_trainer('glm4v', True, vision_config=vision, image_token_id=7, video_token_id=8))
+    assert isinstance(glm, Unsupported) and 'model_type: glm4v' in glm.refusal({})
 
 
 def test_a_key_the_kind_cannot_cut_turns_recovery_off_at_the_boundary():

@@ -23,7 +23,7 @@ from ..state import STATE_FILE
 from . import ConfigError
 from .engines import check_engine, engine_from_swift
 from .integration import IntegrationConfig
-from .models import qwen_vl_model
+from .models import model_facts, qwen_vl_model
 from .rules import RLHF_RUN_LEVEL, RunFacts, check_facts, noise_scale_passes, pass_splitters, rlhf_refusal
 from .pack import (CALLBACK_CONFIGS, NON_LAMBDA_SCHEDULERS, PLUGIN_FILE, SECTION, SWIFT_CALLBACKS, PackConfig,
                    _names, check_controls)
@@ -173,6 +173,7 @@ class LaunchRun:
     def facts(self) -> RunFacts:
         """The facts the run rules read (:mod:`.rules`), from the settings."""
         steps = self.number('max_steps', -1)
+        model = model_facts(self.settings)  # its config.json when the model is a local folder
         return RunFacts(sequence_parallel_size=self.number('sequence_parallel_size', 1) or 1,
                         dataloader_drop_last=self.flag('dataloader_drop_last'),
                         auto_find_batch_size=self.flag('auto_find_batch_size'), streaming=self.flag('streaming'),
@@ -188,7 +189,8 @@ class LaunchRun:
                         .strip().lower() not in ('no', 'false', '0', 'none', 'n', 'f'),
                         tokens_counted_per_slot=_transformers_major() >= 5,
                         oom_recovery=self.pack.integration.oom_recovery,
-                        packed=self.flag('packing') or self.flag('padding_free'))
+                        packed=self.flag('packing') or self.flag('padding_free'),
+                        moe=model.moe is not False, layout=model.layout, model_setting=model.setting)
 
 
 def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str] | None = None) -> list[str]:

@@ -46,6 +46,9 @@ class RunFacts:
             (transformers >= 5), which the pack's trainer mixin overrides; older ones count inline.
         oom_recovery: the integration's ``oom_recovery`` (``auto``, ``True`` or ``False``).
         packed: ms-swift packs a micro-batch into one ``[1, N]`` row (``packing`` / ``padding_free``).
+        moe: the model is a mixture of experts (``True`` where unknown: a balancing loss is then assumed to be one).
+        layout: the layout of the model's micro-batches (:data:`.models.LAYOUTS`; ``None``: unknown).
+        model_setting: how a message names the model (``model: <dir> (its config.json)``, ...).
     """
 
     sequence_parallel_size: float = 1
@@ -66,6 +69,9 @@ class RunFacts:
     tokens_counted_per_slot: bool = True
     oom_recovery: bool | str = 'auto'
     packed: bool = False
+    moe: bool = True
+    layout: str | None = None
+    model_setting: str = ''
 
 
 #: why a pass cannot be run again on one rank under sequence parallelism
@@ -147,7 +153,7 @@ def token_sum_loss(facts: RunFacts) -> str | None:
     if facts.label_smoothing_factor > 0:
         return (f'label_smoothing_factor: {facts.label_smoothing_factor:g} cannot be combined with {what}: '
                 f'{TOKEN_SUM_WHY}HF\'s label smoother returns each pass\'s mean; allowed: 0 (or remove the setting)')
-    if facts.router_aux_loss_coef > 0:
+    if facts.router_aux_loss_coef > 0 and facts.moe:
         return (f'router_aux_loss_coef: {facts.router_aux_loss_coef:g} cannot be combined with {what}: a MoE load-'
                 'balancing loss depends on which tokens share a pass, so another pass layout changes its gradient; '
                 'allowed: 0 (or remove the setting)')
@@ -206,7 +212,7 @@ def recovery_loss(facts: RunFacts) -> str | None:
     kind, setting, why = loss_kind_of(task_type=facts.task_type, loss_type=facts.loss_type,
                                       compute_loss_func=facts.compute_loss_func,
                                       label_smoothing_factor=facts.label_smoothing_factor,
-                                      router_aux_loss_coef=facts.router_aux_loss_coef)
+                                      router_aux_loss_coef=facts.router_aux_loss_coef, moe=facts.moe)
     return recovery_refused(setting, why) if kind == 'unknown' else None
 
 
@@ -220,6 +226,22 @@ def recovery_packed(facts: RunFacts) -> str | None:
     if facts.oom_recovery is True and facts.packed:
         return (f'{SECTION}.integration.oom_recovery: true cannot be combined with packing / padding_free: '
                 f'{PACKED_WHY}; allowed: auto (recovery off for this run, said in the engine record) or false')
+    return None
+
+
+def uncut_layout(facts: RunFacts) -> str | None:
+    """A multimodal model of a layout no input kind cuts (:func:`.models.unsupported_why`): its micro-batches are never
+    cut, so a setting that cuts them, and ``oom_recovery: true``, are refused (with ``auto`` recovery is off, said in
+    the ``engine`` record)."""
+    if facts.layout != 'multimodal':
+        return None
+    from .models import unsupported_why
+    why = unsupported_why(facts.model_setting)
+    if facts.splitters:
+        return f'{facts.splitters[0]} cannot be used here: {why}; remove it'
+    if facts.oom_recovery is True:
+        return (f'{SECTION}.integration.oom_recovery: true cannot be used here: {why}; allowed: auto (recovery off '
+                'for this run, said in the engine record) or false')
     return None
 
 
@@ -262,7 +284,8 @@ def custom_loss_name(loss_func: Any) -> str | None:
 #: the rules both checks run on :class:`RunFacts`, in order
 RUN_RULES: tuple[Callable[[RunFacts], str | None], ...] = (sequence_parallel, drop_last, auto_batch_size,
                                                            stream_steps, stream_unit, token_sum_loss,
-                                                           token_counter, recovery_loss, recovery_packed)
+                                                           token_counter, recovery_loss, recovery_packed,
+                                                           uncut_layout)
 
 
 def pass_splitters(configs: Mapping[str, Any]) -> list[str]:

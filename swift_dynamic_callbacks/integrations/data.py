@@ -35,6 +35,7 @@ from ..state import StateError
 from ..data.stream import StreamLoader, stream_fingerprint
 from ..data.interface import TrainLoader
 from .decisions import Decisions
+from .input_kinds import run_model
 
 logger = logging.getLogger('swift_dynamic_callbacks')
 
@@ -49,6 +50,7 @@ def check_supported(trainer: Any, config: IntegrationConfig | None = None, *, st
     callbacks = getattr(getattr(trainer, 'callback_handler', None), 'callbacks', ())
     listed = {cb.name: cb.config for cb in callbacks
               if getattr(cb, 'config_class', None) is not None and getattr(cb, 'config', None) is not None}
+    model_type, layout, _ = run_model(trainer)
     check_facts(RunFacts(sequence_parallel_size=getattr(template, 'sequence_parallel_size', 1) or 1,
                          dataloader_drop_last=bool(args.dataloader_drop_last),
                          auto_find_batch_size=bool(args.auto_find_batch_size), streaming=streaming,
@@ -66,7 +68,10 @@ def check_supported(trainer: Any, config: IntegrationConfig | None = None, *, st
                          tokens_counted_per_slot=hasattr(transformers.Trainer, '_track_num_input_tokens'),
                          oom_recovery=(config or IntegrationConfig()).oom_recovery,
                          packed=bool(getattr(template, 'padding_free', False) or getattr(args, 'padding_free', False)
-                                     or getattr(args, 'packing', False))))
+                                     or getattr(args, 'packing', False)),
+                         moe=bool(getattr(getattr(getattr(trainer, 'model', None), 'model_info', None), 'is_moe_model',
+                                          True)),
+                         layout=layout, model_setting=f'model_type: {model_type}' if model_type else ''))
 
 
 def length_key(trainer: Any) -> tuple[Any, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...config.models import layout_of, unsupported_why
 from .base import InputKind, batch_rows
 from .qwen_vl import QWEN_VL_TYPES, QwenVL, VisionBatch
 from .text import MEDIA_KEYS, TextRows
@@ -24,37 +25,40 @@ class Unsupported(InputKind):
     packs = False
 
     @classmethod
-    def matches(cls, model_type: str | None, multimodal: bool) -> bool:
+    def matches(cls, layout: str) -> bool:
         return True
 
     def refusal(self, batch: Any) -> str | None:
-        return (f'{self.setting} is a multimodal model whose micro-batches no input kind of the pack cuts (its images '
-                f'are not one entry a row; supported: {", ".join(QWEN_VL_TYPES)})')
+        return unsupported_why(self.setting)
 
     def cut(self, batch: Any, bounds: Any) -> list[dict[str, Any]]:
         raise ValueError(self.refusal(batch))
 
 
-def run_model(trainer: Any) -> tuple[str | None, bool, Any]:
-    """``(model_type, multimodal, config)`` of a trainer's model: ms-swift's model info and template where they are
-    (the model type it was registered under; whether its template takes media), else the transformers config."""
+def run_model(trainer: Any) -> tuple[str | None, str, Any]:
+    """``(model_type, layout, config)`` of a trainer's model: ms-swift's model info and template where they are (the
+    model type it was registered under), else the transformers config; the layout of its micro-batches from the
+    config (:func:`...config.models.layout_of`: the rule ``swift-dynamic check`` applies to ``config.json``), a
+    template that takes media making a text layout ``multimodal``."""
     model = getattr(trainer, 'model', None)
     template = getattr(trainer, 'template', None)
     info = getattr(model, 'model_info', None) or getattr(template, 'model_info', None)
     config = getattr(info, 'config', None) or getattr(model, 'config', None)
     model_type = getattr(info, 'model_type', None) or getattr(config, 'model_type', None)
     meta = getattr(template, 'model_meta', None) or getattr(model, 'model_meta', None)
-    multimodal = bool(getattr(meta, 'is_multimodal', False) or getattr(config, 'vision_config', None) is not None)
-    return model_type, multimodal, config
+    layout = layout_of(config) if config is not None else 'text'
+    if layout == 'text' and getattr(meta, 'is_multimodal', False):
+        layout = 'qwen_vl' if model_type in QWEN_VL_TYPES else 'multimodal'
+    return model_type, layout, config
 
 
 def select_input_kind(trainer: Any) -> InputKind:
-    """The kind of a trainer's micro-batches: the first of :data:`INPUT_KINDS` that matches its model; a multimodal
-    model none matches is :class:`Unsupported`."""
-    model_type, multimodal, config = run_model(trainer)
+    """The kind of a trainer's micro-batches: the first of :data:`INPUT_KINDS` that matches its model's layout; a
+    multimodal model none matches is :class:`Unsupported`."""
+    model_type, layout, config = run_model(trainer)
     setting = f'model_type: {model_type}' if model_type else ''
     for kind in INPUT_KINDS:
-        if kind.matches(model_type, multimodal):
+        if kind.matches(layout):
             return kind.for_model(setting, config)
     return Unsupported(setting or 'this model')
 

@@ -6,7 +6,9 @@ image's patches concatenated (``pixel_values``: rows = patches), one ``image_gri
 ``position_ids`` ``[3, B, L]`` (3-D rotary positions): slicing dim 0 is wrong for each of these, and silently so when
 the counts happen to equal the batch's rows. An input kind says, for its family:
 
-- :meth:`InputKind.matches`: whether a run's model is of this family (asked at train start, in registry order);
+- :meth:`InputKind.matches`: whether a run's model is of this kind, by the layout its config describes
+  (:func:`...config.models.layout_of`: asked at train start, in registry order; ``swift-dynamic check`` reads the
+  same layout from the model folder's ``config.json`` before it loads);
 - :meth:`InputKind.refusal`: a key of a micro-batch it cannot cut (the step runner asks it of every real micro-batch at
   its step boundary, before any pass runs: a refused key turns OOM recovery off and refuses every setting that would
   cut, naming the key; never a ``ValueError`` mid-run);
@@ -58,9 +60,9 @@ class InputKind:
         self.setting = setting
 
     @classmethod
-    def matches(cls, model_type: str | None, multimodal: bool) -> bool:
-        """Whether a run of ``model_type`` (``multimodal``: ms-swift's template takes images, video or audio) is
-        this kind's."""
+    def matches(cls, layout: str) -> bool:
+        """Whether a run whose model's micro-batches have ``layout`` (:data:`...config.models.LAYOUTS`) is this
+        kind's."""
         raise NotImplementedError
 
     @classmethod

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
-from ...config.models import QWEN_VL_TYPES
+from ...config.models import QWEN_VL_TYPES  # noqa: F401 - re-exported by the package
 from ...policies.vision import ResizeRule, VideoRule
 from .base import InputKind, _has_rows, batch_rows
 
@@ -83,8 +83,8 @@ class QwenVL(InputKind):
         self.merge = int(merge_size) ** 2
 
     @classmethod
-    def matches(cls, model_type: str | None, multimodal: bool) -> bool:
-        return model_type in QWEN_VL_TYPES
+    def matches(cls, layout: str) -> bool:
+        return layout == 'qwen_vl'
 
     @classmethod
     def for_model(cls, setting: str, config: Any) -> 'QwenVL':

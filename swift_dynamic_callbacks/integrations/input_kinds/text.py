@@ -25,8 +25,8 @@ class TextRows(InputKind):
     name: ClassVar[str] = 'text'
 
     @classmethod
-    def matches(cls, model_type: str | None, multimodal: bool) -> bool:
-        return not multimodal
+    def matches(cls, layout: str) -> bool:
+        return layout == 'text'
 
     def refusal(self, batch: Mapping[str, Any]) -> str | None:
         if not _has_rows(batch):
