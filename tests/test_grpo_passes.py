@@ -187,7 +187,8 @@ def test_overlong_filter_passes_give_the_one_pass_gradient(grpo_data, tmp_path, 
     _same_steps(one, cut, 1e-5)
 
 
-@pytest.mark.parametrize('integration', [{}, {'grpo_pass_tokens': 1}], ids=['one_pass', 'pass_tokens'])
+@pytest.mark.parametrize('integration', [pytest.param({}, marks=pytest.mark.slow),  # CI time: the same layout state
+                                         {'grpo_pass_tokens': 1}], ids=['one_pass', 'pass_tokens'])
 def test_a_resumed_grpo_run_trains_as_the_uninterrupted_one(grpo_data, tmp_path, integration):
     """GRPO with the pack (``lr_schedule`` and ``training_log``; with and without ``grpo_pass_tokens``) run 4 steps,
     and again to step 2 then resumed from its checkpoint: steps 3-4 log the uninterrupted run's loss, grad_norm and LR
