@@ -363,6 +363,18 @@ VL_ARCHS: tuple[str, ...] = ('qwen2_vl', 'qwen2_5_vl')
 """Vision-language architectures accepted by :func:`build_tiny_vl_model`."""
 
 
+def _built(dest: Path, arch: str) -> bool:
+    """Whether ``dest`` holds a complete model of ``model_type`` ``arch`` (``config.json``, written last, and its
+    weights), to be reused."""
+    config_file = dest / 'config.json'
+    if not (config_file.is_file() and (dest / 'model.safetensors').is_file()):
+        return False
+    try:
+        return json.loads(config_file.read_text(encoding='utf-8')).get('model_type') == arch
+    except ValueError:
+        return False
+
+
 def build_tiny_vl_model(dest: str | Path, arch: str = 'qwen2_vl', *, seed: int = 0,
                         max_pixels: int = 224 * 224) -> Path:
     """Builds and saves a tiny random-weight Qwen2-VL or Qwen2.5-VL with the real Qwen2.5 tokenizer and a real
@@ -388,13 +400,8 @@ def build_tiny_vl_model(dest: str | Path, arch: str = 'qwen2_vl', *, seed: int =
     if arch not in VL_ARCHS:
         raise ValueError(f'arch must be one of {list(VL_ARCHS)}, got arch={arch!r}')
     dest = Path(dest)
-    config_file = dest / 'config.json'
-    if config_file.is_file() and (dest / 'model.safetensors').is_file():
-        try:
-            if json.loads(config_file.read_text(encoding='utf-8')).get('model_type') == arch:
-                return dest
-        except ValueError:
-            pass
+    if _built(dest, arch):
+        return dest
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                               Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor)
     dest.mkdir(parents=True, exist_ok=True)
@@ -556,13 +563,8 @@ def build_tiny_qwen3_model(dest: str | Path, arch: str = 'qwen3_5', *, seed: int
     if arch not in QWEN3_ARCHS:
         raise ValueError(f'arch must be one of {list(QWEN3_ARCHS)}, got arch={arch!r}')
     dest = Path(dest)
-    config_file = dest / 'config.json'
-    if config_file.is_file() and (dest / 'model.safetensors').is_file():
-        try:
-            if json.loads(config_file.read_text(encoding='utf-8')).get('model_type') == arch:
-                return dest
-        except ValueError:
-            pass
+    if _built(dest, arch):
+        return dest
     import transformers
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
     dest.mkdir(parents=True, exist_ok=True)
