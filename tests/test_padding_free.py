@@ -387,11 +387,16 @@ def test_a_kernel_that_fails_is_undone_and_said(tiny_qwen, monkeypatch):
     assert model.config._attn_implementation == 'sdpa'
     monkeypatch.setattr(padding_free, 'best_packed_attention', lambda *a, **k: ('flex_attention', 'test'))
     chosen = use_packed_attention(model, 'auto')  # its forward runs on CPU, its backward does not: caught up front
-    assert chosen['new'] == 'sdpa' and chosen['why'].startswith('flex_attention failed (NotImplementedError')
-    assert 'backward' in chosen['why'] and model.config._attn_implementation == 'sdpa'
+    # no flex backward on a CPU; or, on some CPUs once flex is compiled with dynamic shapes, torch 2.13's inductor
+    # emits C++ for its CPU template that does not compile
+    why = chosen['why']
+    assert chosen['new'] == 'sdpa' and model.config._attn_implementation == 'sdpa'
+    assert (why.startswith('flex_attention failed (NotImplementedError') and 'backward' in why) or why.startswith(
+        'flex_attention failed (InductorError: CppCompileError'), why
     assert all(p.grad is None for p in model.parameters())  # the backward probe leaves the gradients alone
-    assert use_packed_attention(model, 'auto', probe_backward=False)['new'] == 'flex_attention'  # forward proof only
-    assert model.config._attn_implementation == 'flex_attention'
+    forward_only = use_packed_attention(model, 'auto', probe_backward=False)['new']  # the forward proof only: flex
+    flex_compiles = 'CppCompileError' not in why  # unless its forward does not compile here either
+    assert forward_only == model.config._attn_implementation == ('flex_attention' if flex_compiles else 'sdpa')
     from peft import LoraConfig, get_peft_model
     lora = get_peft_model(model_of(tiny_qwen, 'sdpa'), LoraConfig(r=2, target_modules='all-linear'))
     monkeypatch.setattr(padding_free, 'best_packed_attention', lambda *a, **k: ('eager', 'test'))
