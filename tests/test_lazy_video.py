@@ -312,7 +312,8 @@ def test_lazy_lengths_count_each_rows_own_video_frames(arch, fixture_dir, tmp_pa
 
     from swift_dynamic_callbacks.integrations.input_kinds import select_input_kind
     from swift_dynamic_callbacks.policies.vision import image_tokens
-    from swift_dynamic_callbacks.testing.tiny import build_tiny_vl_model, write_video_dataset
+    from swift_dynamic_callbacks.testing.tiny import write_video_dataset
+    from swift_dynamic_callbacks.testing.tiny_vl import build_tiny_vl_model
     from swift_runs import sft_kwargs
     model = str(build_tiny_vl_model(fixture_dir / f'tiny-{arch}', arch))
     n, sample = 128, 64

@@ -164,7 +164,7 @@ RUN = dict(max_steps=4, per_device_train_batch_size=4, gradient_accumulation_ste
 def vl_model(request, fixture_dir):
     if not VL_READY:
         pytest.skip('qwen-vl-utils / torchvision are not installed (scripts/test_vl.sh)')
-    from swift_dynamic_callbacks.testing.tiny import build_tiny_vl_model
+    from swift_dynamic_callbacks.testing.tiny_vl import build_tiny_vl_model
     return request.param, str(build_tiny_vl_model(fixture_dir / f'tiny-{request.param}', request.param))
 
 
@@ -335,7 +335,7 @@ def test_two_processes_balanced_vl_rows_with_passes_equal_one_process(engine, vl
     from swift_runs import indices_by_epoch, read_jsonl, sample_trace
     if engine == 'zero2' and importlib.util.find_spec('deepspeed') is None:
         pytest.skip('deepspeed is not installed')
-    from swift_dynamic_callbacks.testing.tiny import build_tiny_vl_model
+    from swift_dynamic_callbacks.testing.tiny_vl import build_tiny_vl_model
     arch = 'qwen2_vl'  # one architecture (the cut is the same for both; the single-process splits run both)
     model = str(build_tiny_vl_model(fixture_dir / f'tiny-{arch}', arch))
     pack = {'integration': {'record_samples': True}, 'length_batching': {'mode': 'balanced', 'pass_tokens': 240}}

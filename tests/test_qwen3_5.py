@@ -5,7 +5,7 @@ micro-batch keeps the gradient: one injected OOM in forward and one in backward,
 ``micro_batch_cap: 2`` and ``split: passes``, each against the same run uncut (2e-4); ``pass_tokens`` on 2 processes
 deals every row once with one process's weights. At f3c4471 Qwen3.5 had recovery
 silently off and every pass setting refused after the model loaded. Real ``swift sft`` LoRA runs of the tiny models
-(``testing/tiny.py`` ``build_tiny_qwen3_model``); ms-swift's Qwen3-VL / Qwen3.5 templates need ``qwen-vl-utils`` and
+(``testing/tiny_vl.py`` ``build_tiny_qwen3_model``); ms-swift's Qwen3-VL / Qwen3.5 templates need ``qwen-vl-utils`` and
 ``torchvision`` (``scripts/test_vl.sh``)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ SLOW = {('qwen3_5', 'images', 'memory_backoff'), ('qwen3_5', 'images', 'split_pa
 
 @pytest.fixture(scope='module')
 def models(fixture_dir):
-    from swift_dynamic_callbacks.testing.tiny import build_tiny_qwen3_model
+    from swift_dynamic_callbacks.testing.tiny_vl import build_tiny_qwen3_model
     return {arch: str(build_tiny_qwen3_model(fixture_dir / f'tiny-{arch}', arch))
             for arch in ('qwen3_5', 'qwen3_5_moe', 'qwen3_vl')}
 

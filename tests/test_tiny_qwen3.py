@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swift_dynamic_callbacks.testing.tiny import (MODEL_FLAGS, QWEN3_5_TOKEN_SHIFT, QWEN3_ARCHS,
-                                                  materialize_qwen3_tokenizer)
+from swift_dynamic_callbacks.testing.tiny import MODEL_FLAGS
+from swift_dynamic_callbacks.testing.tiny_vl import QWEN3_5_TOKEN_SHIFT, QWEN3_ARCHS, materialize_qwen3_tokenizer
 
 VL_READY = all(importlib.util.find_spec(m) is not None for m in ('qwen_vl_utils', 'torchvision'))
 needs_vl = pytest.mark.skipif(not VL_READY, reason='qwen-vl-utils / torchvision are not installed (scripts/test_vl.sh)')
@@ -100,7 +100,7 @@ def test_an_unknown_family_is_refused(tmp_path):
 def qwen3_model(request, fixture_dir):
     if not VL_READY:
         pytest.skip('qwen-vl-utils / torchvision are not installed (scripts/test_vl.sh)')
-    from swift_dynamic_callbacks.testing.tiny import build_tiny_qwen3_model
+    from swift_dynamic_callbacks.testing.tiny_vl import build_tiny_qwen3_model
     return request.param, str(build_tiny_qwen3_model(fixture_dir / f'tiny-{request.param}', request.param))
 
 
@@ -155,7 +155,7 @@ def test_the_models_have_the_documented_shapes(qwen3_model):
 def test_the_build_is_seeded_reused_and_leaves_the_rng_alone(fixture_dir, tmp_path):
     """The same seed gives the same weights file, another seed other weights; a complete model is reused as it is; the
     global torch RNG state is the same after a build as before."""
-    from swift_dynamic_callbacks.testing.tiny import build_tiny_qwen3_model
+    from swift_dynamic_callbacks.testing.tiny_vl import build_tiny_qwen3_model
     first = build_tiny_qwen3_model(fixture_dir / 'tiny-qwen3_5', 'qwen3_5')
     stamp = (first / 'model.safetensors').stat().st_mtime_ns
     assert build_tiny_qwen3_model(first, 'qwen3_5') == first
