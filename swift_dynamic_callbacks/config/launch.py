@@ -12,6 +12,7 @@ named rule (:data:`LAUNCH_RULES`); the ones the training process checks again at
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.metadata
 import json
 import math
@@ -23,7 +24,7 @@ from ..state import STATE_FILE
 from . import ConfigError
 from .engines import check_engine, engine_from_swift
 from .integration import IntegrationConfig
-from .models import model_facts, qwen_vl_model
+from .models import ModelFacts, model_facts
 from .rules import RLHF_RUN_LEVEL, RunFacts, check_facts, noise_scale_passes, pass_splitters, rlhf_refusal
 from .pack import (CALLBACK_CONFIGS, NON_LAMBDA_SCHEDULERS, PLUGIN_FILE, SECTION, SWIFT_CALLBACKS, PackConfig,
                    _names, check_controls)
@@ -170,10 +171,16 @@ class LaunchRun:
     def flag(self, key: str) -> bool:
         return _flag(self.settings, key)
 
+    @functools.cached_property
+    def model(self) -> ModelFacts:
+        """What the settings say of the model (:func:`.models.model_facts`: its ``config.json`` when it is a local
+        folder), read once."""
+        return model_facts(self.settings)
+
     def facts(self) -> RunFacts:
         """The facts the run rules read (:mod:`.rules`), from the settings."""
         steps = self.number('max_steps', -1)
-        model = model_facts(self.settings)  # its config.json when the model is a local folder
+        model = self.model
         return RunFacts(sequence_parallel_size=self.number('sequence_parallel_size', 1) or 1,
                         dataloader_drop_last=self.flag('dataloader_drop_last'),
                         auto_find_batch_size=self.flag('auto_find_batch_size'), streaming=self.flag('streaming'),
@@ -409,9 +416,9 @@ def _vision_rows(run: LaunchRun) -> None:
     """A Qwen-VL run: its rows carry 3-D rotary positions and images, which the pack's own padding-free packing does
     not redo (the step runner refuses it at start too; here before the model loads)."""
     length = run.configs.get('length_batching')
-    model = qwen_vl_model(run.settings)
-    if model is not None and length is not None and length.padding_free:
-        raise ConfigError(f'{SECTION}.length_batching.padding_free: true is not supported with {model} (vision-'
+    model = run.model
+    if model.qwen_vl and length is not None and length.padding_free:
+        raise ConfigError(f'{SECTION}.length_batching.padding_free: true is not supported with {model.setting} (vision-'
                           'language rows: 3-D rotary positions and images the pack\'s packing does not redo); remove '
                           'it (passes are still cut at the rows\' images), or use ms-swift\'s own padding_free with '
                           'flash attention')

@@ -116,6 +116,12 @@ class ModelFacts:
         return self.layout == 'qwen_vl'
 
 
+def layout_by_name(model_type: str | None) -> str | None:
+    """The layout known for an ms-swift ``model_type`` where no config can be read (:data:`QWEN_VL_TYPES`: Qwen-VL),
+    else ``None``."""
+    return 'qwen_vl' if model_type in QWEN_VL_TYPES else None
+
+
 def read_model_config(model: Any) -> dict[str, Any] | None:
     """The ``config.json`` of a local model folder (``None``: not a folder with one, or unreadable)."""
     if not isinstance(model, str) or not model:
@@ -141,7 +147,7 @@ def model_facts(settings: Mapping[str, Any]) -> ModelFacts:
                           linear_attention=linear_attention_of(config), moe=moe_of(config), from_config=True)
     if model_type:
         return ModelFacts(setting=f'model_type: {model_type}', model_type=model_type,
-                          layout='qwen_vl' if model_type in QWEN_VL_TYPES else None)
+                          layout=layout_by_name(model_type))
     name = str(model or '').rsplit('/', 1)[-1]
     if _QWEN_VL_ID.search(name):
         return ModelFacts(setting=f'model: {model}', layout='qwen_vl')
@@ -155,8 +161,3 @@ def unsupported_why(setting: str) -> str:
             'images or audio are not one entry a row; cut: text rows, and the Qwen-VL layout: a vision_config with '
             'spatial_merge_size and temporal_patch_size beside image_token_id / video_token_id, Qwen family)')
 
-
-def qwen_vl_model(settings: Mapping[str, Any]) -> str | None:
-    """The setting that makes a run a Qwen-VL one (:func:`model_facts`), else ``None``."""
-    facts = model_facts(settings)
-    return facts.setting if facts.qwen_vl else None

@@ -36,6 +36,8 @@ from ..data.stream import StreamLoader, stream_fingerprint
 from ..data.interface import TrainLoader
 from .decisions import Decisions
 from .input_kinds import run_model
+from .loss_kind import model_is_moe
+from .steps import host_packs_rows
 
 logger = logging.getLogger('swift_dynamic_callbacks')
 
@@ -67,10 +69,7 @@ def check_supported(trainer: Any, config: IntegrationConfig | None = None, *, st
                              'no', False, None),
                          tokens_counted_per_slot=hasattr(transformers.Trainer, '_track_num_input_tokens'),
                          oom_recovery=(config or IntegrationConfig()).oom_recovery,
-                         packed=bool(getattr(template, 'padding_free', False) or getattr(args, 'padding_free', False)
-                                     or getattr(args, 'packing', False)),
-                         moe=bool(getattr(getattr(getattr(trainer, 'model', None), 'model_info', None), 'is_moe_model',
-                                          True)),
+                         packed=host_packs_rows(trainer), moe=model_is_moe(trainer),
                          layout=layout, model_setting=f'model_type: {model_type}' if model_type else ''))
 
 

@@ -230,7 +230,7 @@ def counted_mask(trainer: Any, batch: Any) -> torch.Tensor:
     sampling; :data:`..config.rules.GRPO_PASSES_REFUSED`)."""
     mask = batch.completion_mask
     truncated = getattr(batch, 'truncated_mask', None)
-    if getattr(trainer, 'overlong_filter', False) and truncated is not None and bool(truncated.any()):
+    if getattr(trainer, 'overlong_filter', False) and truncated is not None:  # none truncated: the same mask
         mask = mask & ~truncated.bool().unsqueeze(-1)
     return mask
 

@@ -57,19 +57,24 @@ def _causal(model: Any) -> bool:
     return name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
+def model_is_moe(trainer: Any) -> bool:
+    """Whether ``trainer``'s model is a mixture of experts, as ms-swift registered it (``True`` where unknown: a
+    balancing loss is then assumed to be one)."""
+    return bool(getattr(getattr(getattr(trainer, 'model', None), 'model_info', None), 'is_moe_model', True))
+
+
 def loss_kind(trainer: Any) -> LossKind:
     """The kind of ``trainer``'s training loss, from its settings (read at train start; :func:`..config.rules.
     loss_kind_of`, the launch check's rule)."""
     args = trainer.args
     template = getattr(trainer, 'template', None)
-    model_info = getattr(getattr(trainer, 'model', None), 'model_info', None)
     kind, setting, why = loss_kind_of(
         task_type=getattr(trainer, 'task_type', None) or getattr(template, 'task_type', None),
         loss_type=getattr(args, 'loss_type', None),
         compute_loss_func=custom_loss_name(getattr(trainer, 'compute_loss_func', None)),
         label_smoothing_factor=float(getattr(args, 'label_smoothing_factor', 0) or 0),
         router_aux_loss_coef=float(getattr(args, 'router_aux_loss_coef', 0) or 0),
-        moe=bool(getattr(model_info, 'is_moe_model', True)),
+        moe=model_is_moe(trainer),
         accepts_loss_kwargs=getattr(trainer, 'model_accepts_loss_kwargs', True) is not False)
     return LossKind(kind, setting, why, shift=kind == 'token_mean' and _causal(getattr(trainer, 'model', None)))
 

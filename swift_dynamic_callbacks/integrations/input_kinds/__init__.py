@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config.models import layout_of, unsupported_why
+from ...config.models import layout_by_name, layout_of, unsupported_why
 from .base import InputKind, batch_rows
 from .qwen_vl import QWEN_VL_TYPES, QwenVL, VisionBatch
 from .text import MEDIA_KEYS, TextRows
@@ -48,7 +48,7 @@ def run_model(trainer: Any) -> tuple[str | None, str, Any]:
     meta = getattr(template, 'model_meta', None) or getattr(model, 'model_meta', None)
     layout = layout_of(config) if config is not None else 'text'
     if layout == 'text' and getattr(meta, 'is_multimodal', False):
-        layout = 'qwen_vl' if model_type in QWEN_VL_TYPES else 'multimodal'
+        layout = layout_by_name(model_type) or 'multimodal'
     return model_type, layout, config
 
 
