@@ -190,3 +190,65 @@ def test_the_cache_key_holds_what_changes_a_rows_length(tmp_path):
     _, other = estimate_lengths(Lazy(raw), measure, sample=8, cache=str(tmp_path), key=('qwen2_5', 512, 'right'))
     assert same['cached'] and same['cache'] == first['cache']
     assert not other['cached'] and other['cache'] != first['cache'] and len(os.listdir(tmp_path)) == 2
+
+
+def test_each_rows_media_tokens_come_with_the_estimate_and_from_its_cache(tmp_path):
+    """The vision tower's work is priced a row at a time (the planner's ``pass_tokens`` passes): the estimate hands
+    back each row's image tokens (``row_media``), computed from the headers once and read back from the cache."""
+    import datasets
+    from PIL import Image
+    sizes = [(56, 56), (112, 56), None, (112, 112)]
+    rows = []
+    for i, size in enumerate(sizes * 4):
+        row = {'messages': [{'role': 'user', 'content': 'q' * (5 + i)}, {'role': 'assistant', 'content': 'a' * i}],
+               'images': []}
+        if size is not None:
+            path = tmp_path / f'{i}.png'
+            Image.new('RGB', size).save(path)
+            row['images'] = [str(path)]
+        rows.append(row)
+    raw = datasets.Dataset.from_list(rows)
+
+    def measure(item, i):
+        return row_cost(item_lengths(item, i))
+
+    def tokens(w, h):  # 28 x 28 pixels a token, as Qwen2-VL
+        return (w // 28) * (h // 28)
+    expected = [0 if s is None else tokens(*s) for s in sizes * 4]
+    _, info = estimate_lengths(Lazy(raw), measure, sample=4, cache=str(tmp_path / 'c'), image_tokens=tokens)
+    assert info['row_media'] == expected and not info['cached']
+    _, again = estimate_lengths(Lazy(raw), measure, sample=4, cache=str(tmp_path / 'c'), image_tokens=tokens)
+    assert again['cached'] and again['row_media'] == expected
+    _, text = estimate_lengths(Lazy(raw), measure, sample=4, cache=str(tmp_path / 'c'))
+    assert 'row_media' not in text  # images not counted: none handed back
+
+
+def test_the_planner_prices_each_rows_vision_work_beside_its_tokens():
+    """A loader with each index's vision work (tokens of the cost model) plans ``pass_tokens`` passes as the step
+    runner prices them: rows whose images' work does not fit one pass are planned in more."""
+    from swift_dynamic_callbacks.data.rows import RowLengths, dataset_media_tokens
+    from swift_dynamic_callbacks.policies.balance import step_passes
+    assert step_passes([10] * 4, 4, 60) == [[4]]
+    assert step_passes([10] * 4, 4, 60, vision=[30, 0, 0, 0]) == [[3, 1]]  # 4 x 10 + 30 = 70: the fourth row apart
+    assert step_passes([10] * 4, 4, 60, vision=[0, 0, 0, 45]) == [[3, 1]]
+    items = [{'input_ids': [5, 9, 9, 9, 1]}, {'input_ids': [5, 1]}, {'input_ids': [8, 9, 8]}]
+    assert dataset_media_tokens(items, [9, 8]) == [3, 0, 3]
+    assert dataset_media_tokens(items, []) is None and dataset_media_tokens([{'labels': [1]}], [9]) is None
+    import datasets
+    assert dataset_media_tokens(datasets.Dataset.from_list(items), [9]) == [3, 0, 1]
+    table = RowLengths(3, lambda: [4, 5, 6], vision=lambda: [0, 7, 0])
+    assert table.vision == [0, 7, 0]
+    assert RowLengths(3, lambda: [4, 5, 6], vision=lambda: [0, 0, 0]).vision is None  # nothing to price
+    with pytest.raises(ValueError, match='2 vision costs for a dataset of 3'):
+        RowLengths(3, lambda: [4, 5, 6], vision=lambda: [1, 2]).vision  # noqa: B018
+    order = list(range(8))
+    loaders = {}
+    for name, vision in (('tokens', None), ('vision', [40, 0, 0, 0, 40, 0, 0, 0])):
+        loader = ElasticDataLoader(list(range(8)), lambda items: items, lambda epoch: order, batch_size=4,
+                                   entries_per_step=1, lengths=lambda: [10] * 8, vision=lambda v=vision: v)
+        loader.set_plan(BatchPlan(max_tokens=10**6, mode='balanced', pass_tokens=60, bucketing=True))
+        loaders[name] = (list(loader.cursor.sizes), list(loader.cursor.passes))
+    assert loaders['tokens'] == ([4, 4], [1, 1])  # 2 steps of 4 rows, each one pass of 40 tokens
+    sizes, passes = loaders['vision']
+    assert sum(sizes) == 8 and sum(passes) == 3  # the two rows of 40 tokens of vision work: passes of 2 (the
+    assert sorted(sizes) == [2, 2, 4]            # layout deals them into one step), the other step one pass of 4

@@ -12,7 +12,8 @@ import sys
 import pytest
 import yaml
 
-from swift_dynamic_callbacks.config.models import layout_of, linear_attention_of, model_facts, moe_of
+from swift_dynamic_callbacks.config.models import (VisionShape, layout_of, linear_attention_of, model_facts, moe_of,
+                                                   vision_shape_of)
 
 
 def _configs():
@@ -38,6 +39,25 @@ def test_the_layout_of_every_family_from_its_config():
     assert linear_attention_of(configs['qwen3_next']) and not linear_attention_of(configs['qwen3_vl'])
     assert moe_of(configs['qwen3_5_moe'].to_dict()) and moe_of(configs['qwen3_vl_moe'])
     assert not moe_of(configs['qwen3_5'].to_dict()) and not moe_of(configs['qwen2'])
+
+
+def test_the_vision_towers_shape_from_its_config():
+    """Each Qwen-VL family names its tower's widths its own way (Qwen2-VL: ``embed_dim`` and ``mlp_ratio``, its
+    ``hidden_size`` the language model's); read from the loaded config and from ``config.json`` alike."""
+    import transformers as T
+    qwen2_vl = T.Qwen2VLConfig(vision_config=dict(depth=32, embed_dim=1280, hidden_size=3584, mlp_ratio=4,
+                                                  hidden_act='quick_gelu', spatial_merge_size=2))
+    qwen2_5_vl = T.Qwen2_5_VLConfig(vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420,
+                                                       hidden_act='silu', out_hidden_size=3584))
+    configs = _configs()
+    expected = {'qwen2_vl': (qwen2_vl, VisionShape(1280, 5120, 32, False, 4)),
+                'qwen2_5_vl': (qwen2_5_vl, VisionShape(1280, 3420, 32, True, 4)),
+                'qwen3_5': (configs['qwen3_5'], VisionShape(1152, 4304, 27, False, 4)),
+                'qwen3_vl': (configs['qwen3_vl'], VisionShape(1152, 4304, 27, False, 4))}
+    for name, (config, shape) in expected.items():
+        assert vision_shape_of(config) == vision_shape_of(config.to_dict()) == shape, name
+    for name in ('qwen2', 'llava', 'glm4v', 'internvl'):  # text, or a layout the cost model does not know
+        assert vision_shape_of(configs[name]) is None, name
 
 
 def _folder(tmp_path, name, config):

@@ -234,6 +234,45 @@ def test_every_split_of_a_vl_micro_batch_keeps_the_gradient(split, vl_model, vl_
 @pytest.mark.vl
 @pytest.mark.e2e
 @needs_vl
+def test_a_trained_vision_towers_work_cuts_the_pass_and_keeps_the_gradient(fixture_dir, vl_rows, tmp_path,
+                                                                          monkeypatch):
+    """``freeze_vit: false`` (LoRA on the vision tower too): the planner (each lazily tokenised row's image tokens
+    from its estimate) and the step runner (each row's patches) price the tower's work (the ``engine`` record's
+    ``vision_token_cost``, read from the model's config, ``vision_trained``), so rows ``pass_tokens`` fits in one
+    pass by their language-model tokens alone run in several where their images' work does not fit. The
+    tiny tower is light next to its 151,936-row logits (about 0.007 tokens an image token); its blocks are priced
+    10,000 x heavier here (about 70 tokens an image token, a 7B's tower is about 1), and the cut passes give the
+    gradient of the uncut steps (2e-4)."""
+    from swift_dynamic_callbacks.policies import pass_cost
+    from swift_dynamic_callbacks.testing.tiny_vl import build_tiny_vl_model
+    from swift_runs import decisions
+    if not VL_READY:
+        pytest.skip('qwen-vl-utils / torchvision are not installed (scripts/test_vl.sh)')
+    arch = 'qwen2_5_vl'
+    model = str(build_tiny_vl_model(fixture_dir / f'tiny-{arch}', arch))
+    runs = {}
+    for name, factor, budget in (('uncut', 1.0, None), ('light', 1.0, 4000), ('heavy', 1e4, 4000)):
+        monkeypatch.setattr(pass_cost, 'VISION_BLOCK_FACTOR', factor)
+        pack = {'length_batching': {'mode': 'balanced', 'pass_tokens': budget}}
+        out = str(tmp_path / name)
+        logs, _ = _vl_run(model, arch, vl_rows, out, pack, freeze_vit=False)
+        [engine] = [d for d in decisions(out) if d['kind'] == 'engine']
+        runs[name] = logs, engine['values']
+    (uncut, light, heavy), values = [runs[n][0] for n in runs], runs['heavy'][1]
+    assert values['vision_trained'] is True and values['vision_checkpointing'] is False
+    assert runs['light'][1]['vision_token_cost'] < 0.1 < 10 < values['vision_token_cost']
+    assert len(uncut) == len(heavy) == RUN['max_steps']
+    for a, b in zip(uncut, heavy):
+        assert b['loss'] == pytest.approx(a['loss'], rel=2e-4), (a, b)
+        assert b['grad_norm'] == pytest.approx(a['grad_norm'], rel=2e-4), (a, b)
+    # the budget holds a step's 8 rows in one pass by their tokens; their images' work cuts it
+    assert max(r['dynamic/pass_size'] for r in light) == 8
+    assert max(r['dynamic/pass_size'] for r in heavy) < 8
+
+
+@pytest.mark.vl
+@pytest.mark.e2e
+@needs_vl
 def test_growth_from_one_row_with_a_cap_keeps_the_gradient_and_every_row(vl_model, vl_rows, tmp_path):
     """The usual VL start, ``per_device_train_batch_size: 1``, grown 1 -> 2 -> 4 with ``micro_batch_cap: 2``: the run
     ends (at f3c4471 it stopped at step 4 on ms-swift's one-row packing keys, ``cu_seq_lens_q``), OOM recovery stays on

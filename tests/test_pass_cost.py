@@ -14,7 +14,8 @@ from swift_dynamic_callbacks.policies.balance import step_passes
 from swift_dynamic_callbacks.policies.data_plan import piece_bounds
 from swift_dynamic_callbacks.policies.pass_cost import (BudgetState, auto_pass_tokens, budget_after_oom,
                                                         budget_after_step, bytes_per_token, fits, pass_cost,
-                                                        pieces_within, tolerance)
+                                                        pieces_within, tolerance, vision_bytes_per_token,
+                                                        vision_token_cost)
 from swift_dynamic_callbacks.records import DecisionRecord
 
 
@@ -33,6 +34,38 @@ def test_a_packed_pass_the_planner_cut_is_not_cut_again():
     assert step_passes(lengths, len(lengths), 16384, padding_free=True) == [[29]]
     assert pieces_within(lengths, packed=True, tokens=16384) == 1
     assert pieces_within(lengths, packed=False, tokens=16384) > 1  # padded, the same rows cost 58,000
+
+
+def test_a_rows_vision_work_adds_to_its_pass_and_cuts_it():
+    """The vision tower runs on a row's own patches, never on padding: its work (in tokens) adds to the padded or
+    packed tokens, row by row, and the fewest pieces that fit count it."""
+    assert pass_cost([100, 100], packed=False, vision=[30, 0]) == 230
+    assert pass_cost([100, 60], packed=True, vision=[5, 7]) == 172
+    assert fits([100, 100], 200, packed=False) and not fits([100, 100], 200, packed=False, vision=[1, 0])
+    assert fits([5000], 10, packed=False, vision=[9000])  # one row still always fits
+    lengths = [10] * 4
+    assert pieces_within(lengths, packed=False, tokens=60) == 1
+    assert pieces_within(lengths, packed=False, tokens=60, vision=[30, 0, 0, 0]) == 2  # 70: [0:2] 50, [2:4] 20
+    assert pieces_within(lengths, packed=False, tokens=60, vision=[45, 0, 45, 0]) == 4  # 55 alone, 65 with a row
+
+
+def test_vision_bytes_a_token_by_hand():
+    """A trained tower keeps a decoder layer's activations a patch and block (``10 w + 4 i`` gated, ``2 i`` not), x
+    the calibrated block factor; with checkpointing one width a block plus one block; a frozen tower its output."""
+    from swift_dynamic_callbacks.policies.pass_cost import FROZEN_OUTPUT_WIDTHS, VISION_BLOCK_FACTOR
+    shape = dict(width=1280, intermediate=3420, depth=32, merge=4, out_width=3584, dtype_bytes=2)
+    block = (10 * 1280 + 4 * 3420) * 2 * VISION_BLOCK_FACTOR
+    gated = vision_bytes_per_token(**shape, gated=True, checkpointing=False, trained=True)
+    assert gated == int(4 * 32 * block)
+    plain = vision_bytes_per_token(**shape, gated=False, checkpointing=False, trained=True)
+    assert plain == int(4 * 32 * (10 * 1280 + 2 * 3420) * 2 * VISION_BLOCK_FACTOR) < gated
+    assert vision_bytes_per_token(**shape, gated=True, checkpointing=True, trained=True) == int(
+        4 * (32 * 1280 * 2 + block))
+    assert vision_bytes_per_token(**shape, gated=True, checkpointing=False, trained=False) == int(
+        FROZEN_OUTPUT_WIDTHS * 3584 * 2) < gated
+    llm = bytes_per_token(hidden=3584, intermediate=18944, layers=28, vocab=152064, dtype_bytes=2,
+                          checkpointing=False)
+    assert vision_token_cost(gated, llm) == gated / llm and 0.5 < gated / llm < 2  # a 7B: about as much again
 
 
 @given(st.lists(st.integers(1, 3000), min_size=1, max_size=40), st.booleans(), st.integers(1, 20000),
@@ -313,6 +346,64 @@ def test_auto_reads_a_moe_shape():
                                                num_key_value_heads=1, vocab_size=100))
     shape = model_shape(model)
     assert shape['moe'] and shape['intermediate_size'] == 2 * 16 + 24
+
+
+def test_a_linear_attention_layer_holds_more_a_token_by_hand():
+    """Qwen3.5's Gated DeltaNet layers (3 of 4) hold their widths ``2 x keys + values`` x the fitted factor beyond a
+    full-attention layer; with checkpointing the one layer recomputed is the larger."""
+    from swift_dynamic_callbacks.policies.pass_cost import LINEAR_ATTENTION_WIDTHS
+    shape = dict(hidden=4096, intermediate=12288, layers=32, vocab=248320, dtype_bytes=2)
+    layer, width = (10 * 4096 + 4 * 12288) * 2, 2 * 16 * 128 + 32 * 128
+    full = bytes_per_token(**shape, checkpointing=False)
+    hybrid = bytes_per_token(**shape, checkpointing=False, linear_layers=24, linear_width=width)
+    assert hybrid - full == 24 * LINEAR_ATTENTION_WIDTHS * width * 2
+    assert bytes_per_token(**shape, checkpointing=True, linear_layers=24, linear_width=width) == (
+        18 * 248320 + 32 * 4096 * 2 + layer + LINEAR_ATTENTION_WIDTHS * width * 2)
+    assert bytes_per_token(**shape, checkpointing=False, linear_width=width) == full  # no linear layer: no term
+
+
+def _tiny_qwen3_5(trained_tower: bool, checkpointing: bool = False):
+    import transformers
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=512,
+                layer_types=['linear_attention'] * 3 + ['full_attention'], linear_key_head_dim=16,
+                linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                rope_parameters={'rope_type': 'default', 'rope_theta': 1e7, 'partial_rotary_factor': 0.25,
+                                 'mrope_section': [1, 1, 0], 'mrope_interleaved': True})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=96, num_heads=2, out_hidden_size=64, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
+                                                                                    vision_config=vision))
+    for name, p in model.named_parameters():
+        p.requires_grad_(trained_tower or '.visual.' not in f'.{name}')
+    model.model.visual.gradient_checkpointing = checkpointing
+    return model
+
+
+def test_auto_and_the_vision_cost_read_a_qwen3_5_model():
+    """The loaded model's shape: its linear-attention layers and their width, and its vision tower's cost a patch,
+    0.25 of an image token's (2 x 2 patches merged), priced as trained where any of its weights trains."""
+    from swift_dynamic_callbacks.integrations.auto_budget import model_shape, vision_patch_cost
+    from swift_dynamic_callbacks.policies.pass_cost import vision_bytes_per_token
+    frozen = _tiny_qwen3_5(trained_tower=False)
+    shape = model_shape(frozen)
+    assert (shape['linear_layers'], shape['linear_width'], shape['num_hidden_layers']) == (3, 2 * 32 + 64, 4)
+    token = bytes_per_token(hidden=64, intermediate=128, layers=4, vocab=512, dtype_bytes=4, checkpointing=False,
+                            linear_layers=3, linear_width=128)
+    costs = {}
+    for trained, checkpointing in ((False, False), (True, False), (True, True)):
+        cost, figures = vision_patch_cost(_tiny_qwen3_5(trained, checkpointing))
+        vision = vision_bytes_per_token(width=32, intermediate=96, depth=3, gated=False, merge=4, out_width=64,
+                                        dtype_bytes=4, checkpointing=checkpointing, trained=trained)
+        assert cost == pytest.approx(vision / token / 4)
+        assert figures == {'vision_token_cost': round(vision / token, 4), 'vision_trained': trained,
+                           'vision_checkpointing': checkpointing}
+        costs[trained, checkpointing] = cost
+    assert costs[False, False] < costs[True, True] < costs[True, False]
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    text_only = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, vocab_size=100))
+    assert vision_patch_cost(text_only) == (0.0, {})
 
 
 @pytest.fixture

@@ -92,6 +92,44 @@ def moe_of(config: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """What a vision tower's blocks are, for the pass cost model (:func:`~..policies.pass_cost.vision_bytes_per_token`).
+
+    Attributes:
+        width: a block's hidden width.
+        intermediate: its MLP's width.
+        depth: its blocks.
+        gated: its MLP is gated (gate and up projections: Qwen2.5-VL), else two linear layers (Qwen2-VL, Qwen3-VL,
+            Qwen3.5).
+        merge: patches merged into one language-model token (``spatial_merge_size ** 2``).
+    """
+
+    width: int
+    intermediate: int
+    depth: int
+    gated: bool
+    merge: int
+
+
+def vision_shape_of(config: Any) -> VisionShape | None:
+    """The vision tower's shape from a model's config (a ``config.json`` mapping or a transformers config), for the
+    Qwen-VL layout (:func:`layout_of`); ``None`` for another layout or a tower whose widths are not in its config.
+    Qwen2-VL names its width ``embed_dim`` and its MLP ``mlp_ratio`` x it (its ``hidden_size`` is the language
+    model's); the later ones ``hidden_size`` and ``intermediate_size``. A gated MLP: ``hidden_act`` ``silu``."""
+    if layout_of(config) != 'qwen_vl':
+        return None
+    vision = _towers(config)[0]
+    width = _get(vision, 'embed_dim') or _get(vision, 'hidden_size')
+    ratio = _get(vision, 'mlp_ratio')
+    intermediate = int(width * ratio) if ratio and _get(vision, 'embed_dim') else _get(vision, 'intermediate_size')
+    depth, merge = _get(vision, 'depth'), _get(vision, 'spatial_merge_size')
+    if not all(isinstance(v, int) and v > 0 for v in (width, intermediate, depth, merge)):
+        return None
+    return VisionShape(width=width, intermediate=intermediate, depth=depth,
+                       gated=str(_get(vision, 'hidden_act') or '') == 'silu', merge=merge * merge)
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """What the pack knows of a run's model before it loads.
 

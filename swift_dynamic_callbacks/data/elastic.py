@@ -75,6 +75,8 @@ class ElasticDataLoader:
         global_order: ``epoch -> every rank's dataset indices in the host's order`` (the same on every rank), for
             balanced steps under several processes; one process: ``epoch_order``.
         work_coef: ``a`` of a row's work ``a x L + L^2`` (:func:`~..policies.balance.work_coefficient`).
+        vision: ``() -> each index's vision-tower work in tokens of the pass cost model, or None``, called once, when
+            passes are first planned by tokens (``pass_tokens``): the planner prices a pass as the step runner does.
 
     State (``state_dict``): ``batch_size``, ``num_pieces``, ``entries_per_step``, ``pass_budget``; the shard
     position's (``epoch``, ``position``, ``samples_seen``, ``epoch_size``, ``rest``: this rank's unconsumed samples
@@ -97,7 +99,8 @@ class ElasticDataLoader:
                  lengths: Callable[[], Sequence[int]] | None = None,
                  real_tokens: Callable[[], Sequence[int] | None] | None = None,
                  global_order: Callable[[int], Sequence[int]] | None = None,
-                 work_coef: float = DEFAULT_WORK_COEF) -> None:
+                 work_coef: float = DEFAULT_WORK_COEF,
+                 vision: Callable[[], Sequence[int] | None] | None = None) -> None:
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.batch_size = batch_size
@@ -109,7 +112,7 @@ class ElasticDataLoader:
         self.padding_passes = 0  # the padding passes planned for the rest of the epoch (equal_passes)
         self.loader_kwargs = dict(loader_kwargs or {})
         self.num_workers = int(self.loader_kwargs.get('num_workers', 0))
-        self.rows = RowLengths(len(dataset), lengths, real_tokens)
+        self.rows = RowLengths(len(dataset), lengths, real_tokens, vision)
         self.layout = EpochLayout(epoch_order, global_order, self.rows, work_coef=work_coef)
         order = list(epoch_order(0))
         # Under data parallelism the ranks' shards differ by a sample (``rank::world``). Steps are counted on the
@@ -356,12 +359,12 @@ class ElasticDataLoader:
         if self.plan is None:
             return
         if self.cuts_passes:
-            lengths = self.lengths
+            lengths, vision = self.lengths, self.rows.vision
             max_rows = -(-self.batch_size // self.num_pieces) if self.num_pieces > 1 else None
-            planned = plan_passes([lengths[i] for i in self.shard.rest] if self.remaining else [],
-                                  self.batch_size * self.entries_per_step, self.pass_tokens,
-                                  padding_free=self.plan.padding_free, max_rows=max_rows,
-                                  equal_passes=self.equal_passes)
+            rest = self.shard.rest if self.remaining else []
+            planned = plan_passes([lengths[i] for i in rest], self.batch_size * self.entries_per_step,
+                                  self.pass_tokens, padding_free=self.plan.padding_free, max_rows=max_rows,
+                                  equal_passes=self.equal_passes, vision=[vision[i] for i in rest] if vision else None)
             self.padding_passes = planned.padding
         else:
             planned = plan_micro_batches(self._plan_rest(), self.remaining, self.entries_per_step,

@@ -274,7 +274,8 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
         ``(lengths, info)``; ``info``: ``rows``, ``sampled``, ``a``, ``b``, ``scale``, ``cache`` (file or ``None``),
         ``cached`` (read from the file), ``image_tokens`` (the images' tokens over all rows, when counted),
         ``video_tokens`` and ``videos_uncounted`` (the videos' tokens over all rows, and the videos whose headers did
-        not give them or whose frames qwen-vl-utils refuses to sample, when videos are counted).
+        not give them or whose frames qwen-vl-utils refuses to sample, when videos are counted), and ``row_media``
+        (each row's image and video tokens, when counted: cached beside the lengths; not for a record).
     """
     raw = dataset.dataset
     n = len(dataset)
@@ -288,13 +289,18 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
     info: dict[str, Any] = {'rows': n, 'sampled': len(picked), 'cache': path, 'cached': False}
     if not is_main:  # the main process writes the cache first
         wait()
-    if path is not None and os.path.exists(path):
+    counts_media = image_tokens is not None or video_tokens is not None
+    media_path = None if path is None else path[:-len('.npy')] + '.media.npy'
+    if path is not None and os.path.exists(path) and (not counts_media or os.path.exists(media_path)):
         stored = np.load(path)
-        if len(stored) == n:
+        media_stored = np.load(media_path) if counts_media else None
+        if len(stored) == n and (media_stored is None or len(media_stored) == n):
             info['cached'] = True
             lengths = stored.tolist()
             for i, cost in zip(picked, costs):
                 lengths[i] = cost
+            if media_stored is not None:
+                info['row_media'] = media_stored.tolist()
             if is_main:
                 wait()
             return lengths, info
@@ -321,11 +327,15 @@ def estimate_lengths(dataset: Any, measure: Callable[[Any, int], int], *, sample
     estimates = apply(chars, a, b, scale) + media
     estimates[picked] = costs
     info.update(a=round(a, 4), b=round(b, 6), scale=round(scale, 4))
+    if counts_media:
+        info['row_media'] = media.tolist()
     if path is not None and is_main:
         os.makedirs(cache, exist_ok=True)
-        tmp = f'{path}.{os.getpid()}.tmp.npy'
-        np.save(tmp, estimates)
-        os.replace(tmp, path)
+        for target, values in ((media_path, media if counts_media else None), (path, estimates)):  # lengths last
+            if values is not None:
+                tmp = f'{target}.{os.getpid()}.tmp.npy'
+                np.save(tmp, values)
+                os.replace(tmp, target)
     if is_main:
         wait()
     return estimates.tolist(), info

@@ -53,13 +53,14 @@ def plan_micro_batches(sizes: list[int], remaining: int, entries: int, *, balanc
 
 
 def plan_passes(costs: Sequence[int], samples_a_step: int, pass_tokens: int | None, *, padding_free: bool,
-                max_rows: int | None, equal_passes: bool) -> Planned:
+                max_rows: int | None, equal_passes: bool, vision: Sequence[int] | None = None) -> Planned:
     """The rest of the epoch (``costs``: the cost of every sample left, in order) as steps of ``samples_a_step``
-    samples cut into passes within ``pass_tokens`` (:func:`~..policies.balance.step_passes`); every rank then runs
+    samples cut into passes within ``pass_tokens`` (:func:`~..policies.balance.step_passes`; ``vision``: each
+    sample's vision-tower work in tokens, beside ``costs``); every rank then runs
     as many steps as the rank that needs most (steps of empty slots) and, with ``equal_passes``, as many passes in
     each step (:func:`~..policies.balance.pad_passes`). Collective: one gather of every rank's passes a step."""
-    steps = step_passes(list(costs), samples_a_step, pass_tokens, padding_free=padding_free, max_rows=max_rows) \
-        if costs else []
+    steps = step_passes(list(costs), samples_a_step, pass_tokens, padding_free=padding_free, max_rows=max_rows,
+                        vision=vision) if costs else []
     counts = distributed.gather_objects([len(step) for step in steps])
     agreed = max(len(c) for c in counts)
     steps += [[] for _ in range(agreed - len(steps))]

@@ -100,6 +100,28 @@ def dataset_real_tokens(dataset: Any) -> list[int] | None:
     return real if real is not None and len(real) == len(dataset) else None
 
 
+def dataset_media_tokens(dataset: Any, token_ids: Sequence[int]) -> list[int] | None:
+    """Each encoded sample's media tokens: its ``input_ids`` equal to one of ``token_ids`` (a vision-language
+    template's image and video placeholders, one a token the language model sees), read from the dataset's (or a lazy
+    wrapper's) ``input_ids`` column, else from each sample. ``None``: no ``token_ids``, or a sample without
+    ``input_ids``."""
+    if not token_ids:
+        return None
+    wanted = {int(t) for t in token_ids}
+    rows: Any = None
+    for source in (dataset, getattr(dataset, 'dataset', None)):
+        if source is not None and 'input_ids' in (getattr(source, 'column_names', None) or ()) \
+                and len(source) == len(dataset):
+            rows = source['input_ids']
+            break
+    if rows is None:
+        rows = [item.get('input_ids') if isinstance(item, Mapping) else None
+                for item in (dataset[i] for i in range(len(dataset)))]
+    if any(ids is None for ids in rows):
+        return None
+    return [sum(1 for t in _plain_ids(ids) if not isinstance(t, list) and t in wanted) for ids in rows]
+
+
 def dataset_fingerprint(dataset: Any, samples: int = 8) -> dict[str, Any]:
     """``{'size', 'sha256'}`` of a training dataset: its length and a hash of the token ids of up to ``samples``
     evenly spaced rows (cheap: with lazy tokenisation only those rows are encoded). A resume compares it with the
@@ -140,15 +162,20 @@ class RowLengths:
         size: samples in the dataset (the lengths must match it).
         costs: ``() -> cost of every index``, or None (a loader that never plans by length).
         real: ``() -> real tokens of every index, or None`` (None: the costs), called once after ``costs``.
+        vision: ``() -> each index's vision-tower work in tokens of the pass cost model, or None`` (none priced),
+            called once, when passes are first planned by tokens.
     """
 
     def __init__(self, size: int, costs: Callable[[], Sequence[int]] | None,
-                 real: Callable[[], Sequence[int] | None] | None = None) -> None:
+                 real: Callable[[], Sequence[int] | None] | None = None,
+                 vision: Callable[[], Sequence[int] | None] | None = None) -> None:
         self.size = size
         self.estimated = False
-        self._costs_fn, self._real_fn = costs, real
+        self._costs_fn, self._real_fn, self._vision_fn = costs, real, vision
         self._costs: list[int] | None = None
         self._real: list[int] | None = None
+        self._vision: list[int] | None = None
+        self._vision_read = False
 
     @property
     def costs(self) -> list[int]:
@@ -163,6 +190,18 @@ class RowLengths:
             real = self._real_fn() if self._real_fn is not None else None
             self._real = [int(x) for x in real] if real is not None else costs
         return self._costs
+
+    @property
+    def vision(self) -> list[int] | None:
+        """Each index's vision-tower work in tokens (read on first use; ``None``: none priced)."""
+        if not self._vision_read:
+            self.costs  # noqa: B018  (the lengths first: a lazy dataset's estimate counts the rows' media)
+            work = self._vision_fn() if self._vision_fn is not None else None
+            if work is not None and len(work) != self.size:
+                raise ValueError(f'got {len(work)} vision costs for a dataset of {self.size} samples')
+            self._vision = [int(x) for x in work] if work is not None and any(work) else None
+            self._vision_read = True
+        return self._vision
 
     @property
     def real(self) -> list[int]:

@@ -95,12 +95,17 @@ def compute_dtype_bytes(model: Any, args: Any, autocast: bool | None = None) -> 
 
 
 def model_shape(model: Any) -> dict[str, Any]:
-    """hidden, intermediate (a MoE's: the active experts' and the shared expert's), layers, vocabulary, and whether
-    it is a MoE."""
+    """hidden, intermediate (a MoE's: the active experts' and the shared expert's), layers, vocabulary, whether it is
+    a MoE, and its linear-attention layers and their width (``2 x keys + values``; Qwen3.5's Gated DeltaNet)."""
     config = getattr(model, 'config', None)
     config = getattr(config, 'text_config', None) or config
     shape = {k: getattr(config, k, None) for k in ('hidden_size', 'intermediate_size', 'num_hidden_layers',
                                                     'vocab_size')}
+    types = [str(t) for t in getattr(config, 'layer_types', None) or ()]
+    shape['linear_layers'] = types.count('linear_attention')
+    keys = (getattr(config, 'linear_num_key_heads', 0) or 0) * (getattr(config, 'linear_key_head_dim', 0) or 0)
+    values = (getattr(config, 'linear_num_value_heads', 0) or 0) * (getattr(config, 'linear_value_head_dim', 0) or 0)
+    shape['linear_width'] = int(2 * keys + values) if shape['linear_layers'] else 0
     experts = getattr(config, 'num_experts_per_tok', None)
     expert_size = getattr(config, 'moe_intermediate_size', None)
     shape['moe'] = bool(experts and expert_size)
@@ -153,7 +158,8 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
         return (min(tokens, CPU_MAX_PASS_TOKENS) if not cuda else tokens), figures
     per_token = bytes_per_token(hidden=dims['hidden_size'], intermediate=dims['intermediate_size'],
                                 layers=dims['num_hidden_layers'], vocab=dims['vocab_size'], dtype_bytes=dtype_bytes,
-                                checkpointing=checkpointing)
+                                checkpointing=checkpointing, linear_layers=shape['linear_layers'],
+                                linear_width=shape['linear_width'])
     per_token = int(per_token * activation_factor)
     multiple = 256 if cuda else 16  # a kernel-friendly size on a GPU; on a CPU only the memory counts
     tokens = auto_pass_tokens(left, per_token, multiple=multiple, minimum=multiple,
@@ -163,3 +169,46 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
                        '(model shape, compute dtype' + (f', x {activation_factor:g} under this engine)'
                                                        if activation_factor != 1.0 else ')'))
     return tokens, figures
+
+
+def vision_tower(model: Any) -> Any:
+    """The vision tower of a Qwen-VL model (its ``visual`` module, under any wrapper), else ``None``."""
+    for name, module in model.named_modules() if hasattr(model, 'named_modules') else ():
+        if name == 'visual' or name.endswith('.visual'):
+            return module
+    return None
+
+
+def vision_cost(model: Any, args: Any = None) -> tuple[float, int, dict[str, Any]]:
+    """What one image (video) token's work in the model's vision tower costs in tokens of the pass cost model
+    (:func:`~..policies.pass_cost.vision_token_cost`; ``0.0``: no tower the cost model knows,
+    :func:`~..config.models.vision_shape_of`), the patches merged into a token, and the figures for the record: the
+    cost, whether the tower trains (any of its weights, a LoRA adapter's included, requires a gradient) and whether it
+    recomputes its blocks (its ``gradient_checkpointing``)."""
+    from ..config.models import vision_shape_of
+    from ..policies.pass_cost import bytes_per_token, vision_bytes_per_token, vision_token_cost
+    shape = vision_shape_of(getattr(model, 'config', None))
+    tower = vision_tower(model)
+    dims = model_shape(model)
+    if shape is None or tower is None or not all(isinstance(dims[k], int) and dims[k] > 0 for k in (
+            'hidden_size', 'intermediate_size', 'num_hidden_layers', 'vocab_size')):
+        return 0.0, 1, {}
+    dtype_bytes = compute_dtype_bytes(model, args)
+    trained = any(p.requires_grad for p in tower.parameters())
+    checkpointing = bool(getattr(tower, 'gradient_checkpointing', False))
+    per_token = bytes_per_token(hidden=dims['hidden_size'], intermediate=dims['intermediate_size'],
+                                layers=dims['num_hidden_layers'], vocab=dims['vocab_size'], dtype_bytes=dtype_bytes,
+                                checkpointing=bool(getattr(args, 'gradient_checkpointing', False)),
+                                linear_layers=dims['linear_layers'], linear_width=dims['linear_width'])
+    vision = vision_bytes_per_token(width=shape.width, intermediate=shape.intermediate, depth=shape.depth,
+                                    gated=shape.gated, merge=shape.merge, out_width=dims['hidden_size'],
+                                    dtype_bytes=dtype_bytes, checkpointing=checkpointing, trained=trained)
+    cost = vision_token_cost(vision, per_token)
+    return cost, shape.merge, {'vision_token_cost': round(cost, 4), 'vision_trained': trained,
+                               'vision_checkpointing': checkpointing}
+
+
+def vision_patch_cost(model: Any, args: Any = None) -> tuple[float, dict[str, Any]]:
+    """:func:`vision_cost` a patch (the step runner counts a row's patches), and its figures."""
+    cost, merge, figures = vision_cost(model, args)
+    return cost / merge, figures

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict
@@ -30,10 +31,12 @@ from ..policies.balance import work_coefficient
 from ..policies.length import BatchPlan
 from ..policies.vision import ResizeRule, image_tokens, video_tokens
 from ..records import DecisionRecord
-from ..data.rows import dataset_fingerprint, dataset_lengths, dataset_real_tokens, item_lengths, row_cost
+from ..data.rows import (dataset_fingerprint, dataset_lengths, dataset_media_tokens, dataset_real_tokens, item_lengths,
+                         row_cost)
 from ..state import StateError
 from ..data.stream import StreamLoader, stream_fingerprint
 from ..data.interface import TrainLoader
+from .auto_budget import vision_cost
 from .decisions import Decisions
 from .input_kinds import run_model
 from .loss_kind import model_is_moe
@@ -102,6 +105,7 @@ class DataFeed:
         self.loader: TrainLoader | None = None
         self.fingerprint: dict[str, Any] | None = None  # the training dataset's (checked against a checkpoint's)
         self.estimate_overruns = 0
+        self.row_media: list[int] | None = None  # each row's image and video tokens (a lazy dataset's estimate)
 
     # ---- building -----------------------------------------------------------------------------------------
     def build(self, host_loader: Any) -> Any:
@@ -139,7 +143,8 @@ class DataFeed:
             lengths=lambda: self.dataset_lengths(dataset),
             real_tokens=lambda: dataset_real_tokens(dataset),
             global_order=global_order_fn(dataset, args),
-            work_coef=model_work_coefficient(trainer))
+            work_coef=model_work_coefficient(trainer),
+            vision=lambda: self.dataset_vision(dataset))
         self.fingerprint = dataset_fingerprint(dataset)
         return self.loader
 
@@ -169,6 +174,7 @@ class DataFeed:
             key=length_key(self.trainer) + (rule, ),
             image_tokens=None if rule is None else lambda w, h: image_tokens(w, h, rule),
             video_tokens=None if rule is None or rule.video is None else lambda v: video_tokens(v, rule.video))
+        self.row_media = info.pop('row_media', None)
         if rule is not None:
             info['image_rule'] = asdict(rule)
         if self.loader is not None:
@@ -179,6 +185,24 @@ class DataFeed:
             f'lazy dataset: lengths of {info["rows"]} rows estimated from their characters ({info["sampled"]} rows '
             f'encoded{", read from the cache" if info["cached"] else ""}) in {seconds} s; refined as rows are encoded'))
         return lengths
+
+    def dataset_vision(self, dataset: Any) -> list[int] | None:
+        """Every sample's vision-tower work in tokens of the pass cost model, for the passes ``pass_tokens`` plans
+        (the step runner prices each pass the same way): its image and video tokens (a lazy dataset's, counted from
+        its files' headers by the length estimate; an encoded one's, its ``input_ids`` equal to the model's image or
+        video token) x the vision token cost of the run's model (:func:`~.auto_budget.vision_cost`). ``None``: no
+        tower priced, or media tokens unknown."""
+        cost, _, _ = vision_cost(self.trainer.model, self.trainer.args)
+        if not cost:
+            return None
+        if is_lazy(dataset):
+            media = self.row_media
+        else:
+            config = getattr(self.trainer.model, 'config', None)
+            text = getattr(config, 'text_config', None)
+            ids = [getattr(config, k, None) or getattr(text, k, None) for k in ('image_token_id', 'video_token_id')]
+            media = dataset_media_tokens(dataset, [i for i in ids if i is not None])
+        return None if media is None else [math.ceil(n * cost) for n in media]
 
     def check_same_dataset(self, dataloader: Any) -> None:
         """``control.new_dataloader`` must iterate the training dataset (only its batch size is taken)."""

@@ -28,6 +28,7 @@ integration's state: ``oom_count`` (every OOM of the run).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Callable, Mapping
 
@@ -43,6 +44,7 @@ from ..policies.data_plan import piece_bounds
 from ..policies.memory import pass_cap
 from ..policies.pass_cost import pass_cost, pieces_within
 from ..records import DecisionRecord
+from .auto_budget import vision_patch_cost
 from .engines import Engine, select_engine
 from .input_kinds import InputKind, TextRows, Unsupported, select_input_kind
 from .loss_kind import LossKind, loss_kind, piece_weights
@@ -103,6 +105,7 @@ class StepRunner:
         self.max_pass = 0  # the largest pass (samples) of the step so far
         self.max_cost = 0  # the largest pass's cost (tokens) of the step so far
         self._current_cost = 0  # the running pass's cost (tokens)
+        self.patch_cost = 0.0  # tokens of the cost model a patch through the vision tower is worth (begin)
         self.oom: dict[str, Any] | None = None  # this step's OOM: pass_size, new_cap, record
         self.probe: GradNoiseProbe | None = None
         self._micro = 0
@@ -141,6 +144,7 @@ class StepRunner:
         if recovery and distributed.sequence_parallel_size() > 1:  # every pass holds the group's exchange
             recovery, why_off = False, f'sequence_parallel_size: {distributed.sequence_parallel_size()}: {SP_WHY}'
         self.kind = select_input_kind(self.trainer)
+        self.patch_cost, vision = vision_patch_cost(self.trainer.model, self.trainer.args)
         self.input_refusal = self.kind.refusal({}) if isinstance(self.kind, Unsupported) else None
         if recovery and self.input_refusal:
             if config.oom_recovery is True:
@@ -157,7 +161,7 @@ class StepRunner:
         return DecisionRecord('integration', 'engine', self.engine.name,
                               {**self.engine.describe(), 'oom_recovery': recovery,
                                'oom_recovery_off': None if recovery else why_off, 'loss': self.loss.kind,
-                               'loss_setting': self.loss.setting, **self.kind.describe()}, message)
+                               'loss_setting': self.loss.setting, **self.kind.describe(), **vision}, message)
 
     # ---- what a micro-batch may be cut into -------------------------------------------------------------------
     def split_refusal(self) -> str | None:
@@ -314,7 +318,8 @@ class StepRunner:
         when planned), so nothing is exchanged; where a pass limit or pieces could cut a micro-batch differently on
         each rank (their rows' lengths), one small all-reduce of the slots' pass counts a step agrees them."""
         own = [self._slot_passes(slot) for slot in self.batches]
-        planned = self.budget.unit == 'tokens' and self.budget.estimate is None  # the planner's passes: never cut
+        # the planner's passes are never cut again, unless the vision tower's work (priced here, not when planned) does
+        planned = self.budget.unit == 'tokens' and self.budget.estimate is None and not self.patch_cost
         if planned or (self.effective_pass_limit() is None and self.num_pieces <= 1):
             return [0] * len(own)
         return [most - mine for most, mine in zip(distributed.max_ints(own), own)]
@@ -326,7 +331,13 @@ class StepRunner:
         limit = self.effective_pass_limit()
         samples = pass_cap(length, {**limit, 'tokens': None}) if limit else None
         return pieces_within(lengths, packed=packed, tokens=(limit or {}).get('tokens'), samples=samples,
-                             requested=self.num_pieces)
+                             requested=self.num_pieces, vision=self._vision(batch))
+
+    def _vision(self, batch: Any) -> list[int] | None:
+        """Each row's vision-tower work in tokens of the cost model (its patches x :attr:`patch_cost`), or ``None``
+        (no tower priced, or a batch whose rows' patches are not known)."""
+        patches = self.kind.vision_patches(batch) if self.patch_cost else None
+        return None if patches is None else [math.ceil(n * self.patch_cost) for n in patches]
 
     def _first_row(self, batch: Any) -> Any:
         """The first row of a collated batch, cut by its input kind (a packed batch: its first packed row), for
@@ -464,6 +475,7 @@ class StepRunner:
         last pass is the step's last (it syncs)."""
         rows, _ = batch_shape(inputs)
         lengths, packed = pass_lengths(inputs), isinstance(inputs, PackedBatch)
+        vision = self._vision(inputs)
         pieces = self._pieces(inputs)
         probe = self.probe
         if pieces > 1 and num_items_in_batch is None and self.loss.kind == 'token_sum':
@@ -482,7 +494,8 @@ class StepRunner:
         for i, (part, (start, stop), weight) in enumerate(zip(parts, bounds, weights)):
             last = i == len(parts) - 1
             self._current = (index, offset + start, offset + stop)
-            self._current_cost = pass_cost(lengths[start:stop], packed=packed)
+            self._current_cost = pass_cost(lengths[start:stop], packed=packed,
+                                           vision=vision[start:stop] if vision else None)
             self.max_pass = max(self.max_pass, stop - start)
             self.max_cost = max(self.max_cost, self._current_cost)
             self._pass_stats[0] += 1

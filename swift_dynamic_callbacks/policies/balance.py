@@ -159,26 +159,30 @@ def rank_sizes(remaining: int, batch: int, entries: int) -> list[int]:
 
 
 def step_passes(lengths: Sequence[int], per_step: int, budget: int, *, padding_free: bool = False,
-                max_rows: int | None = None) -> list[list[int]]:
+                max_rows: int | None = None, vision: Sequence[int] | None = None) -> list[list[int]]:
     """A rank's share from a step boundary (``lengths`` in training order) as steps of ``per_step`` samples (the
     last one may be short), each cut into as few forward/backward passes as fit ``budget`` tokens (``pass_tokens``).
 
     A pass takes consecutive rows while it :func:`~.pass_cost.fits` ``budget`` (the one cost model) and it holds at most
-    ``max_rows`` rows (``None``: no row cap); a row longer than ``budget`` runs alone. Returns, per step, the rows
+    ``max_rows`` rows (``None``: no row cap); a row longer than ``budget`` runs alone. ``vision``: each row's
+    vision-tower work in tokens (:func:`~.pass_cost.pass_cost`), beside ``lengths``. Returns, per step, the rows
     of each pass. In a balanced layout a step's share is longest first, so a pass's first row is its longest.
     """
     if per_step < 1 or budget < 1 or (max_rows is not None and max_rows < 1):
         raise ValueError(f'step_passes: need per_step, budget, max_rows >= 1; got {per_step}, {budget}, {max_rows}')
     steps: list[list[int]] = []
+    work = list(vision) if vision else [0] * len(lengths)
     for start in range(0, len(lengths), per_step):
         passes: list[int] = []
         rows: list[int] = []
-        for length in lengths[start:start + per_step]:
+        extra: list[int] = []
+        for length, own in zip(lengths[start:start + per_step], work[start:start + per_step]):
             full = max_rows is not None and len(rows) >= max_rows
-            if rows and (full or not fits(rows + [length], budget, packed=padding_free)):
+            if rows and (full or not fits(rows + [length], budget, packed=padding_free, vision=extra + [own])):
                 passes.append(len(rows))
-                rows = []
+                rows, extra = [], []
             rows.append(length)
+            extra.append(own)
         passes.append(len(rows))
         steps.append(passes)
     return steps

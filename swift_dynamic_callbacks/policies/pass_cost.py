@@ -8,7 +8,8 @@ cut again by the runner at the same budget, and an OOM or a memory cap lowers th
 A pass's *cost* is its tokens: ``rows x longest`` when its rows are padded to the longest (the activations and the
 ``tokens x vocabulary`` logits follow the padded shape), the sum of its rows' lengths when they run packed into one row
 (padding-free). Memory follows tokens, not rows: a pass of two 4,000-token rows and one of sixty-four 125-token rows
-cost the same.
+cost the same. A vision-language row adds its images' and videos' work in the vision tower, in tokens
+(:func:`vision_bytes_per_token` over :func:`bytes_per_token`): the tower runs on each row's patches, never on padding.
 
 :class:`BudgetState` is what a pass may hold after OOMs (the integration's pass budget, saved with its state), in
 one unit: tokens where passes are cut by a token budget (``pass_tokens``), else rows. An OOM at a pass of cost ``c``
@@ -26,30 +27,35 @@ from typing import Sequence
 from .data_plan import piece_bounds
 
 
-def pass_cost(lengths: Sequence[int], *, packed: bool) -> int:
-    """Tokens one pass over rows of ``lengths`` costs: ``rows x longest`` padded, their sum packed (padding-free)."""
+def pass_cost(lengths: Sequence[int], *, packed: bool, vision: Sequence[int] | None = None) -> int:
+    """Tokens one pass over rows of ``lengths`` costs: ``rows x longest`` padded, their sum packed (padding-free),
+    plus each row's vision work (``vision``: tokens a row, its images' and videos' :func:`vision_token_cost`; ``None``:
+    none)."""
     if not lengths:
         return 0
-    return sum(lengths) if packed else len(lengths) * max(lengths)
+    return (sum(lengths) if packed else len(lengths) * max(lengths)) + (sum(vision) if vision else 0)
 
 
-def fits(lengths: Sequence[int], budget: int | None, *, packed: bool) -> bool:
-    """Whether a pass over ``lengths`` keeps within ``budget`` tokens (``None``: no budget). A single row always
-    fits: it cannot be cut further (a row that does not fit in memory is the step runner's to report)."""
-    return budget is None or len(lengths) <= 1 or pass_cost(lengths, packed=packed) <= budget
+def fits(lengths: Sequence[int], budget: int | None, *, packed: bool, vision: Sequence[int] | None = None) -> bool:
+    """Whether a pass over ``lengths`` (and their rows' ``vision`` work) keeps within ``budget`` tokens (``None``: no
+    budget). A single row always fits: it cannot be cut further (a row that does not fit in memory is the step
+    runner's to report)."""
+    return budget is None or len(lengths) <= 1 or pass_cost(lengths, packed=packed, vision=vision) <= budget
 
 
 def pieces_within(lengths: Sequence[int], *, packed: bool, tokens: int | None, samples: int | None = None,
-                  requested: int = 1) -> int:
+                  requested: int = 1, vision: Sequence[int] | None = None) -> int:
     """The fewest pieces (at least ``requested``; contiguous, as even as :func:`~.data_plan.piece_bounds` cuts) a
-    pass over rows of ``lengths`` runs as so that every piece holds at most ``samples`` rows and :func:`fits`
-    ``tokens``. A padded batch's ``lengths`` are its padded length per row (a piece keeps the batch's padding)."""
+    pass over rows of ``lengths`` (their ``vision`` work, :func:`pass_cost`) runs as so that every piece holds at
+    most ``samples`` rows and :func:`fits` ``tokens``. A padded batch's ``lengths`` are its padded length per row (a
+    piece keeps the batch's padding)."""
     rows = len(lengths)
     if rows <= 1:
         return 1
     k = max(1, min(rows, requested, ), -(-rows // samples) if samples else 1)
     while k < rows:
-        if all(fits(lengths[a:b], tokens, packed=packed) for a, b in piece_bounds(rows, k)):
+        if all(fits(lengths[a:b], tokens, packed=packed, vision=vision[a:b] if vision else None)
+               for a, b in piece_bounds(rows, k)):
             return k
         k += 1
     return rows
@@ -153,8 +159,14 @@ def budget_after_step(state: BudgetState, ceiling: int, *, fitted: int = 0, grow
                        crossed=state.crossed and bad is not None)
 
 
+#: a linear-attention layer's bytes a token beyond a full-attention layer's, in its widths ``2 x keys + values``
+#: (:func:`bytes_per_token`): fitted by the storage counter of ``scripts/bench_vision_bytes.py`` on text passes of the
+#: Qwen3.5 shape (CPU, transformers' torch Gated DeltaNet: chunked, with each chunk's recurrent state kept)
+LINEAR_ATTENTION_WIDTHS = 11
+
+
 def bytes_per_token(*, hidden: int, intermediate: int, layers: int, vocab: int, dtype_bytes: int,
-                    checkpointing: bool) -> int:
+                    checkpointing: bool, linear_layers: int = 0, linear_width: int = 0) -> int:
     """Device memory one token of a training pass holds at its peak, from the model's shape (an estimate):
 
     ``18 x vocab`` bytes for the logits (in the model's dtype, upcast to fp32 for the loss, and their gradients), plus
@@ -162,10 +174,48 @@ def bytes_per_token(*, hidden: int, intermediate: int, layers: int, vocab: int, 
     every layer's without gradient checkpointing, else one hidden state a layer plus one layer's (the one being
     recomputed). Calibrated on one point (Qwen2.5-1.5B shape, bf16, sdpa, LoRA, a 16,384-token pass: 81.7 GiB peak on
     an H200; this gives 5.6 MB a token, 92 GB); the weights, their gradients and the optimizer are not per token.
+    ``linear_layers`` of the ``layers`` are linear attention (Qwen3.5's Gated DeltaNet, ``linear_width`` = 2 x its
+    key width + its value width): each holds :data:`LINEAR_ATTENTION_WIDTHS` x ``linear_width`` more.
     """
     layer = (10 * hidden + 4 * intermediate) * dtype_bytes
-    kept = layers * hidden * dtype_bytes + layer if checkpointing else layers * layer
+    linear = layer + LINEAR_ATTENTION_WIDTHS * linear_width * dtype_bytes if linear_layers else layer
+    if checkpointing:
+        kept = layers * hidden * dtype_bytes + max(layer, linear)
+    else:
+        kept = (layers - linear_layers) * layer + linear_layers * linear
     return 18 * vocab + kept
+
+
+#: a vision block's bytes an element over a decoder layer's, at the same widths (:func:`vision_bytes_per_token`):
+#: fitted on the Qwen2.5-VL shape by the storage counter of ``scripts/bench_vision_bytes.py`` (CPU; windows of
+#: patches reordered, 2-D rotary on q and k, the merger's MLP), held out on the Qwen3.5 shape
+VISION_BLOCK_FACTOR = 1.28
+#: what a frozen tower leaves a pass an image token, in its output's widths (:func:`vision_bytes_per_token`)
+FROZEN_OUTPUT_WIDTHS = 6.7
+
+
+def vision_bytes_per_token(*, width: int, intermediate: int, depth: int, gated: bool, merge: int, out_width: int,
+                           dtype_bytes: int, checkpointing: bool, trained: bool) -> int:
+    """Device memory a vision tower adds to a pass for each image (video) token it feeds the language model (an
+    estimate; each token is ``merge`` patches through ``depth`` blocks of ``width``, MLP ``intermediate``).
+
+    A tower that trains (LoRA on its layers, or ``freeze_vit: false``) keeps its activations for the backward as a
+    decoder layer does (:func:`bytes_per_token`'s ``10 h + 4 i`` a layer; ``2 i`` for an MLP that is not gated) x
+    :data:`VISION_BLOCK_FACTOR`, a patch at a time: every block's without gradient checkpointing, else one width a block
+    plus one block's. A frozen tower (ms-swift's ``freeze_vit``, the default under LoRA) keeps nothing for a backward
+    through it; what stays while the language model runs is its output (:data:`FROZEN_OUTPUT_WIDTHS` x
+    ``out_width`` a token)."""
+    if not trained:
+        return int(FROZEN_OUTPUT_WIDTHS * out_width * dtype_bytes)
+    block = (10 * width + (4 if gated else 2) * intermediate) * dtype_bytes * VISION_BLOCK_FACTOR
+    kept = depth * width * dtype_bytes + block if checkpointing else depth * block
+    return int(merge * kept)
+
+
+def vision_token_cost(vision_bytes: int, token_bytes: int) -> float:
+    """The tokens of the cost model one image (video) token's vision work is worth: its
+    :func:`vision_bytes_per_token` over a language-model token's :func:`bytes_per_token`."""
+    return vision_bytes / max(token_bytes, 1)
 
 
 def auto_pass_tokens(free_bytes: float, per_token: int, *, margin: float = 0.1, multiple: int = 256,
