@@ -47,6 +47,11 @@
 #   under ZeRO-3 (one process each), by storages and by the CUDA allocator: the check of pass_tokens: auto's ZeRO-3
 #   factor of 1.5 (on CPU ZeRO-3 and FSDP2 hold the same bytes a token as no engine: docs/engines.md). A call of its
 #   own (timeout_s 300), before the sharded one.
+# - vision (about 4 minutes; issue 65): scripts/bench_vision_bytes.py on CUDA, Qwen2.5-VL's and Qwen3.5's vision
+#   towers at their widths with 32 blocks, 28 decoder layers at the 1.5B widths, the Qwen vocabulary, bf16, passes of
+#   4,096 tokens with 0-512 media tokens, the tower frozen and trained: the cost model's prediction against the
+#   storages and against max_memory_allocated (on CPU within 1.3 %: docs/multimodal.md). A call of its own
+#   (timeout_s 480).
 # P (PASS_TOKENS): 16384 on a card with 100 GB or more (H200), else 8192 (16384 peaked at 85 GB on the H200).
 # PROFILE=1 adds a profiled window of random, group_by_length and pack_passes to phase main (about a minute).
 # Not run in CI (no GPU there). Record the output in docs/throughput.md ("On a GPU").
@@ -62,6 +67,7 @@
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=liger bash scripts/gpu_throughput.sh
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=activation bash scripts/gpu_throughput.sh  # timeout_s 300
 #   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=sharded bash scripts/gpu_throughput.sh     # timeout_s 560
+#   WHEELS=.gpu/whl DATA=.gpu/data OUT=$OUT PHASES=vision bash scripts/gpu_throughput.sh      # timeout_s 480
 # Usage: bash scripts/gpu_throughput.sh [extra bench_throughput.py args for phase main]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -122,6 +128,10 @@ fi
 if [[ " $PHASES " == *" activation "* ]]; then  # what a pass holds a token under each engine (issue 47, auto's factor)
   timeout 270 "$PY" scripts/bench_activation_bytes.py --device cuda --layers 28 --vocab 151936 --tokens 2048 4096 \
     2>&1 | tee "$OUT/log-activation.txt" || echo "activation: failed or timed out (rc $?)"
+fi
+if [[ " $PHASES " == *" vision "* ]]; then  # a VL pass's bytes against the cost model's vision tower (issue 65)
+  timeout 420 "$PY" scripts/bench_vision_bytes.py --device cuda --dtype bfloat16 --layers 28 --depth 32 \
+    --vocab 151936 --tokens 4096 2>&1 | tee "$OUT/log-vision.txt" || echo "vision: failed or timed out (rc $?)"
 fi
 if [[ " $PHASES " == *" sharded "* ]]; then
   if [ "$gib" -ge 100 ]; then chain=(16x1 8x2 4x4); else chain=(8x2 4x4); fi  # 16 x 2,048 tokens: over 80 GiB
