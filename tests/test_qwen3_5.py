@@ -132,3 +132,36 @@ def test_two_processes_balanced_qwen3_5_rows_every_row_once(models, rows, tmp_pa
     ref = reference(str(tmp_path / 'ref'), models[arch], rows['images'], out, gradient_accumulation_steps=2,
                     max_steps=4, arch=arch)
     assert_same_weights(out, ref)
+
+
+def test_pass_tokens_auto_counts_the_linear_attention_layers_and_the_tower(models, rows, tmp_path):
+    """``pass_tokens: auto`` on Qwen3.5 image rows, tokenised when read (ms-swift's default for the model): their
+    lengths estimated with Qwen3.5's image rule (32 pixels a token side), the budget's bytes a token counting its Gated
+    DeltaNet layer's widths (the ``pass_tokens`` record: ``linear_layers``, ``linear_width``), the ``engine`` record
+    pricing its frozen tower (LoRA's ``freeze_vit``); an OOM injected in a pass is recovered under the token budget,
+    and every step's loss and grad_norm equal the balanced run without a budget (2e-4)."""
+    from swift_dynamic_callbacks.policies.pass_cost import bytes_per_token
+    arch = 'qwen3_5'
+    balanced = {'length_batching': {'mode': 'balanced'}, 'integration': {'record_samples': True}}
+    plain, _ = _run(models[arch], arch, rows['images'], str(tmp_path / 'plain'), balanced, {})
+    auto = {**balanced, 'length_batching': {'mode': 'balanced', 'pass_tokens': 'auto'}}
+    out = str(tmp_path / 'auto')
+    logs, injector = _run(models[arch], arch, rows['images'], out, auto, {'forward_passes': (1, )})
+    assert len(logs) == len(plain) == RUN['max_steps']
+    for a, b in zip(plain, logs):
+        assert b['loss'] == pytest.approx(a['loss'], rel=2e-4), (a, b)
+        assert b['grad_norm'] == pytest.approx(a['grad_norm'], rel=2e-4), (a, b)
+    records = decisions(out)
+    [budget] = [d['values'] for d in records if d['kind'] == 'pass_tokens']
+    assert (budget['linear_layers'], budget['linear_width']) == (1, 2 * 2 * 16 + 4 * 16)
+    assert budget['bytes_per_token'] == bytes_per_token(hidden=64, intermediate=256, layers=2, vocab=248320,
+                                                        dtype_bytes=budget['dtype_bytes'],
+                                                        checkpointing=budget['gradient_checkpointing'],
+                                                        linear_layers=1, linear_width=128)
+    [engine] = [d['values'] for d in records if d['kind'] == 'engine']
+    assert engine['vision_trained'] is False and 0 < engine['vision_token_cost'] < 0.1
+    [estimate] = [d['values'] for d in records if d['kind'] == 'length_estimate']  # rows tokenised when read
+    assert estimate['image_rule']['factor'] == 32 and estimate['image_tokens'] > 0  # patch 16 x merge 2
+    assert injector.counts['forward'] == 1 and [d['reason'] for d in records if d['kind'] == 'oom'] == ['recovered']
+    assert sorted(indices_by_epoch(sample_trace(out))[0]) == sorted(indices_by_epoch(sample_trace(
+        str(tmp_path / 'plain')))[0])

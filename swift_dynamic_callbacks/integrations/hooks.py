@@ -152,6 +152,10 @@ class DynamicTrainerMixin(RunHooks):
         result = super().compute_loss(model, inputs, *args, **kwargs)
         return weigh(result, self.dynamic_integration.runner.loss_weight)
 
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        predict = lambda part: super(DynamicTrainerMixin, self).prediction_step(model, part, *args, **kwargs)  # noqa: E731
+        return self.dynamic_integration.predict(model, inputs, predict)
+
     # HF counts FLOPs and input tokens per micro-batch slot from its ``input_ids``; a slot of several passes
     # (``PassGroup``) or none (``EmptyMicroBatch``) holds none: count the passes it ran, one by one.
     def floating_point_ops(self, inputs):

@@ -37,6 +37,7 @@ from .checkpoint import Checkpoints
 from .data import DataFeed, check_supported
 from .decisions import Decisions
 from .engines import Engine
+from .eval_passes import EvalPasses
 from .grpo_passes import GrpoPasses
 from .inputs import prepare_slot, to_device
 from .layout import Layout
@@ -56,8 +57,8 @@ class Integration:
     """The integration of one trainer (reachable as ``trainer.dynamic_integration``).
 
     Hooks (called by :mod:`.hooks`): :meth:`begin_train`, :meth:`build_loader`, :meth:`schedule_length`,
-    :meth:`next_step` (the step boundary), :meth:`run_micro_batch`, :meth:`update_logs`, :meth:`after_step`,
-    :meth:`save`, :meth:`end_train`.
+    :meth:`next_step` (the step boundary), :meth:`run_micro_batch`, :meth:`predict` (an eval batch),
+    :meth:`update_logs`, :meth:`after_step`, :meth:`save`, :meth:`end_train`.
 
     State (key ``integration``): the requests still pending on ``control`` when the checkpoint was written (e.g.
     made in ``on_step_end`` of the saved step) with the decision records that go with them (set again on resume,
@@ -86,6 +87,7 @@ class Integration:
         self.pass_budget = PassBudget(self.config.oom_grow_back_steps, self.config.oom_probe_steps)
         self.runner = StepRunner(trainer, Engine(trainer), oom_recovery=False, single_sample_retries=0,
                                  attention=self.attention, budget=self.pass_budget)
+        self.eval_passes = EvalPasses(self.runner, self.decisions.write)  # eval batches an OOM cannot end
         self.metrics = Metrics(self.config)
         self.checkpoints = Checkpoints(trainer, self.config, self.pack_config, self.decisions)
         self.layout = Layout()
@@ -124,6 +126,9 @@ class Integration:
         check_supported(trainer, self.config)
         self._sequence_parallel_mesh()
         self.decisions.write(self.runner.begin(self.config, self.pack_config))
+        eval_record = self.eval_passes.begin(trainer)
+        if getattr(trainer, 'eval_dataset', None) is not None:  # said where the run evaluates
+            self.decisions.write(eval_record)
         self.feed.image_rule = self.runner.kind.image_rule(trainer)  # lazily tokenised rows: images counted exactly
         self.checkpoints.write_config()
         trainer.control._sdc_integration = True
@@ -408,6 +413,11 @@ class Integration:
         loss = self.runner.run_micro_batch(model, inputs, run, num_items_in_batch)
         return self.metrics.losses.note(self.trainer.state.global_step, loss)
 
+    def predict(self, model: Any, inputs: Any, predict: Callable[[Any], Any]) -> Any:
+        """HF's ``prediction_step`` for one eval batch (:meth:`.eval_passes.EvalPasses.run`: an OOM runs it again in
+        halves)."""
+        return self.eval_passes.run(model, inputs, predict)
+
     def after_step(self, state: Any, control: Any) -> None:
         """``on_step_end``: epoch end and the epoch budget."""
         if self.loader is not None:
@@ -457,6 +467,7 @@ class Integration:
             'scheduler_steps': self.budget.scheduler_steps,
             'sequence_parallel_size': distributed.sequence_parallel_size(),
             'grpo_passes': self.grpo_passes.state_dict() if self.grpo_passes is not None else None,
+            'eval_passes': self.eval_passes.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -472,6 +483,7 @@ class Integration:
         self.budget.saved_scheduler_steps = state.get('scheduler_steps')
         if self.grpo_passes is not None:
             self.grpo_passes.load_state_dict(state.get('grpo_passes'))
+        self.eval_passes.load_state_dict(state.get('eval_passes'))
         self.metrics.load_state_dict(state)
         pending = state.get('pending_request')
         if pending:

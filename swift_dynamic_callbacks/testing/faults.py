@@ -7,7 +7,8 @@ linear-attention first layer, ...: :func:`decoder_layer_index`). A forward pass 
 ``token_budget`` tokens raises ``torch.OutOfMemoryError`` before computing anything (a forward OOM). With
 ``backward_rate``, a pass of more than one sample is picked at random (seeded) to fail in the middle of its backward
 (or the passes numbered in ``fail_passes``, counting every training forward from 0; ``forward_passes`` fail in
-forward the same way, a one-off: the retry is a new pass): after the upper layers' gradients were already
+forward the same way, a one-off: the retry is a new pass; ``eval_passes`` likewise count the forwards outside
+training, eval and generation, from 0): after the upper layers' gradients were already
 accumulated and before the first layer's — the case where a careless retry would leak partial gradients into the
 step. ``forward_rate`` picks random multi-sample passes to fail in forward. Single-sample passes only fail by the
 budget, so a run can always finish unless one sample is over it. ``token_budget`` may be a callable, read at every
@@ -69,14 +70,17 @@ class OomInjector:
 
     def __init__(self, token_budget: int | Callable[[], int] | None = None, *, backward_rate: float = 0.0,
                  forward_rate: float = 0.0,
-                 seed: int = 0, fail_passes: tuple[int, ...] = (), forward_passes: tuple[int, ...] = ()) -> None:
+                 seed: int = 0, fail_passes: tuple[int, ...] = (), forward_passes: tuple[int, ...] = (),
+                 eval_passes: tuple[int, ...] = ()) -> None:
         self.token_budget = token_budget
         self.fail_passes = set(fail_passes)
         self.forward_passes = set(forward_passes)
+        self.eval_passes = set(eval_passes)
+        self.eval_forwards: list[int] = []  # rows of every first-layer forward outside training (eval, generation)
         self.backward_rate = backward_rate
         self.forward_rate = forward_rate
         self.random = random.Random(seed)
-        self.counts = {'forward': 0, 'backward': 0}
+        self.counts = {'forward': 0, 'backward': 0, 'eval': 0}
         self.passes: list[tuple[int, int]] = []  # (rows, tokens) of every first-layer forward in training
         self._originals: dict[type, Any] = {}
         self._hooks: dict[int, tuple[Any, Any]] = {}  # id(layer) -> its two hook handles
@@ -126,8 +130,14 @@ class OomInjector:
     def _before(self, layer: Any, args: tuple, kwargs: dict) -> None:
         self._pass = None
         hidden_states = args[0] if args else kwargs.get('hidden_states')
-        if not (torch.is_grad_enabled() and layer.training and isinstance(hidden_states, torch.Tensor)
-                and hidden_states.dim() == 3):
+        if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3):
+            return None
+        if not (torch.is_grad_enabled() and layer.training):  # an eval (or generation) forward
+            self.eval_forwards.append(int(hidden_states.shape[0]))
+            if len(self.eval_forwards) - 1 in self.eval_passes:
+                self.counts['eval'] += 1
+                raise torch.OutOfMemoryError(f'CUDA out of memory (injected: an eval pass of '
+                                             f'{hidden_states.shape[0]} x {hidden_states.shape[1]} tokens)')
             return None
         rows = int(hidden_states.shape[0])
         self._check_forward(rows, int(hidden_states.shape[1]))

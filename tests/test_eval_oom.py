@@ -1,0 +1,146 @@
+"""Evaluation an OOM cannot end (``integrations/eval_passes.py``): an eval batch that runs out of memory runs again in
+halves, its loss put together from theirs (weighted by their label tokens) and its logits and labels concatenated, so
+every eval metric equals the run without the OOM; later eval batches are cut in advance. Unit layer: the pieces put
+together by hand and through :class:`EvalPasses` with a fake prediction; what turns it off. End to end: real ``swift
+sft`` runs with ``eval_strategy: steps`` and OOMs injected in eval forwards."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swift_dynamic_callbacks.integrations.eval_passes import EvalPasses, eval_loss_kind, put_together
+from swift_dynamic_callbacks.integrations.loss_kind import LossKind
+
+
+def _predict_mean(fail_over: int | None, calls: list[int]):
+    """A prediction step whose loss is the mean over the batch's label tokens after the causal shift (as a causal
+    LM's eval loss), logits the ids as floats; an OOM for a batch of more than ``fail_over`` rows."""
+    def predict(batch):
+        rows = batch['input_ids'].shape[0]
+        calls.append(rows)
+        if fail_over is not None and rows > fail_over:
+            raise torch.OutOfMemoryError('CUDA out of memory (test)')
+        labels = batch['labels'][..., 1:]
+        values = batch['input_ids'][..., 1:].float()
+        mask = labels != -100
+        loss = (values * mask).sum() / mask.sum()
+        return loss, batch['input_ids'].float() * 2, batch['labels']
+    return predict
+
+
+def _batch(rows: int = 6, length: int = 7):
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (rows, length))
+    labels = ids.clone()
+    for r in range(rows):  # uneven label tokens a row
+        labels[r, : 1 + r % 4] = -100
+    return {'input_ids': ids, 'labels': labels, 'attention_mask': torch.ones_like(ids)}
+
+
+def _eval_passes(**runner):
+    from swift_dynamic_callbacks.integrations.engines import Engine
+    from swift_dynamic_callbacks.integrations.input_kinds import TextRows
+    records = []
+    fake = SimpleNamespace(**{'loss': LossKind('token_sum', None, ''), 'kind': TextRows(),
+                              'split_refusal': lambda: None, 'engine': Engine(SimpleNamespace()), **runner})
+    passes = EvalPasses(fake, records.append)
+    return passes, records
+
+
+def test_an_eval_oom_runs_the_batch_in_halves_with_the_whole_batchs_results():
+    passes, records = _eval_passes()
+    record = passes.begin(SimpleNamespace(args=SimpleNamespace(predict_with_generate=False)))
+    assert record.kind == 'eval_oom_recovery' and record.reason == 'on'
+    batch = _batch()
+    whole = _predict_mean(None, [])(batch)
+    calls = []
+    loss, logits, labels = passes.run(None, batch, _predict_mean(2, calls))
+    assert calls == [6, 3, 2, 1, 2, 1]  # 6 fails, its first half of 3 fails (cap 2): pieces of 2 and 1 run
+    assert loss.item() == pytest.approx(whole[0].item(), rel=1e-6)
+    assert torch.equal(logits, whole[1]) and torch.equal(labels, whole[2])
+    assert passes.cap == 2 and passes.oom_count == 2
+    assert [(r.kind, r.values['phase'], r.values['rows']) for r in records] == [('oom', 'eval', 6), ('oom', 'eval', 3)]
+    calls.clear()  # later batches: cut in advance to the cap, no OOM
+    loss, _, _ = passes.run(None, batch, _predict_mean(2, calls))
+    assert calls == [2, 2, 2] and loss.item() == pytest.approx(whole[0].item(), rel=1e-6)
+    assert passes.state_dict() == {'cap': 2, 'oom_count': 2}
+
+
+def test_what_keeps_an_eval_batch_whole():
+    passes, _ = _eval_passes()
+    record = passes.begin(SimpleNamespace(args=SimpleNamespace(predict_with_generate=True)))
+    assert record.reason == 'off' and 'predict_with_generate' in record.values['why']
+    with pytest.raises(torch.OutOfMemoryError):  # off: raised as it was
+        passes.run(None, _batch(), _predict_mean(2, []))
+    refused, _ = _eval_passes(split_refusal=lambda: 'swift rlhf: rows compared by the loss')
+    assert refused.begin(SimpleNamespace(args=SimpleNamespace())).values['why'].startswith('swift rlhf')
+    unknown, _ = _eval_passes(loss=LossKind('unknown', 'loss_type: custom', 'not additive'))
+    assert 'loss_type: custom' in unknown.begin(SimpleNamespace(args=SimpleNamespace())).values['why']
+    assert eval_loss_kind(LossKind('token_sum', None, '')).kind == 'token_mean'
+    assert eval_loss_kind(LossKind('row_mean', 'x', 'y')).kind == 'row_mean'
+
+
+def test_pieces_put_together_by_hand():
+    a = (torch.tensor(2.0), torch.ones(1, 3), (torch.zeros(1, 2), torch.ones(1, 2)))
+    b = (torch.tensor(5.0), torch.zeros(2, 3), (torch.ones(2, 2), torch.zeros(2, 2)))
+    loss, logits, labels = put_together([a, b], [0.25, 0.75])
+    assert loss.item() == pytest.approx(0.25 * 2 + 0.75 * 5)
+    assert logits.shape == (3, 3) and labels[0].shape == (3, 2) and labels[1][0].tolist() == [1.0, 1.0]
+    assert put_together([(None, None, None), (None, None, None)], None) == (None, None, None)
+
+
+# ---- end to end ---------------------------------------------------------------------------------------------------
+
+def _run(model, data, val, out, injector_kwargs):
+    import swift_dynamic_callbacks as sdc
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    from swift_dynamic_callbacks.testing.faults import OomInjector
+    from swift_runs import run_sft
+    try:
+        sdc.register(batch_schedule={'schedule': {0: 4}})
+        with OomInjector(**injector_kwargs) as injector:
+            run_sft(model, 'qwen2', data, out, callbacks=['batch_schedule'], max_steps=4,
+                    per_device_train_batch_size=4, val_dataset=[val], eval_strategy='steps', eval_steps=2,
+                    per_device_eval_batch_size=4, learning_rate=1e-3, lr_scheduler_type='constant')
+    finally:
+        plugin.unregister()
+    return injector
+
+
+@pytest.mark.e2e
+def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_qwen):
+    """Two evals of 12 rows in batches of 4; OOMs injected in the first eval's first forward and the second eval's
+    second: the run ends, every eval metric and every training loss equal the run without them (1e-6), one ``oom``
+    record ``phase: eval`` each, and later batches run at the cap each OOM set (2 rows, then 1)."""
+    from swift_dynamic_callbacks.testing.tiny import write_gsm8k_dataset
+    from swift_runs import decisions, read_jsonl
+    data = str(write_gsm8k_dataset(tmp_path / 'train.jsonl', 24))
+    val = str(write_gsm8k_dataset(tmp_path / 'val.jsonl', 12, 'test'))
+    runs = {}
+    for name, faults in (('plain', {}), ('oom', {'eval_passes': (0, 8)})):
+        out = str(tmp_path / name)
+        injector = _run(tiny_qwen, data, val, out, faults)
+        lines = read_jsonl(f'{out}/logging.jsonl')
+        runs[name] = ([r for r in lines if 'eval_loss' in r], [r['loss'] for r in lines if 'loss' in r], injector,
+                      decisions(out))
+    (plain_evals, plain_losses, plain_injector, _), (evals, losses, injector, records) = runs['plain'], runs['oom']
+    assert len(evals) == len(plain_evals) == 2 and losses == pytest.approx(plain_losses, rel=1e-6)
+    for a, b in zip(plain_evals, evals):
+        metrics = [k for k in a if k.startswith('eval_') and k not in ('eval_runtime', 'eval_samples_per_second',
+                                                                      'eval_steps_per_second')]
+        assert 'eval_token_acc' in metrics or len(metrics) > 1, a
+        for k in metrics:
+            assert b[k] == pytest.approx(a[k], rel=1e-6), (k, a, b)
+    assert injector.counts['eval'] == 2
+    assert plain_injector.eval_forwards == [4, 4, 4] * 2
+    # the first eval: 4 rows fail, 2 + 2, then its batches cut to the cap of 2; the second eval starts at the cap,
+    # its second piece fails: 1 + 1, and the rest at the cap of 1
+    assert injector.eval_forwards == [4, 2, 2, 2, 2, 2, 2] + [2, 2, 1, 1] + [1] * 8
+    ooms = [d for d in records if d['kind'] == 'oom']
+    assert [(d['reason'], d['values']['phase'], d['values']['rows'], d['values']['eval_cap']) for d in ooms] == [
+        ('recovered', 'eval', 4, 2), ('recovered', 'eval', 2, 1)]
+    [on] = [d for d in records if d['kind'] == 'eval_oom_recovery']
+    assert on['reason'] == 'on'
