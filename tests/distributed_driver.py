@@ -13,7 +13,8 @@ Usage: ``python -m torch.distributed.run --nproc_per_node 2 tests/distributed_dr
 - ``pack``: the settings given to ``swift_dynamic_callbacks.register``;
 - ``faults`` (per rank, keys ``"0"``/``"1"``): ``oom_token_budget`` (a pass of more padded tokens raises an OOM in
   forward), ``oom_forward_passes`` / ``oom_backward_passes`` (training passes, counted from 0 on this rank, that fail
-  once in forward / mid-backward: :class:`~swift_dynamic_callbacks.testing.faults.OomInjector`), ``memory`` (``{step:
+  once in forward / mid-backward: :class:`~swift_dynamic_callbacks.testing.faults.OomInjector`), ``oom_eval_passes``
+  (eval forwards, counted from 0 on this rank, that fail once), ``memory`` (``{step:
   fraction}`` read by a fake memory probe), ``monitor_value`` (``{step: value}`` fed to early stopping);
 - ``replay_samples``: the ``dynamic_samples.rank<R>.jsonl`` files of a multi-process run: this (one-process) run
   trains, at every step, on the union of the micro-batches the ranks trained on in that step (the reference with
@@ -285,11 +286,13 @@ def main(spec_path: str) -> None:
         early_stopping.EarlyStoppingCallback.on_log = fed_on_log
 
     injector = None
-    if faults.get('oom_token_budget') or faults.get('oom_forward_passes') or faults.get('oom_backward_passes'):
+    if faults.get('oom_token_budget') or faults.get('oom_forward_passes') or faults.get('oom_backward_passes') \
+            or faults.get('oom_eval_passes'):
         from swift_dynamic_callbacks.testing.faults import OomInjector
         injector = OomInjector(token_budget=int(faults.get('oom_token_budget') or 0) or None,
                                forward_passes=tuple(faults.get('oom_forward_passes', ())),
-                               fail_passes=tuple(faults.get('oom_backward_passes', ())))
+                               fail_passes=tuple(faults.get('oom_backward_passes', ())),
+                               eval_passes=tuple(faults.get('oom_eval_passes', ())))
         begin_train = Integration.begin_train
 
         def begin_train_with_injector(self, resume_from_checkpoint):

@@ -69,7 +69,7 @@ def test_an_eval_oom_runs_the_batch_in_halves_with_the_whole_batchs_results():
     assert passes.state_dict() == {'cap': 2, 'oom_count': 2}
 
 
-def test_what_keeps_an_eval_batch_whole():
+def test_what_keeps_an_eval_batch_whole(monkeypatch):
     passes, _ = _eval_passes()
     record = passes.begin(SimpleNamespace(args=SimpleNamespace(predict_with_generate=True)))
     assert record.reason == 'off' and 'predict_with_generate' in record.values['why']
@@ -79,6 +79,10 @@ def test_what_keeps_an_eval_batch_whole():
     assert refused.begin(SimpleNamespace(args=SimpleNamespace())).values['why'].startswith('swift rlhf')
     unknown, _ = _eval_passes(loss=LossKind('unknown', 'loss_type: custom', 'not additive'))
     assert 'loss_type: custom' in unknown.begin(SimpleNamespace(args=SimpleNamespace())).values['why']
+    from swift_dynamic_callbacks import distributed
+    monkeypatch.setattr(distributed, 'world_size', lambda: 2)  # several processes: off, said at start
+    several, _ = _eval_passes()
+    assert several.begin(SimpleNamespace(args=SimpleNamespace())).values['why'].startswith('2 processes')
     assert eval_loss_kind(LossKind('token_sum', None, '')).kind == 'token_mean'
     assert eval_loss_kind(LossKind('row_mean', 'x', 'y')).kind == 'row_mean'
 
@@ -144,3 +148,4 @@ def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_qwen):
         ('recovered', 'eval', 4, 2), ('recovered', 'eval', 2, 1)]
     [on] = [d for d in records if d['kind'] == 'eval_oom_recovery']
     assert on['reason'] == 'on'
+

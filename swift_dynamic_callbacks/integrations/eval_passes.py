@@ -12,8 +12,9 @@ the run are cut in advance to the largest half that ran (``cap``, saved with the
 Where a batch cannot be cut with the same results it is not (recovery off, said once at train start in an
 ``eval_oom_recovery`` record, and an eval OOM ends the run as before): generation (``predict_with_generate``: halves
 would generate to different lengths), a loss that does not add up over pieces, a batch the run may not cut (pairs,
-retrieval, a key the input kind does not know), an engine whose forward gathers parameters with the other ranks
-(FSDP2, DeepSpeed ZeRO-3: one rank's retry would meet the others' next collective), sequence parallelism.
+retrieval, a key the input kind does not know), and several processes (one rank's retry put a 2-process DDP run's
+eval collectives out of step; FSDP2 and ZeRO-3 gather parameters in every eval forward): until the agreed retry of
+an OOM on any rank covers eval.
 
 Used by :class:`~.hooks.DynamicTrainerMixin` (``prediction_step``). Records: ``eval_oom_recovery`` (on / off, at
 train start), ``oom`` (``phase: eval``, each recovered OOM). State: ``cap``.
@@ -103,21 +104,14 @@ class EvalPasses:
             off = f'{self.loss.setting}: {self.loss.why}'
         elif self.runner.split_refusal() is not None:
             off = self.runner.split_refusal()
-        elif self._gathers_in_forward():
-            off = (f'engine {self.runner.engine.name}: an eval forward gathers parameters with the other ranks, so one '
-                   'rank\'s retry would meet their next collective')
-        elif distributed.sequence_parallel_size() > 1:
-            off = 'sequence parallelism: every eval forward exchanges the group\'s sequence parts'
+        elif distributed.world_size() > 1:
+            off = (f'{distributed.world_size()} processes: a rank\'s retry in halves puts its eval out of step with '
+                   'the other ranks\' collectives (a 2-process DDP run desynchronised); the agreed retry is to come')
         self.off = off
         message = 'eval OOM recovery ' + ('on: an eval batch that runs out of memory runs again in halves'
                                           if off is None else f'off ({off})')
         return DecisionRecord('integration', 'eval_oom_recovery', 'on' if off is None else 'off',
                               {'on': off is None, 'why': off, 'cap': self.cap}, message)
-
-    def _gathers_in_forward(self) -> bool:
-        """FSDP2 and ZeRO-3 gather every layer's parameters in forward (ZeRO-2 and DDP do not)."""
-        engine = self.runner.engine
-        return engine.name == 'fsdp2' or (engine.name == 'deepspeed' and engine.describe().get('zero_stage') == 3)
 
     def run(self, model: Any, inputs: Any, predict: Callable[[Any], Prediction]) -> Prediction:
         """One eval batch through ``predict`` (HF's ``prediction_step`` of a piece), in pieces of at most
