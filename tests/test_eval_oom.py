@@ -138,7 +138,7 @@ def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_qwen):
         assert 'eval_token_acc' in metrics or len(metrics) > 1, a
         for k in metrics:
             assert b[k] == pytest.approx(a[k], rel=1e-6), (k, a, b)
-    assert injector.counts['eval'] == 2
+    assert injector.eval_ooms == 2 and injector.counts == {'forward': 0, 'backward': 0}
     assert plain_injector.eval_forwards == [4, 4, 4] * 2
     # the first eval: 4 rows fail, 2 + 2, then its batches cut to the cap of 2; the second eval starts at the cap,
     # its second piece fails: 1 + 1, and the rest at the cap of 1

@@ -66,7 +66,8 @@ def decoder_layer_index(layer: Any) -> int | None:
 
 
 class OomInjector:
-    """Raise OOMs like a device would. ``counts`` holds what was injected (forward / backward)."""
+    """Raise OOMs like a device would. ``counts`` holds what was injected in training (forward / backward),
+    ``eval_ooms`` how many in eval forwards."""
 
     def __init__(self, token_budget: int | Callable[[], int] | None = None, *, backward_rate: float = 0.0,
                  forward_rate: float = 0.0,
@@ -80,7 +81,8 @@ class OomInjector:
         self.backward_rate = backward_rate
         self.forward_rate = forward_rate
         self.random = random.Random(seed)
-        self.counts = {'forward': 0, 'backward': 0, 'eval': 0}
+        self.counts = {'forward': 0, 'backward': 0}
+        self.eval_ooms = 0  # OOMs injected in eval forwards (``eval_passes``)
         self.passes: list[tuple[int, int]] = []  # (rows, tokens) of every first-layer forward in training
         self._originals: dict[type, Any] = {}
         self._hooks: dict[int, tuple[Any, Any]] = {}  # id(layer) -> its two hook handles
@@ -135,7 +137,7 @@ class OomInjector:
         if not (torch.is_grad_enabled() and layer.training):  # an eval (or generation) forward
             self.eval_forwards.append(int(hidden_states.shape[0]))
             if len(self.eval_forwards) - 1 in self.eval_passes:
-                self.counts['eval'] += 1
+                self.eval_ooms += 1
                 raise torch.OutOfMemoryError(f'CUDA out of memory (injected: an eval pass of '
                                              f'{hidden_states.shape[0]} x {hidden_states.shape[1]} tokens)')
             return None
