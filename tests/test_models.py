@@ -31,7 +31,7 @@ def test_the_layout_of_every_family_from_its_config():
     """Read from the config's structure, as a ``config.json`` mapping and as the loaded config alike."""
     expected = {'qwen2_vl': 'qwen_vl', 'qwen2_5_vl': 'qwen_vl', 'qwen3_vl': 'qwen_vl', 'qwen3_vl_moe': 'qwen_vl',
                 'qwen3_5': 'qwen_vl', 'qwen3_5_moe': 'qwen_vl', 'qwen2': 'text', 'llama': 'text', 'qwen3_next': 'text',
-                'llava': 'multimodal', 'glm4v': 'multimodal', 'qwen2_5_omni': 'multimodal', 'internvl': 'multimodal'}
+                'llava': 'multimodal', 'glm4v': 'multimodal', 'qwen2_5_omni': 'multimodal', 'internvl': 'tiles'}
     for name, config in _configs().items():
         assert (layout_of(config), layout_of(config.to_dict())) == (expected[name],) * 2, name
     configs = _configs()
@@ -53,10 +53,11 @@ def test_the_vision_towers_shape_from_its_config():
     expected = {'qwen2_vl': (qwen2_vl, VisionShape(1280, 5120, 32, False, 4)),
                 'qwen2_5_vl': (qwen2_5_vl, VisionShape(1280, 3420, 32, True, 4)),
                 'qwen3_5': (configs['qwen3_5'], VisionShape(1152, 4304, 27, False, 4)),
-                'qwen3_vl': (configs['qwen3_vl'], VisionShape(1152, 4304, 27, False, 4))}
+                'qwen3_vl': (configs['qwen3_vl'], VisionShape(1152, 4304, 27, False, 4)),
+                'internvl': (configs['internvl'], VisionShape(1024, 4096, 24, False, 4))}  # InternViT-300M
     for name, (config, shape) in expected.items():
         assert vision_shape_of(config) == vision_shape_of(config.to_dict()) == shape, name
-    for name in ('qwen2', 'llava', 'glm4v', 'internvl'):  # text, or a layout the cost model does not know
+    for name in ('qwen2', 'llava', 'glm4v'):  # text, or a layout the cost model does not know
         assert vision_shape_of(configs[name]) is None, name
 
 

@@ -413,15 +413,16 @@ def _sequence_parallel_rows(run: LaunchRun) -> None:
 
 
 def _vision_rows(run: LaunchRun) -> None:
-    """A Qwen-VL run: its rows carry 3-D rotary positions and images, which the pack's own padding-free packing does
-    not redo (the step runner refuses it at start too; here before the model loads)."""
+    """A vision-language run (Qwen-VL or tiles rows): its rows carry images (Qwen-VL: and 3-D rotary positions) that
+    the pack's own padding-free packing does not redo (the step runner refuses it at start too; here before the model
+    loads)."""
     length = run.configs.get('length_batching')
     model = run.model
-    if model.qwen_vl and length is not None and length.padding_free:
+    if model.vision_rows and length is not None and length.padding_free:
+        what = '3-D rotary positions and images' if model.qwen_vl else 'images'
         raise ConfigError(f'{SECTION}.length_batching.padding_free: true is not supported with {model.setting} (vision-'
-                          'language rows: 3-D rotary positions and images the pack\'s packing does not redo); remove '
-                          'it (passes are still cut at the rows\' images), or use ms-swift\'s own padding_free with '
-                          'flash attention')
+                          f'language rows: {what} the pack\'s packing does not redo); remove it (passes are still cut '
+                          'at the rows\' images), or use ms-swift\'s own padding_free with flash attention')
 
 
 #: the launch rules :func:`check_run` applies in order, each a small named function of :class:`LaunchRun`

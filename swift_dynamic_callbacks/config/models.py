@@ -1,11 +1,14 @@
 """What a run's model is, decided from its config before it loads (no torch): the layout of its micro-batches (text
-rows, Qwen-VL rows whose images the pack cuts at their rows, or another multimodal layout no input kind cuts), whether
-it has linear-attention layers and whether it is a mixture of experts.
+rows, Qwen-VL rows or tiled-image rows whose images the pack cuts at their rows, or another multimodal layout no input
+kind cuts), whether it has linear-attention layers and whether it is a mixture of experts.
 
 The rule reads the structure of the config, not a list of names, so a new model of a known layout is recognised
 without a code change: a ``vision_config`` with ``spatial_merge_size`` and ``temporal_patch_size`` beside
 ``image_token_id`` / ``video_token_id`` is the Qwen-VL layout (every image's patches concatenated, one
-``image_grid_thw`` row an image, 3-D rotary positions: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, ...). ``swift-dynamic
+``image_grid_thw`` row an image, 3-D rotary positions: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, ...); a
+``vision_config`` with ``image_size`` and ``patch_size`` beside a ``downsample_ratio`` and an ``image_token_id`` is the
+tiles layout (every image, and every video frame, a stack of equal square tiles, each a fixed number of image tokens:
+InternVL's transformers format, InternVL3 / InternVL3.5 ``-hf``; :func:`tile_tokens_of`). ``swift-dynamic
 check`` reads the model folder's ``config.json`` (:func:`model_facts`); the input kinds read the loaded model's config
 with the same rule (:func:`layout_of`). Where no config can be read before the model loads (a hub id), the
 ``model_type`` and the id are looked up in the known names (:data:`QWEN_VL_TYPES`).
@@ -23,11 +26,18 @@ from typing import Any, Mapping
 #: when no config can be read before the model loads
 QWEN_VL_TYPES = ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe', 'qwen3_5', 'qwen3_5_moe', 'qvq', 'mimo_vl')
 
+#: ms-swift model types whose templates collate tiles-layout micro-batches (``internvl``: InternVL3 / InternVL3.5 in the
+#: transformers format, template ``internvl_hf``; ``internvl_chat`` is the remote-code format, another layout)
+TILES_TYPES = ('internvl', )
+
 #: hub ids of Qwen-VL models (Qwen3.5 is natively multimodal), for a YAML that names the model without ``model_type``
 _QWEN_VL_ID = re.compile(r'(qwen[23](\.5)?-vl|qwen3\.[5-9]|qvq|mimo-vl)', re.IGNORECASE)
 
 #: the layouts of a micro-batch (:func:`layout_of`)
-LAYOUTS = ('text', 'qwen_vl', 'multimodal')
+LAYOUTS = ('text', 'qwen_vl', 'tiles', 'multimodal')
+
+#: the layouts whose images an input kind cuts at their rows
+VISION_LAYOUTS = ('qwen_vl', 'tiles')
 
 #: config fields that count a mixture of experts' experts (any > 0: a MoE)
 _EXPERT_FIELDS = ('num_experts', 'num_local_experts', 'n_routed_experts', 'moe_num_experts')
@@ -62,10 +72,32 @@ def _towers(config: Any) -> tuple[Any, Any]:
     return vision, audio
 
 
+def _side(value: Any) -> int | None:
+    """A square size (``448`` or ``[448, 448]``) as one int, else ``None``."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == value[1]:
+        value = value[0]
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def tile_tokens_of(config: Any) -> int | None:
+    """The image tokens of one tile of the tiles layout (module docstring): ``(image_size / patch_size)^2`` patches
+    a tile, ``downsample_ratio^2`` of them a token after the pixel shuffle (InternVL's ``image_seq_length``: 256 for
+    448-pixel tiles of 14-pixel patches at 0.5); ``None``: not that layout's config."""
+    vision, audio = _towers(config)
+    if vision is None or audio is not None or _get(config, 'image_token_id') is None:
+        return None
+    side, patch, ratio = _side(_get(vision, 'image_size')), _side(_get(vision, 'patch_size')), _get(config,
+                                                                                                      'downsample_ratio')
+    if side is None or patch is None or side % patch or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        return None
+    tokens = (side // patch) ** 2 * ratio * ratio
+    return int(tokens) if tokens == int(tokens) and tokens >= 1 else None
+
+
 def layout_of(config: Any) -> str:
     """The layout of a model's micro-batches from its config (a ``config.json`` mapping or a transformers config):
-    ``qwen_vl`` (module docstring; a model of the Qwen family), ``multimodal`` (a vision or audio tower of another
-    layout or family) or ``text``."""
+    ``qwen_vl`` (module docstring; a model of the Qwen family), ``tiles`` (:func:`tile_tokens_of`), ``multimodal`` (a
+    vision or audio tower of another layout or family) or ``text``."""
     vision, audio = _towers(config)
     if vision is None and audio is None:
         return 'text'
@@ -75,7 +107,9 @@ def layout_of(config: Any) -> str:
                                       for k in ('spatial_merge_size', 'temporal_patch_size'))
     names = [str(_get(config, 'model_type') or '')] + [str(a) for a in (_get(config, 'architectures') or ())]
     qwen = any(_QWEN_FAMILY.search(n) for n in names if n)
-    return 'qwen_vl' if grid and tokens and audio is None and qwen else 'multimodal'
+    if grid and tokens and audio is None and qwen:
+        return 'qwen_vl'
+    return 'tiles' if tile_tokens_of(config) is not None else 'multimodal'
 
 
 def linear_attention_of(config: Any) -> bool:
@@ -101,7 +135,8 @@ class VisionShape:
         depth: its blocks.
         gated: its MLP is gated (gate and up projections: Qwen2.5-VL), else two linear layers (Qwen2-VL, Qwen3-VL,
             Qwen3.5).
-        merge: patches merged into one language-model token (``spatial_merge_size ** 2``).
+        merge: patches merged into one language-model token (``spatial_merge_size ** 2``; the tiles layout:
+            ``1 / downsample_ratio ** 2``).
     """
 
     width: int
@@ -113,12 +148,22 @@ class VisionShape:
 
 def vision_shape_of(config: Any) -> VisionShape | None:
     """The vision tower's shape from a model's config (a ``config.json`` mapping or a transformers config), for the
-    Qwen-VL layout (:func:`layout_of`); ``None`` for another layout or a tower whose widths are not in its config.
-    Qwen2-VL names its width ``embed_dim`` and its MLP ``mlp_ratio`` x it (its ``hidden_size`` is the language
-    model's); the later ones ``hidden_size`` and ``intermediate_size``. A gated MLP: ``hidden_act`` ``silu``."""
-    if layout_of(config) != 'qwen_vl':
-        return None
+    Qwen-VL and tiles layouts (:func:`layout_of`); ``None`` for another layout or a tower whose widths are not in its
+    config. Qwen2-VL names its width ``embed_dim`` and its MLP ``mlp_ratio`` x it (its ``hidden_size`` is the language
+    model's); the later ones ``hidden_size`` and ``intermediate_size``. A gated MLP: ``hidden_act`` ``silu``. The
+    tiles layout (InternViT): ``num_hidden_layers`` blocks of a two-layer MLP, ``1 / downsample_ratio^2`` patches a
+    token."""
+    layout = layout_of(config)
     vision = _towers(config)[0]
+    if layout == 'tiles':
+        width, intermediate, depth = (_get(vision, k) for k in ('hidden_size', 'intermediate_size',
+                                                                 'num_hidden_layers'))
+        merge = round(1 / _get(config, 'downsample_ratio') ** 2)
+        if not all(isinstance(v, int) and v > 0 for v in (width, intermediate, depth)):
+            return None
+        return VisionShape(width=width, intermediate=intermediate, depth=depth, gated=False, merge=merge)
+    if layout != 'qwen_vl':
+        return None
     width = _get(vision, 'embed_dim') or _get(vision, 'hidden_size')
     ratio = _get(vision, 'mlp_ratio')
     intermediate = int(width * ratio) if ratio and _get(vision, 'embed_dim') else _get(vision, 'intermediate_size')
@@ -153,11 +198,18 @@ class ModelFacts:
     def qwen_vl(self) -> bool:
         return self.layout == 'qwen_vl'
 
+    @property
+    def vision_rows(self) -> bool:
+        """Its rows carry images an input kind cuts at their rows (:data:`VISION_LAYOUTS`)."""
+        return self.layout in VISION_LAYOUTS
+
 
 def layout_by_name(model_type: str | None) -> str | None:
-    """The layout known for an ms-swift ``model_type`` where no config can be read (:data:`QWEN_VL_TYPES`: Qwen-VL),
-    else ``None``."""
-    return 'qwen_vl' if model_type in QWEN_VL_TYPES else None
+    """The layout known for an ms-swift ``model_type`` where no config can be read (:data:`QWEN_VL_TYPES`: Qwen-VL;
+    :data:`TILES_TYPES`: tiles), else ``None``."""
+    if model_type in QWEN_VL_TYPES:
+        return 'qwen_vl'
+    return 'tiles' if model_type in TILES_TYPES else None
 
 
 def read_model_config(model: Any) -> dict[str, Any] | None:
@@ -196,6 +248,8 @@ def unsupported_why(setting: str) -> str:
     """Why a multimodal model of a layout no input kind cuts has its micro-batches never cut (OOM recovery off, pass
     settings refused), naming it (``setting``)."""
     return (f'{setting or "this model"} is a multimodal model whose micro-batches no input kind of the pack cuts (its '
-            'images or audio are not one entry a row; cut: text rows, and the Qwen-VL layout: a vision_config with '
-            'spatial_merge_size and temporal_patch_size beside image_token_id / video_token_id, Qwen family)')
+            'images or audio are not one entry a row; cut: text rows; the Qwen-VL layout: a vision_config with '
+            'spatial_merge_size and temporal_patch_size beside image_token_id / video_token_id, Qwen family; the tiles '
+            'layout: a vision_config with image_size and patch_size beside downsample_ratio and image_token_id, '
+            'InternVL -hf)')
 

@@ -172,9 +172,10 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
 
 
 def vision_tower(model: Any) -> Any:
-    """The vision tower of a Qwen-VL model (its ``visual`` module, under any wrapper), else ``None``."""
+    """The vision tower of a vision-language model (a Qwen-VL model's ``visual`` module, InternVL's ``vision_tower``,
+    under any wrapper), else ``None``."""
     for name, module in model.named_modules() if hasattr(model, 'named_modules') else ():
-        if name == 'visual' or name.endswith('.visual'):
+        if name.rsplit('.', 1)[-1] in ('visual', 'vision_tower'):
             return module
     return None
 

@@ -267,6 +267,7 @@ MODEL_FLAGS: dict[str, dict[str, str]] = {
     'qwen3_5': {'model_type': 'qwen3_5', 'template': 'qwen3_5'},
     'qwen3_5_moe': {'model_type': 'qwen3_5_moe', 'template': 'qwen3_5'},
     'qwen3_vl': {'model_type': 'qwen3_vl', 'template': 'qwen3_vl'},
+    'internvl': {'model_type': 'internvl', 'template': 'internvl_hf'},
 }
 
 

@@ -1,6 +1,7 @@
 """Tiny random-weight vision-language models built offline: Qwen2-VL and Qwen2.5-VL on the Qwen2.5 tokenizer, and
 Qwen3.5, Qwen3.5-MoE and Qwen3-VL on tokenizers derived from it whose special tokens sit where ms-swift's templates
-expect them; each with a real processor saved beside it. The text models and their tokenizers are :mod:`.tiny`'s.
+expect them, and InternVL (transformers format) on the Qwen2.5 tokenizer with InternVL3's image tokens; each with a real
+processor saved beside it. The text models and their tokenizers are :mod:`.tiny`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from .tiny import (_NUM_HEADS, _NUM_KV_HEADS, _QWEN2_VOCAB_SIZE, _TOKENIZER_DIRS
                    move_model_into_place)
 from .tiny_data import _atomic_write
 
-__all__ = ['VL_ARCHS', 'QWEN3_ARCHS', 'QWEN3_5_TOKEN_SHIFT', 'build_tiny_vl_model', 'build_tiny_qwen3_model',
+__all__ = ['VL_ARCHS', 'QWEN3_ARCHS', 'QWEN3_5_TOKEN_SHIFT', 'INTERNVL_TOKENS', 'build_tiny_vl_model',
+           'build_tiny_qwen3_model', 'build_tiny_internvl_model',
            'materialize_qwen3_tokenizer']
 
 
@@ -276,5 +278,62 @@ def build_tiny_qwen3_model(dest: str | Path, arch: str = 'qwen3_5', *, seed: int
         patches = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
         Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=64 * 64, max_pixels=max_pixels, **patches),
                          video_processor=Qwen3VLVideoProcessor(**patches), tokenizer=tokenizer).save_pretrained(tmp)
+        move_model_into_place(tmp, dest)
+    return dest
+
+
+#: InternVL3's image tokens after the Qwen2.5 tokenizer's 22 added ones (ids 151665-151668, as in InternVL3-1B-hf), by
+#: the names its processor reads from the tokenizer (``tokenizer.context_image_token`` ...)
+INTERNVL_TOKENS: dict[str, str] = {'start_image_token': '<img>', 'end_image_token': '</img>',
+                                   'context_image_token': '<IMG_CONTEXT>', 'video_token': '<video>'}
+
+
+def build_tiny_internvl_model(dest: str | Path, *, seed: int = 0, tile: int = 56, max_patches: int = 4) -> Path:
+    """Builds and saves a tiny random-weight InternVL in the transformers format (``InternVLForConditionalGeneration``,
+    ms-swift's ``model_type: internvl`` / ``template: internvl_hf``, as InternVL3-1B-hf) with a real processor.
+
+    Language model: a Qwen2 of the tiny Qwen2's shape (hidden 64, 2 layers, 4 heads, 2 key/value heads, the Qwen2.5
+    vocabulary and tokenizer with :data:`INTERNVL_TOKENS` added: ``<IMG_CONTEXT>`` = 151667). Vision tower (InternViT):
+    2 blocks of width 32, MLP 64, ``tile``-pixel tiles of 14-pixel patches (``(tile / 14)^2`` patches and a class
+    token), a pixel shuffle of ``downsample_ratio`` 0.5 and a two-layer projector: ``(tile / 28)^2`` image tokens a
+    tile (4 at 56). The image processor (``GotOcr2ImageProcessor``) crops an image into 1 to ``max_patches`` tiles by
+    its aspect ratio plus a thumbnail tile when there are several; a video frame is one tile. Weights depend only on
+    ``seed``; the global torch RNG state is left as it was. An existing complete model is reused.
+
+    Returns:
+        ``dest`` as a :class:`~pathlib.Path` (``--model_type`` / ``--template``: ``MODEL_FLAGS['internvl']``).
+    """
+    dest = Path(dest)
+    if _built(dest, 'internvl'):
+        return dest
+    from transformers import (GotOcr2ImageProcessor, InternVLConfig, InternVLForConditionalGeneration,
+                              InternVLProcessor, InternVLVideoProcessor)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f'.{dest.name}.build-') as tmp_name:
+        tmp = Path(tmp_name)
+        materialize_tokenizer(tmp, 'qwen2')
+        tokenizer = AutoTokenizer.from_pretrained(tmp, extra_special_tokens=dict(INTERNVL_TOKENS))
+        tokenizer.add_tokens(list(INTERNVL_TOKENS.values()), special_tokens=True)
+        text = dict(model_type='qwen2', hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=_NUM_HEADS, num_key_value_heads=_NUM_KV_HEADS, vocab_size=_QWEN2_VOCAB_SIZE,
+                    max_position_embeddings=4096, eos_token_id=tokenizer.convert_tokens_to_ids('<|im_end|>'),
+                    pad_token_id=tokenizer.pad_token_id, dtype='float32')
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=[tile, tile], patch_size=[14, 14], use_mask_token=False)
+        config = InternVLConfig(vision_config=vision, text_config=text,
+                                image_token_id=tokenizer.convert_tokens_to_ids(INTERNVL_TOKENS['context_image_token']),
+                                downsample_ratio=0.5, projector_hidden_act='gelu', vision_feature_layer=-1,
+                                vision_feature_select_strategy='default')
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = InternVLForConditionalGeneration(config).to(torch.float32).eval()
+        model.save_pretrained(tmp)
+        size = {'height': tile, 'width': tile}
+        processor = InternVLProcessor(
+            image_processor=GotOcr2ImageProcessor(size=size, crop_to_patches=False, min_patches=1,
+                                                  max_patches=max_patches),
+            video_processor=InternVLVideoProcessor(size=size), tokenizer=tokenizer,
+            image_seq_length=(tile // 28) ** 2)
+        processor.save_pretrained(tmp)
         move_model_into_place(tmp, dest)
     return dest

@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.models import layout_by_name, layout_of, unsupported_why
-from .base import InputKind, batch_rows
-from .qwen_vl import QWEN_VL_TYPES, QwenVL, VisionBatch
+from .base import InputKind, VisionBatch, batch_rows
+from .qwen_vl import QWEN_VL_TYPES, QwenVL
 from .text import MEDIA_KEYS, TextRows
+from .tiles import Tiles
 
 #: the kinds, asked in order by :func:`select_input_kind`
-INPUT_KINDS: tuple[type[InputKind], ...] = (QwenVL, TextRows)
+INPUT_KINDS: tuple[type[InputKind], ...] = (QwenVL, Tiles, TextRows)
 
 
 class Unsupported(InputKind):
@@ -63,5 +64,5 @@ def select_input_kind(trainer: Any) -> InputKind:
     return Unsupported(setting or 'this model')
 
 
-__all__ = ['INPUT_KINDS', 'MEDIA_KEYS', 'QWEN_VL_TYPES', 'InputKind', 'QwenVL', 'TextRows', 'Unsupported',
+__all__ = ['INPUT_KINDS', 'MEDIA_KEYS', 'QWEN_VL_TYPES', 'InputKind', 'QwenVL', 'TextRows', 'Tiles', 'Unsupported',
            'VisionBatch', 'batch_rows', 'run_model', 'select_input_kind']

@@ -44,6 +44,38 @@ def batch_rows(batch: Mapping[str, Any]) -> int:
     return int(reference.shape[0])
 
 
+class VisionBatch(dict):
+    """A vision-language micro-batch with, on the host, each row's images and videos and each one's patches (an
+    input kind's :meth:`InputKind.prepare`).
+
+    Attributes:
+        row_media: per media kind (``image``, ``video``): the images (videos) of each row, in order.
+        patches: per media kind: the patches of each image (video), in order.
+    """
+
+    def __init__(self, values: Mapping[str, Any], row_media: Mapping[str, Sequence[int]],
+                 patches: Mapping[str, Sequence[int]]) -> None:
+        super().__init__(values)
+        self.row_media = {k: tuple(int(n) for n in v) for k, v in row_media.items()}
+        self.patches = {k: tuple(int(n) for n in v) for k, v in patches.items()}
+
+    def rebuild(self, values: Mapping[str, Any]) -> 'VisionBatch':
+        """The same rows' facts over other values (the batch's tensors moved to the device)."""
+        return VisionBatch(values, self.row_media, self.patches)
+
+
+def row_patches(batch: Any) -> list[int] | None:
+    """The vision-tower patches of each row of a :class:`VisionBatch` (``None``: another batch)."""
+    if not isinstance(batch, VisionBatch):
+        return None
+    out = [0] * batch_rows(batch)
+    for media, per_row in batch.row_media.items():
+        sizes = iter(batch.patches[media])
+        for r, n in enumerate(per_row):
+            out[r] += sum(next(sizes) for _ in range(n))
+    return out
+
+
 class InputKind:
     """One model family's micro-batches (module docstring). Stateless; one instance in the registry.
 

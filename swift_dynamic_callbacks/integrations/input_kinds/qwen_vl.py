@@ -30,7 +30,7 @@ import torch
 
 from ...config.models import QWEN_VL_TYPES  # noqa: F401 - re-exported by the package
 from ...policies.vision import ResizeRule, VideoRule
-from .base import InputKind, _has_rows, batch_rows
+from .base import InputKind, VisionBatch, _has_rows, batch_rows, row_patches
 
 
 #: per row along dim 0
@@ -43,25 +43,6 @@ MEDIA = (('pixel_values', 'image_grid_thw', 'image_token_id'), ('pixel_values_vi
 PER_VIDEO = ('second_per_grid_ts', )
 #: what ms-swift's Qwen-VL collator adds to a one-row micro-batch (``get_packed_seq_params`` of its text positions)
 ONE_ROW_PACKING_KEYS = ('cu_seq_lens_q', 'cu_seq_lens_k', 'max_length_q', 'max_length_k')
-
-
-class VisionBatch(dict):
-    """A Qwen-VL micro-batch with, on the host, each row's images and videos and each one's patches.
-
-    Attributes:
-        row_media: per media kind (``image``, ``video``): the images (videos) of each row, in order.
-        patches: per media kind: the patches of each image (video), in order.
-    """
-
-    def __init__(self, values: Mapping[str, Any], row_media: Mapping[str, Sequence[int]],
-                 patches: Mapping[str, Sequence[int]]) -> None:
-        super().__init__(values)
-        self.row_media = {k: tuple(int(n) for n in v) for k, v in row_media.items()}
-        self.patches = {k: tuple(int(n) for n in v) for k, v in patches.items()}
-
-    def rebuild(self, values: Mapping[str, Any]) -> 'VisionBatch':
-        """The same rows' facts over other values (the batch's tensors moved to the device)."""
-        return VisionBatch(values, self.row_media, self.patches)
 
 
 class QwenVL(InputKind):
@@ -184,15 +165,7 @@ class QwenVL(InputKind):
                           video=video_rule(template, limits, merge_side=merge_side))
 
     def vision_patches(self, batch: Mapping[str, Any]) -> list[int] | None:
-        if not isinstance(batch, VisionBatch):
-            return None
-        rows = batch_rows(batch)
-        out = [0] * rows
-        for media, per_row in batch.row_media.items():
-            sizes = iter(batch.patches[media])
-            for r, n in enumerate(per_row):
-                out[r] += sum(next(sizes) for _ in range(n))
-        return out
+        return row_patches(batch)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), 'merge': self.merge, **self.token_ids}
