@@ -98,6 +98,26 @@ def test_passes_of_one_completion_give_the_one_pass_gradient(grpo_data, tmp_path
     assert all('dynamic/grpo_passes' not in row for row in one)
 
 
+def test_grpo_pass_tokens_auto_plans_from_free_memory_with_the_one_pass_gradient(grpo_data, tmp_path, monkeypatch):
+    """``grpo_pass_tokens: auto`` with 1 MiB of memory read as available (the CPU's figure: the budget is half of it
+    less the margin, at the model's bytes a token): the smallest budget on a CPU, 16 tokens, below one completion, so
+    every completion runs as its own pass; a ``pass_tokens`` record (reason ``auto``, setting ``grpo_pass_tokens``) and
+    the ``grpo_passes`` record carry the resolved budget, and both steps equal GRPO's one pass (1e-5)."""
+    from swift_dynamic_callbacks.integrations import auto_budget
+    one = _run(grpo_data, str(tmp_path / 'one'), None)
+    monkeypatch.setattr(auto_budget, '_available_cpu_bytes', lambda: 2**20)
+    out = str(tmp_path / 'auto')
+    cut = _run(grpo_data, out, {'grpo_pass_tokens': 'auto'})
+    _same_steps(one, cut, 1e-5)
+    records = decisions(out)
+    [auto] = [d for d in records if d['kind'] == 'pass_tokens']
+    assert auto['reason'] == 'auto' and auto['values']['setting'] == 'grpo_pass_tokens'
+    assert auto['values']['pass_tokens'] == 16 and auto['values']['free_gib'] < 0.001
+    [passes] = [d for d in records if d['kind'] == 'grpo_passes']
+    assert passes['values']['grpo_pass_tokens'] == 16
+    assert [row['dynamic/grpo_passes'] for row in cut] == [4, 4] and cut[0]['dynamic/pass_budget'] == 16
+
+
 def test_an_oom_in_a_loss_pass_runs_its_halves_with_the_same_gradient(grpo_data, tmp_path):
     """One pass a micro-batch by the budget; its first forward runs out of memory (injected), then the first half's
     backward: the halves run instead (the quarter where the half failed), the gradient as the run without OOMs

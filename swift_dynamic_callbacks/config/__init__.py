@@ -118,6 +118,20 @@ class Int(Check):
 
 
 @dataclass(frozen=True)
+class TokensOrAuto(Int):
+    """An integer token budget in ``[minimum, maximum]``, or ``auto`` (chosen at train start from the device's free
+    memory and the model's shape)."""
+
+    def check(self, name: str, value: Any) -> Any:
+        if value == 'auto':
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f'{name}: expected an integer >= {self.minimum}, auto{self._or_null()}, got {value!r} '
+                              f'({type(value).__name__})')
+        return super().check(name, value)
+
+
+@dataclass(frozen=True)
 class Number(Check):
     """A finite number (int or float, never a bool, NaN or infinity) in an interval."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from . import Choice, Flag, Int, Reads, Settings, Text, from_mapping, setting
+from . import Choice, Flag, Int, Reads, Settings, Text, TokensOrAuto, from_mapping, setting
 
 #: the attention backends packed rows can be switched to, one a module under ``integrations/attention/`` (its registry
 #: checks these names on import; they are here so that the settings import no torch)
@@ -77,7 +77,9 @@ class IntegrationConfig(Settings):
         grpo_pass_tokens: under ``rlhf_type: grpo``, GRPO's loss over a micro-batch of completions runs as passes of
             at most this many padded tokens (prompt + completion) each, whole completions, each weighted by its
             share of the loss under ``loss_type`` (the one-pass gradient); on one process an OOM in a pass runs its
-            halves instead and lowers the budget (the ``oom_*`` settings). ``null`` (default): GRPO's own passes.
+            halves instead and lowers the budget (the ``oom_*`` settings). ``auto``: the budget from the device's free
+            memory at train start and the model's shape, as ``length_batching.pass_tokens: auto`` (the smallest over
+            the ranks; a ``pass_tokens`` record with its figures). ``null`` (default): GRPO's own passes.
     """
 
     record_samples: bool = setting(Flag(), False)
@@ -93,7 +95,7 @@ class IntegrationConfig(Settings):
     allow_config_change: bool = setting(Flag(), False)
     stream_window: int = setting(Int(1, 10_000_000), 1024)
     packed_attention: str = setting(Choice(PACKED_ATTENTION), 'auto')
-    grpo_pass_tokens: int | None = setting(Int(1, 1_000_000_000, optional=True), None)
+    grpo_pass_tokens: int | str | None = setting(TokensOrAuto(1, 1_000_000_000, optional=True), None)
 
     reads = (Reads('oom_recovery', {'auto': ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_probe_steps'),
                                     True: ('oom_single_sample_retries', 'oom_grow_back_steps', 'oom_probe_steps'),

@@ -8,24 +8,10 @@ from typing import Any, Mapping
 from ..policies.length import BatchPlan
 from ..policies.length_modes import LENGTH_MODES, LengthMode
 from ..policies.length_modes.rules import DEFAULT_RULES, check_rules
-from . import Check, Choice, ConfigError, Flag, Int, Number, Reads, Settings, setting
+from . import Check, Choice, ConfigError, Flag, Int, Number, Reads, Settings, TokensOrAuto, setting
 
 #: How a length budget is enforced: by cutting micro-batches (fewer samples a step for long rows) or passes.
 SPLITS = ('micro_batches', 'passes')
-
-
-@dataclass(frozen=True)
-class TokensOrAuto(Int):
-    """An integer token budget in ``[minimum, maximum]``, or ``auto`` (chosen at train start from the device's free
-    memory and the model's shape)."""
-
-    def check(self, name: str, value: Any) -> Any:
-        if value == 'auto':
-            return value
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f'{name}: expected an integer >= {self.minimum}, auto{self._or_null()}, got {value!r} '
-                              f'({type(value).__name__})')
-        return super().check(name, value)
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
-from .. import distributed, protocol
+from .. import protocol
 from ..policies.length import BatchPlan, padding_fraction
 from ..records import DecisionRecord
 from .data import DataFeed
 from .decisions import Decisions
 from .layout import Layout
 from .optimizer import OptimizerScale
-from .auto_budget import resolve_auto_pass_tokens
+from .auto_budget import agreed_auto_pass_tokens
 from .lr import LRControl
 from .metrics import global_batch_size
 from .requests import changes_lr
@@ -114,22 +114,9 @@ class RequestApplier:
     def _auto_pass_tokens(self) -> int:
         """``pass_tokens: auto``: every rank's budget from its free memory and the model's shape; the smallest is
         planned at (collective: every rank applies the same plan at this boundary); a ``pass_tokens`` record."""
-        trainer = self.runner.trainer
         budget = (self.pack_config.get('memory_backoff') or {}).get('cpu_budget_gib')
-        tokens, figures = resolve_auto_pass_tokens(trainer.model, trainer.args.device,
-                                                   checkpointing=bool(trainer.args.gradient_checkpointing),
-                                                   cpu_budget_gib=budget, optimizer=getattr(trainer, 'optimizer',
-                                                                                            None),
-                                                   args=trainer.args,
-                                                   held=lambda later: self.runner.engine.held_bytes(trainer, later),
-                                                   activation_factor=self.runner.engine.activation_factor(trainer),
-                                                   autocast=getattr(getattr(trainer, 'accelerator', None),
-                                                                    'native_amp', None))
-        chosen = min(distributed.gather_objects(tokens))
-        self.decisions.write(DecisionRecord(
-            'integration', 'pass_tokens', 'auto', {'pass_tokens': chosen, 'rank_pass_tokens': tokens, **figures},
-            f'pass_tokens: auto -> {chosen} tokens a pass ({figures["how"]}; {figures["free_gib"]} GiB free on '
-            f'{figures["device"]})'))
+        chosen, record = agreed_auto_pass_tokens(self.runner.trainer, self.runner.engine, cpu_budget_gib=budget)
+        self.decisions.write(record)
         return chosen
 
     def _num_pieces(self, request: protocol.BatchRequest) -> None:

@@ -171,6 +171,28 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
     return tokens, figures
 
 
+def agreed_auto_pass_tokens(trainer: Any, engine: Any, *, cpu_budget_gib: float | None = None,
+                            setting: str = 'pass_tokens') -> tuple[int, Any]:
+    """A ``pass_tokens: auto`` budget every rank agrees on: each rank's from its free memory and the model's shape
+    (:func:`resolve_auto_pass_tokens`, with the engine adapter's share of gradients and optimizer states and its
+    activation factor), the smallest over the ranks (collective). Returns it and its ``pass_tokens`` record (reason
+    ``auto``; ``setting``: the setting it answers, ``pass_tokens`` or ``grpo_pass_tokens``)."""
+    from .. import distributed
+    from ..records import DecisionRecord
+    tokens, figures = resolve_auto_pass_tokens(
+        trainer.model, trainer.args.device, checkpointing=bool(trainer.args.gradient_checkpointing),
+        cpu_budget_gib=cpu_budget_gib, optimizer=getattr(trainer, 'optimizer', None), args=trainer.args,
+        held=lambda later: engine.held_bytes(trainer, later), activation_factor=engine.activation_factor(trainer),
+        autocast=getattr(getattr(trainer, 'accelerator', None), 'native_amp', None))
+    chosen = min(distributed.gather_objects(tokens))
+    record = DecisionRecord(
+        'integration', 'pass_tokens', 'auto', {'setting': setting, 'pass_tokens': chosen, 'rank_pass_tokens': tokens,
+                                               **figures},
+        f'{setting}: auto -> {chosen} tokens a pass ({figures["how"]}; {figures["free_gib"]} GiB free on '
+        f'{figures["device"]})')
+    return chosen, record
+
+
 def vision_tower(model: Any) -> Any:
     """The vision tower of a vision-language model (a Qwen-VL model's ``visual`` module, InternVL's ``vision_tower``,
     under any wrapper), else ``None``."""

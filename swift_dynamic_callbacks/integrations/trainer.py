@@ -32,6 +32,7 @@ from ..data.slots import slot_batches
 from ..records import DECISIONS_FILE, DecisionRecord
 from ..state import stateful_components
 from .apply import RequestApplier
+from .auto_budget import agreed_auto_pass_tokens
 from .budget import StepBudget
 from .checkpoint import Checkpoints
 from .data import DataFeed, check_supported
@@ -201,14 +202,20 @@ class Integration:
         config = self.config
         # oom_recovery: true under several processes was refused before the model loaded (rules.grpo_passes_refusal)
         recovery = config.oom_recovery is not False and distributed.world_size() == 1
-        self.grpo_passes = GrpoPasses(config.grpo_pass_tokens, str(self.trainer.loss_type), oom_recovery=recovery,
+        tokens = config.grpo_pass_tokens
+        if tokens == 'auto':  # from the free memory now (the policy, reference and rollout models loaded)
+            budget = (self.pack_config.get('memory_backoff') or {}).get('cpu_budget_gib')
+            tokens, record = agreed_auto_pass_tokens(self.trainer, self.runner.engine, cpu_budget_gib=budget,
+                                                     setting='grpo_pass_tokens')
+            self.decisions.write(record)
+        self.grpo_passes = GrpoPasses(tokens, str(self.trainer.loss_type), oom_recovery=recovery,
                                       single_sample_retries=config.oom_single_sample_retries,
                                       grow_back_steps=config.oom_grow_back_steps,
                                       probe_steps=config.oom_probe_steps)
         values = self.grpo_passes.describe()
         self.decisions.write(DecisionRecord(
             'integration', 'grpo_passes', 'pass_tokens', values,
-            f'GRPO loss passes of at most {config.grpo_pass_tokens} padded tokens, each weighted by its '
+            f'GRPO loss passes of at most {tokens} padded tokens, each weighted by its '
             f'{values["weighting"]} under loss_type {values["loss_type"]}'
             + ('; OOM recovery on' if recovery else '; OOM recovery off')))
 
