@@ -381,9 +381,9 @@ def _tiny_qwen3_5(trained_tower: bool, checkpointing: bool = False):
 
 
 def test_auto_and_the_vision_cost_read_a_qwen3_5_model():
-    """The loaded model's shape: its linear-attention layers and their width, and its vision tower's cost a patch,
-    0.25 of an image token's (2 x 2 patches merged), priced as trained where any of its weights trains."""
-    from swift_dynamic_callbacks.integrations.auto_budget import model_shape, vision_patch_cost
+    """The loaded model's shape: its linear-attention layers and their width, and its vision tower's cost an image
+    token (2 x 2 patches merged), priced as trained where any of its weights trains."""
+    from swift_dynamic_callbacks.integrations.auto_budget import model_shape, vision_cost
     from swift_dynamic_callbacks.policies.pass_cost import vision_bytes_per_token
     frozen = _tiny_qwen3_5(trained_tower=False)
     shape = model_shape(frozen)
@@ -392,10 +392,10 @@ def test_auto_and_the_vision_cost_read_a_qwen3_5_model():
                             linear_layers=3, linear_width=128)
     costs = {}
     for trained, checkpointing in ((False, False), (True, False), (True, True)):
-        cost, figures = vision_patch_cost(_tiny_qwen3_5(trained, checkpointing))
+        cost, merge, figures = vision_cost(_tiny_qwen3_5(trained, checkpointing))
         vision = vision_bytes_per_token(width=32, intermediate=96, depth=3, gated=False, merge=4, out_width=64,
                                         dtype_bytes=4, checkpointing=checkpointing, trained=trained)
-        assert cost == pytest.approx(vision / token / 4)
+        assert cost == pytest.approx(vision / token) and merge == 4
         assert figures == {'vision_token_cost': round(vision / token, 4), 'vision_trained': trained,
                            'vision_checkpointing': checkpointing}
         costs[trained, checkpointing] = cost
@@ -403,7 +403,7 @@ def test_auto_and_the_vision_cost_read_a_qwen3_5_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
     text_only = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=2, num_key_value_heads=1, vocab_size=100))
-    assert vision_patch_cost(text_only) == (0.0, {})
+    assert vision_cost(text_only) == (0.0, 1, {})
 
 
 @pytest.fixture

@@ -115,6 +115,15 @@ def model_shape(model: Any) -> dict[str, Any]:
     return shape
 
 
+def model_bytes_per_token(shape: dict[str, Any], dtype_bytes: int, checkpointing: bool) -> int:
+    """:func:`~..policies.pass_cost.bytes_per_token` of a model's shape (:func:`model_shape`) in the compute dtype."""
+    from ..policies.pass_cost import bytes_per_token
+    return bytes_per_token(hidden=shape['hidden_size'], intermediate=shape['intermediate_size'],
+                           layers=shape['num_hidden_layers'], vocab=shape['vocab_size'], dtype_bytes=dtype_bytes,
+                           checkpointing=checkpointing, linear_layers=shape['linear_layers'],
+                           linear_width=shape['linear_width'])
+
+
 def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cpu_budget_gib: float | None = None,
                              optimizer: Any = None, args: Any = None,
                              held: Callable[[dict[str, int]], dict[str, int]] | None = None,
@@ -132,7 +141,7 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
     takes the hand-set table by device memory."""
     import torch
 
-    from ..policies.pass_cost import auto_pass_tokens, bytes_per_token
+    from ..policies.pass_cost import auto_pass_tokens
     cuda = getattr(device, 'type', str(device)) == 'cuda' and torch.cuda.is_available()
     if cuda:
         free, total = torch.cuda.mem_get_info(device)
@@ -156,11 +165,7 @@ def resolve_auto_pass_tokens(model: Any, device: Any, *, checkpointing: bool, cp
         tokens = next(t for memory, t in FALLBACK if total >= memory)
         figures.update(how='fallback: the model\'s shape is unknown; the budget by device memory')
         return (min(tokens, CPU_MAX_PASS_TOKENS) if not cuda else tokens), figures
-    per_token = bytes_per_token(hidden=dims['hidden_size'], intermediate=dims['intermediate_size'],
-                                layers=dims['num_hidden_layers'], vocab=dims['vocab_size'], dtype_bytes=dtype_bytes,
-                                checkpointing=checkpointing, linear_layers=shape['linear_layers'],
-                                linear_width=shape['linear_width'])
-    per_token = int(per_token * activation_factor)
+    per_token = int(model_bytes_per_token(shape, dtype_bytes, checkpointing) * activation_factor)
     multiple = 256 if cuda else 16  # a kernel-friendly size on a GPU; on a CPU only the memory counts
     tokens = auto_pass_tokens(left, per_token, multiple=multiple, minimum=multiple,
                               maximum=131072 if cuda else CPU_MAX_PASS_TOKENS)
@@ -209,7 +214,7 @@ def vision_cost(model: Any, args: Any = None) -> tuple[float, int, dict[str, Any
     cost, whether the tower trains (any of its weights, a LoRA adapter's included, requires a gradient) and whether it
     recomputes its blocks (its ``gradient_checkpointing``)."""
     from ..config.models import vision_shape_of
-    from ..policies.pass_cost import bytes_per_token, vision_bytes_per_token, vision_token_cost
+    from ..policies.pass_cost import vision_bytes_per_token, vision_token_cost
     shape = vision_shape_of(getattr(model, 'config', None))
     tower = vision_tower(model)
     dims = model_shape(model)
@@ -219,19 +224,10 @@ def vision_cost(model: Any, args: Any = None) -> tuple[float, int, dict[str, Any
     dtype_bytes = compute_dtype_bytes(model, args)
     trained = any(p.requires_grad for p in tower.parameters())
     checkpointing = bool(getattr(tower, 'gradient_checkpointing', False))
-    per_token = bytes_per_token(hidden=dims['hidden_size'], intermediate=dims['intermediate_size'],
-                                layers=dims['num_hidden_layers'], vocab=dims['vocab_size'], dtype_bytes=dtype_bytes,
-                                checkpointing=bool(getattr(args, 'gradient_checkpointing', False)),
-                                linear_layers=dims['linear_layers'], linear_width=dims['linear_width'])
+    per_token = model_bytes_per_token(dims, dtype_bytes, bool(getattr(args, 'gradient_checkpointing', False)))
     vision = vision_bytes_per_token(width=shape.width, intermediate=shape.intermediate, depth=shape.depth,
                                     gated=shape.gated, merge=shape.merge, out_width=dims['hidden_size'],
                                     dtype_bytes=dtype_bytes, checkpointing=checkpointing, trained=trained)
     cost = vision_token_cost(vision, per_token)
     return cost, shape.merge, {'vision_token_cost': round(cost, 4), 'vision_trained': trained,
                                'vision_checkpointing': checkpointing}
-
-
-def vision_patch_cost(model: Any, args: Any = None) -> tuple[float, dict[str, Any]]:
-    """:func:`vision_cost` a patch (the step runner counts a row's patches), and its figures."""
-    cost, merge, figures = vision_cost(model, args)
-    return cost / merge, figures

@@ -36,7 +36,6 @@ from ..data.rows import (dataset_fingerprint, dataset_lengths, dataset_media_tok
 from ..state import StateError
 from ..data.stream import StreamLoader, stream_fingerprint
 from ..data.interface import TrainLoader
-from .auto_budget import vision_cost
 from .decisions import Decisions
 from .input_kinds import run_model
 from .loss_kind import model_is_moe
@@ -106,6 +105,8 @@ class DataFeed:
         self.fingerprint: dict[str, Any] | None = None  # the training dataset's (checked against a checkpoint's)
         self.estimate_overruns = 0
         self.row_media: list[int] | None = None  # each row's image and video tokens (a lazy dataset's estimate)
+        self.vision_token_cost = 0.0  # an image (video) token's tower work in tokens (the step runner's; begin)
+        self.media_token_ids: tuple[int, ...] = ()  # the input kind's image / video placeholder tokens (begin)
 
     # ---- building -----------------------------------------------------------------------------------------
     def build(self, host_loader: Any) -> Any:
@@ -189,19 +190,16 @@ class DataFeed:
     def dataset_vision(self, dataset: Any) -> list[int] | None:
         """Every sample's vision-tower work in tokens of the pass cost model, for the passes ``pass_tokens`` plans
         (the step runner prices each pass the same way): its image and video tokens (a lazy dataset's, counted from
-        its files' headers by the length estimate; an encoded one's, its ``input_ids`` equal to the model's image or
-        video token) x the vision token cost of the run's model (:func:`~.auto_budget.vision_cost`). ``None``: no
-        tower priced, or media tokens unknown."""
-        cost, _, _ = vision_cost(self.trainer.model, self.trainer.args)
+        its files' headers by the length estimate; an encoded one's, its ``input_ids`` equal to the input kind's
+        placeholder tokens, :attr:`media_token_ids`) x :attr:`vision_token_cost` (the step runner's,
+        :func:`~.auto_budget.vision_cost`). ``None``: no tower priced, or media tokens unknown."""
+        cost = self.vision_token_cost
         if not cost:
             return None
         if is_lazy(dataset):
             media = self.row_media
         else:
-            config = getattr(self.trainer.model, 'config', None)
-            text = getattr(config, 'text_config', None)
-            ids = [getattr(config, k, None) or getattr(text, k, None) for k in ('image_token_id', 'video_token_id')]
-            media = dataset_media_tokens(dataset, [i for i in ids if i is not None])
+            media = dataset_media_tokens(dataset, list(self.media_token_ids)) if self.media_token_ids else None
         return None if media is None else [math.ceil(n * cost) for n in media]
 
     def check_same_dataset(self, dataloader: Any) -> None:

@@ -44,7 +44,7 @@ from ..policies.data_plan import piece_bounds
 from ..policies.memory import pass_cap
 from ..policies.pass_cost import pass_cost, pieces_within
 from ..records import DecisionRecord
-from .auto_budget import vision_patch_cost
+from .auto_budget import vision_cost
 from .engines import Engine, select_engine
 from .input_kinds import InputKind, TextRows, Unsupported, select_input_kind
 from .loss_kind import LossKind, loss_kind, piece_weights
@@ -106,6 +106,7 @@ class StepRunner:
         self.max_cost = 0  # the largest pass's cost (tokens) of the step so far
         self._current_cost = 0  # the running pass's cost (tokens)
         self.patch_cost = 0.0  # tokens of the cost model a patch through the vision tower is worth (begin)
+        self.vision_token_cost = 0.0  # the same, an image (video) token: patch_cost x the patches merged into one
         self.oom: dict[str, Any] | None = None  # this step's OOM: pass_size, new_cap, record
         self.probe: GradNoiseProbe | None = None
         self._micro = 0
@@ -144,7 +145,8 @@ class StepRunner:
         if recovery and distributed.sequence_parallel_size() > 1:  # every pass holds the group's exchange
             recovery, why_off = False, f'sequence_parallel_size: {distributed.sequence_parallel_size()}: {SP_WHY}'
         self.kind = select_input_kind(self.trainer)
-        self.patch_cost, vision = vision_patch_cost(self.trainer.model, self.trainer.args)
+        self.vision_token_cost, merge, vision = vision_cost(self.trainer.model, self.trainer.args)
+        self.patch_cost = self.vision_token_cost / merge
         self.input_refusal = self.kind.refusal({}) if isinstance(self.kind, Unsupported) else None
         if recovery and self.input_refusal:
             if config.oom_recovery is True:

@@ -131,6 +131,8 @@ class Integration:
         if getattr(trainer, 'eval_dataset', None) is not None:  # said where the run evaluates
             self.decisions.write(eval_record)
         self.feed.image_rule = self.runner.kind.image_rule(trainer)  # lazily tokenised rows: images counted exactly
+        self.feed.vision_token_cost = self.runner.vision_token_cost  # what pass_tokens plans a row's media tokens at
+        self.feed.media_token_ids = self.runner.kind.media_token_ids()
         self.checkpoints.write_config()
         trainer.control._sdc_integration = True
         setattr(trainer.control, protocol.FAIL_FAST, self.config.fail_fast)

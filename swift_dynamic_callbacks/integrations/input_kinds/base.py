@@ -124,5 +124,9 @@ class InputKind:
         """The vision-tower patches of each row of a batch :meth:`prepare` saw (``None``: no vision tower)."""
         return None
 
+    def media_token_ids(self) -> tuple[int, ...]:
+        """The placeholder tokens of the images and videos in a row's ``input_ids`` (one a token the tower sends)."""
+        return ()
+
     def describe(self) -> dict[str, Any]:
         return {'input_kind': self.name, 'packs': self.packs}

@@ -167,6 +167,9 @@ class QwenVL(InputKind):
     def vision_patches(self, batch: Mapping[str, Any]) -> list[int] | None:
         return row_patches(batch)
 
+    def media_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.token_ids.values())
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), 'merge': self.merge, **self.token_ids}
 

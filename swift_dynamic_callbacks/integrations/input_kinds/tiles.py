@@ -127,6 +127,9 @@ class Tiles(InputKind):
     def vision_patches(self, batch: Mapping[str, Any]) -> list[int] | None:
         return row_patches(batch)
 
+    def media_token_ids(self) -> tuple[int, ...]:
+        return (self.image_token_id, )  # a video frame is a tile of the same token
+
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), 'tile_tokens': self.tile_tokens, 'merge': self.merge,
                 'image_token_id': self.image_token_id}
