@@ -120,8 +120,9 @@ def test_grpo_pass_tokens_auto_plans_from_free_memory_with_the_one_pass_gradient
 
 def test_an_oom_in_a_loss_pass_runs_its_halves_with_the_same_gradient(grpo_data, tmp_path):
     """One pass a micro-batch by the budget; its first forward runs out of memory (injected), then the first half's
-    backward: the halves run instead (the quarter where the half failed), the gradient as the run without OOMs
-    (2e-4), two ``oom`` records, the budget lowered in a ``pass_budget`` record and then grown back."""
+    backward: the halves run instead (the quarters where the half failed), the second half re-cut at the step's cap
+    (the step runner's rule), the gradient as the run without OOMs (2e-4), two ``oom`` records (the step runner's:
+    pass sizes and tokens), the step's OOMs folded into the budget once at its boundary (a ``pass_budget`` record)."""
     clean = _run(grpo_data, str(tmp_path / 'clean'), {'grpo_pass_tokens': 100_000})
     out = str(tmp_path / 'oom')
     hit = _run(grpo_data, out, {'grpo_pass_tokens': 100_000},
@@ -129,10 +130,12 @@ def test_an_oom_in_a_loss_pass_runs_its_halves_with_the_same_gradient(grpo_data,
     _same_steps(clean, hit, 1e-5)  # the goal is 2e-4; the halves give the same sums
     records = decisions(out)
     ooms = [d for d in records if d['kind'] == 'oom']
-    assert [(d['reason'], d['values']['rows']) for d in ooms] == [('recovered', 4), ('recovered', 2)]
+    assert [(d['reason'], d['values']['pass_size']) for d in ooms] == [('recovered', 4), ('recovered', 2)]
+    assert all(d['values']['unit'] == 'tokens' and d['values']['phase'] == 'loss' for d in ooms)
     budgets = [d for d in records if d['kind'] == 'pass_budget']
     assert budgets[0]['reason'] == 'oom' and budgets[0]['values']['new'] < budgets[0]['values']['old']
-    assert hit[0]['dynamic/oom_count'] == 2 and hit[0]['dynamic/grpo_passes'] == 3
+    assert hit[0]['dynamic/oom_count'] == 2 and hit[0]['dynamic/grpo_passes'] == 4  # 4 quarters
+    assert len([d for d in budgets if d['reason'] == 'oom']) == 1  # folded once
 
 
 @pytest.mark.distributed

@@ -131,16 +131,26 @@ def test_a_rank_with_fewer_passes_runs_zero_weight_passes(monkeypatch):
 
 
 def test_an_oom_runs_the_halves_with_the_same_gradient_and_lowers_the_budget():
+    """Passes of 2 rows and more run out of memory: the first (4 rows, 12 tokens) runs as halves, the first half again
+    as halves; the passes still to run are re-cut at the step's cap (the step runner's rule), so the second half never
+    fails. The step's OOMs are folded into the budget once, at its boundary (the step runner's records: pass sizes
+    and tokens), as ``swift sft`` folds them."""
     trainer, (inputs, x) = FakeGrpo(oom_rows=1), _inputs()
     passes = _passes(100)
     loss = passes.compute_loss(trainer, trainer.model, inputs, None)
-    assert [rows for rows, _ in trainer.calls] == [4, 2, 1, 1, 2, 1, 1]
+    assert [rows for rows, _ in trainer.calls] == [4, 2, 1, 1, 1, 1]
     assert float(loss) == pytest.approx(float((x @ torch.ones(3)).mean()))
     assert torch.allclose(trainer.w.grad, x.mean(0) / 2)
-    assert passes.oom_count == 3 and passes.budget == 3  # the largest clean pass (1 row x 3 tokens)
+    assert passes.oom_count == 2 and passes.budget == 3  # the step's cap: half the 2-row pass (1 row x 3 tokens)
     records = passes.end_step(1)
-    assert [r.kind for r in records].count('oom') == 3 and records[1].kind == 'pass_budget'
-    assert passes.metrics()['dynamic/oom_count'] == 3
+    ooms = [r for r in records if r.kind == 'oom']
+    assert [(r.values['pass_size'], r.values['pass_tokens'], r.values['new_pass_tokens']) for r in ooms] == [
+        (4, 12, 6), (2, 6, 3)]
+    assert [r.kind for r in records] == ['oom', 'oom', 'pass_budget'] and records[-1].reason == 'oom'
+    assert (records[-1].values['unit'], records[-1].values['new']) == ('tokens', 3) and passes.budget == 3
+    assert passes.metrics()['dynamic/oom_count'] == 2
+    [grown] = passes.end_step(2)  # one clean step (oom_grow_back_steps: 1): toward the smallest failed pass, 6
+    assert grown.reason == 'grow_back' and passes.budget == 4
 
 
 def test_a_row_that_never_fits_ends_the_run_naming_what_to_lower():
@@ -206,8 +216,9 @@ def test_the_budget_state_survives_a_checkpoint():
     trainer, (inputs, _) = FakeGrpo(oom_rows=1), _inputs()
     passes.compute_loss(trainer, trainer.model, inputs, None)
     again = _passes(100)
+    passes.end_step(1)  # the step's OOMs folded: the budget a checkpoint carries
     again.load_state_dict(passes.state_dict())
-    assert again.budget == passes.budget and again.oom_count == 3
+    assert again.budget == passes.budget == 3 and again.oom_count == 2
     other = _passes(200)
     other.load_state_dict(passes.state_dict())  # another ceiling: the lowered budget is not carried over
     assert other.budget == 200

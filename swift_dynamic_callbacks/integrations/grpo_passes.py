@@ -16,32 +16,41 @@ here and are only sliced, never changed; a micro-batch never leaves its optimize
 
 On one process an OOM in a pass (forward or backward) restores the gradients from before the pass and runs its two
 halves instead (a one-row pass is retried ``oom_single_sample_retries`` times, then the run ends naming what to
-lower); the budget then follows the SFT rule (:func:`..policies.pass_cost.budget_after_oom` / ``budget_after_step``:
-the largest clean pass, else half the failing one; growing back every ``oom_grow_back_steps`` clean steps).
+lower). The budget is the step runner's one owner, :class:`~.pass_budget.PassBudget`, in tokens, under the same rule
+as ``swift sft``: an OOM caps the rest of the step (the largest pass known to run clean below the failing one, else
+its half), and the step's outcome is folded in once, at its boundary (the smallest failure, the largest clean pass;
+grown back every ``oom_grow_back_steps`` clean steps, probed after ``oom_probe_steps``). The ``oom`` records are the
+step runner's (:func:`~.oom_report.recovered`).
 Under several processes an OOM ends the run with the pass and what to lower (one rank cannot re-cut alone: every
 pass holds ms-swift's metric gathers).
 
-State (``state_dict``): the budget after OOMs and the OOM count; per step: the passes run and the largest clean pass.
+State (``state_dict``): the pass budget (:class:`~.pass_budget.PassBudget`'s) and the OOM count; per step: the passes
+run and the step's OOM records.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import asdict
 from typing import Any, Mapping
 
 import torch
 
 from .. import distributed
-from ..device_memory import free_memory, is_oom
 from ..config.rules import GRPO_RECOVERY_WHY
-from ..policies.pass_cost import BudgetState, budget_after_oom, budget_after_step
+from ..device_memory import device_figures, free_memory, is_oom
+from ..policies.pass_cost import BudgetState
 from ..policies.rl_passes import WEIGHTING, halves, pass_weight, plan_passes
 from ..records import DecisionRecord
+from .loss_kind import LossKind
+from .oom_report import PassOom, recovered
+from .pass_budget import PassBudget
 from .passes import grad_snapshot, restore_grads
 
 logger = logging.getLogger('swift_dynamic_callbacks')
+
+#: how GRPO's loss sums over its passes (for the oom record's wording): each pass weighted by its share
+_GRPO_LOSS = LossKind('token_sum', None, 'GRPO\'s passes are weighted by their share of the loss under loss_type')
 
 
 class GrpoPassTooLargeError(RuntimeError):
@@ -66,19 +75,20 @@ class GrpoPasses:
         self.loss_type = loss_type
         self.oom_recovery = oom_recovery
         self.single_sample_retries = single_sample_retries
-        self.grow_back_steps = grow_back_steps
-        self.probe_steps = probe_steps
-        self.state = BudgetState()
+        self.pass_budget = PassBudget(grow_after=grow_back_steps, probe_after=probe_steps)
+        self.pass_budget.configure(tokens_ceiling=pass_tokens, rows=1)
+        self.pass_budget.start_step(None)
         self.oom_count = 0
         self.records: list[DecisionRecord] = []  # decisions made inside a step, written at the next boundary
         self.step_passes = 0  # the most passes a micro-batch of the last step ran
-        self._fitted = 0  # the largest pass (tokens) that ran clean in this step
-        self._oom_in_step = False
+        self._ooms: list[DecisionRecord] = []  # this step's oom records (folded into the budget at its boundary)
 
     @property
     def budget(self) -> int:
-        """The tokens a pass may hold now (the setting, or lower after an OOM)."""
-        return self.state.budget if self.state.budget is not None else self.ceiling
+        """The tokens a pass may hold now (the setting, lower after an OOM: in this step, its cap; later, the folded
+        budget)."""
+        limit = self.pass_budget.limit()
+        return int(limit['tokens']) if limit and limit.get('tokens') is not None else self.ceiling
 
     def describe(self) -> dict[str, Any]:
         return {'grpo_pass_tokens': self.ceiling, 'loss_type': self.loss_type,
@@ -104,7 +114,7 @@ class GrpoPasses:
         total = 0.0
         metrics: list[tuple[Any, int]] = []
         ran = 0
-        retries = 0
+        retries = ooms = 0
         while queue:
             start, end, real = queue.pop(0)
             last = not queue
@@ -128,9 +138,12 @@ class GrpoPasses:
                 restore_grads(model, snapshot)
                 del snapshot
                 free_memory()
-                self._note_oom(trainer, start, end, length)
+                cap = self._note_oom(trainer, start, end, length, ooms := ooms + 1)
                 if end - start > 1:
-                    queue[:0] = [(s, e, real) for s, e in halves(start, end)]
+                    # the failing pass in halves; the passes still to run re-cut at the step's cap, as the step
+                    # runner cuts the rest of its step (one process: no other rank's pass count to keep)
+                    queue = [(s, e, real) for s, e in halves(start, end)] + [
+                        (s + a, s + b, r) for s, e, r in queue for a, b in plan_passes(e - s, length, cap)]
                     continue
                 retries += 1
                 if retries > self.single_sample_retries:
@@ -138,7 +151,7 @@ class GrpoPasses:
                 queue.insert(0, (start, end, real))
                 continue
             ran += 1
-            self._fitted = max(self._fitted, (end - start) * length)
+            self.pass_budget.ran(end - start, (end - start) * length)
             if real:
                 total += float(loss.detach()) * weight
                 metrics.append((data, end - start))
@@ -148,22 +161,21 @@ class GrpoPasses:
         device = model_inputs['input_ids'].device
         return torch.tensor(total, device=device, requires_grad=True)
 
-    def _note_oom(self, trainer: Any, start: int, end: int, length: int) -> None:
+    def _note_oom(self, trainer: Any, start: int, end: int, length: int, retries: int) -> int:
+        """An OOM in the pass of completions ``start:end`` (the micro-batch's ``retries``-th): the step's cap (the
+        budget owner's rule; returned, in tokens) and the step runner's ``oom`` record (said now, written at the
+        boundary, folded into the budget there)."""
         self.oom_count += 1
-        self._oom_in_step = True
-        old = self.budget
-        self.state = budget_after_oom(self.state, (end - start) * length, self.ceiling, fitted=self._fitted)
-        step = int(trainer.state.global_step) + 1
-        message = (f'out of memory in a GRPO loss pass of {end - start} completions x {length} tokens; its halves run '
-                   f'instead (the same gradient); passes of at most {self.budget} tokens from now on')
-        logger.warning(message)
-        self.records.append(DecisionRecord('integration', 'oom', 'recovered',
-                                           {'rows': end - start, 'tokens': (end - start) * length, 'phase': 'loss',
-                                            'rank': distributed.rank()}, message, step=step))
-        if self.budget != old:
-            self.records.append(DecisionRecord('integration', 'pass_budget', 'oom',
-                                               {'old': old, 'new': self.budget, 'unit': 'tokens'},
-                                               f'GRPO passes of at most {self.budget} tokens', step=step))
+        size, cost = end - start, (end - start) * length
+        cap = self.pass_budget.after_oom(size, cost)
+        oom = PassOom(distributed.rank(), int(trainer.state.global_step), size, cost, 'tokens', self.pass_budget.fitted,
+                      device_figures())
+        _, record = recovered(oom, new_cap=cap, retries=retries, single_sample_retries=self.single_sample_retries,
+                              oom_count=self.oom_count, loss=_GRPO_LOSS)
+        record.values['phase'] = 'loss'
+        logger.warning(f'{record.message} [GRPO loss pass: {size} completions x {length} tokens]')
+        self._ooms.append(record)
+        return self.budget
 
     def _unrecovered(self, rows: int, length: int) -> str:
         """The message of an OOM this run does not recover from (several processes, or ``oom_recovery: false``), with
@@ -190,18 +202,12 @@ class GrpoPasses:
 
     # ---- at the step boundary ----------------------------------------------------------------------------------
     def end_step(self, step: int) -> list[DecisionRecord]:
-        """After a step: grow the lowered budget back after clean steps (the SFT rule); returns the step's records
-        (OOMs, budget changes) for the decision log."""
-        if not self._oom_in_step and self.state.budget is not None:
-            old = self.budget
-            self.state = budget_after_step(self.state, self.ceiling, fitted=self._fitted,
-                                           grow_after=self.grow_back_steps, probe_after=self.probe_steps)
-            if self.budget != old:
-                self.records.append(DecisionRecord('integration', 'pass_budget', 'grow_back',
-                                                   {'old': old, 'new': self.budget, 'unit': 'tokens'},
-                                                   f'GRPO passes of at most {self.budget} tokens', step=step))
-        records, self.records = self.records, []
-        self._fitted, self._oom_in_step = 0, False
+        """After a step: its OOMs folded into the budget once (or the budget grown back after clean steps), as the step
+        runner's boundary does; returns the step's records (OOMs, a budget change) for the decision log."""
+        folded = self.pass_budget.fold(self._ooms, step, fitted=self.pass_budget.fitted)
+        records = self.records + self._ooms + ([folded] if folded is not None else [])
+        self.records, self._ooms = [], []
+        self.pass_budget.start_step(None)
         return records
 
     def metrics(self) -> dict[str, Any]:
@@ -212,13 +218,22 @@ class GrpoPasses:
         return values
 
     def state_dict(self) -> dict[str, Any]:
-        return {'state': asdict(self.state), 'oom_count': self.oom_count, 'ceiling': self.ceiling}
+        return {'pass_budget': self.pass_budget.state_dict(), 'oom_count': self.oom_count, 'ceiling': self.ceiling}
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """A checkpoint's budget, kept where the ceiling is the same (another ``grpo_pass_tokens`` starts afresh); a
+        checkpoint of the earlier format (its ``BudgetState`` under ``state``) is read too."""
         if not state:
             return
-        self.state = BudgetState(**state['state']) if state.get('ceiling') == self.ceiling else BudgetState()
         self.oom_count = int(state.get('oom_count', 0))
+        if state.get('ceiling') != self.ceiling:
+            return
+        if 'pass_budget' in state:
+            self.pass_budget.load_state_dict(state['pass_budget'])
+        elif 'state' in state:
+            self.pass_budget.oom = BudgetState(**state['state'])
+        self.pass_budget.configure(tokens_ceiling=self.ceiling, rows=1)
+
 
 
 def counted_mask(trainer: Any, batch: Any) -> torch.Tensor:
