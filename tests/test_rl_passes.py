@@ -229,3 +229,24 @@ def test_the_setting_is_checked_at_config_time():
     with pytest.raises(ConfigError, match='grpo_pass_tokens'):
         IntegrationConfig.from_mapping({'grpo_pass_tokens': 0})
     assert IntegrationConfig.from_mapping({'grpo_pass_tokens': 4096}).grpo_pass_tokens == 4096
+
+
+def test_a_micro_batch_reads_the_device_once_whatever_its_passes(monkeypatch):
+    """The passes read nothing back from the device while they run: one read of the completions' token counts a
+    micro-batch (``tolist``), none a pass (at 36c848d: a token count and the loss, two reads a pass)."""
+    reads = []
+    for name in ('item', 'tolist', '__float__', '__int__', '__bool__'):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n),
+                                                                                             _o(self, *a, **k))[1])
+
+    class Quiet(FakeGrpo):
+        def _backward(self, loss):
+            self.synced.append(not self._no_sync)
+            loss.backward()
+
+    trainer, (inputs, x) = Quiet(), _inputs(rows=4)
+    loss = _passes(3).compute_loss(trainer, trainer.model, inputs, None)  # one completion a pass: 4 passes
+    assert len(trainer.calls) == 4 and reads == ['tolist'], reads
+    reads.clear()
+    assert float(loss) == pytest.approx(float((x @ torch.ones(3)).mean()))

@@ -104,21 +104,21 @@ class GrpoPasses:
         model_inputs, batch = inputs['model_inputs'], inputs['grpo_batch']
         origin = inputs.get('_origin_data')
         rows, length = (int(n) for n in model_inputs['input_ids'].shape[:2])
-        mask = counted_mask(trainer, batch)
-        total_tokens = int(mask.sum())
+        row_tokens = counted_mask(trainer, batch).sum(dim=-1).tolist()  # one read a micro-batch, not one a pass
+        total_tokens = sum(row_tokens)
         plan = plan_passes(rows, length, self.budget)
         passes = distributed.max_ints([len(plan)])[0]  # the most any rank runs (this one's included)
         queue: list[tuple[int, int, bool]] = [(s, e, True) for s, e in plan]
         queue += [(0, 1, False)] * (passes - len(plan))  # zero-weight passes: as many passes as every rank
         divisor = _ga_divisor(trainer, num_items_in_batch)
-        total = 0.0
+        total: Any = 0.0  # the weighted losses, summed on the device (read by HF's logging, not here)
         metrics: list[tuple[Any, int]] = []
         ran = 0
         retries = ooms = 0
         while queue:
             start, end, real = queue.pop(0)
             last = not queue
-            weight = (pass_weight(self.loss_type, end - start, rows, int(mask[start:end].sum()), total_tokens)
+            weight = (pass_weight(self.loss_type, end - start, rows, int(sum(row_tokens[start:end])), total_tokens)
                       if real else 0.0)
             snapshot = grad_snapshot(model) if self.oom_recovery else None
             failed = None
@@ -153,13 +153,14 @@ class GrpoPasses:
             ran += 1
             self.pass_budget.ran(end - start, (end - start) * length)
             if real:
-                total += float(loss.detach()) * weight
+                total = total + loss.detach() * weight
                 metrics.append((data, end - start))
             del loss
         self.step_passes = max(self.step_passes, ran)
         trainer._aggregate_and_update_metrics(metrics, 'train')
-        device = model_inputs['input_ids'].device
-        return torch.tensor(total, device=device, requires_grad=True)
+        if not isinstance(total, torch.Tensor):  # no real pass ran here (cannot happen: a micro-batch has rows)
+            total = torch.zeros((), device=model_inputs['input_ids'].device)
+        return total.detach().clone().requires_grad_(True)
 
     def _note_oom(self, trainer: Any, start: int, end: int, length: int, retries: int) -> int:
         """An OOM in the pass of completions ``start:end`` (the micro-batch's ``retries``-th): the step's cap (the
