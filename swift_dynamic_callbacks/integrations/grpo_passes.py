@@ -79,7 +79,6 @@ class GrpoPasses:
         self.pass_budget.configure(tokens_ceiling=pass_tokens, rows=1)
         self.pass_budget.start_step(None)
         self.oom_count = 0
-        self.records: list[DecisionRecord] = []  # decisions made inside a step, written at the next boundary
         self.step_passes = 0  # the most passes a micro-batch of the last step ran
         self._ooms: list[DecisionRecord] = []  # this step's oom records (folded into the budget at its boundary)
 
@@ -138,7 +137,8 @@ class GrpoPasses:
                 restore_grads(model, snapshot)
                 del snapshot
                 free_memory()
-                cap = self._note_oom(trainer, start, end, length, ooms := ooms + 1)
+                ooms += 1
+                cap = self._note_oom(trainer, start, end, length, ooms)
                 if end - start > 1:
                     # the failing pass in halves; the passes still to run re-cut at the step's cap, as the step
                     # runner cuts the rest of its step (one process: no other rank's pass count to keep)
@@ -206,8 +206,8 @@ class GrpoPasses:
         """After a step: its OOMs folded into the budget once (or the budget grown back after clean steps), as the step
         runner's boundary does; returns the step's records (OOMs, a budget change) for the decision log."""
         folded = self.pass_budget.fold(self._ooms, step, fitted=self.pass_budget.fitted)
-        records = self.records + self._ooms + ([folded] if folded is not None else [])
-        self.records, self._ooms = [], []
+        records = self._ooms + ([folded] if folded is not None else [])
+        self._ooms = []
         self.pass_budget.start_step(None)
         return records
 
