@@ -94,6 +94,13 @@ def tile_tokens_of(config: Any) -> int | None:
     return int(tokens) if tokens == int(tokens) and tokens >= 1 else None
 
 
+def tile_merge_of(config: Any) -> int:
+    """The vision patches merged into one image token of the tiles layout (its pixel shuffle:
+    ``1 / downsample_ratio^2``; 1 where the config gives no ratio)."""
+    ratio = _get(config, 'downsample_ratio')
+    return round(1 / ratio**2) if isinstance(ratio, (int, float)) and ratio > 0 else 1
+
+
 def layout_of(config: Any) -> str:
     """The layout of a model's micro-batches from its config (a ``config.json`` mapping or a transformers config):
     ``qwen_vl`` (module docstring; a model of the Qwen family), ``tiles`` (:func:`tile_tokens_of`), ``multimodal`` (a
@@ -158,7 +165,7 @@ def vision_shape_of(config: Any) -> VisionShape | None:
     if layout == 'tiles':
         width, intermediate, depth = (_get(vision, k) for k in ('hidden_size', 'intermediate_size',
                                                                  'num_hidden_layers'))
-        merge = round(1 / _get(config, 'downsample_ratio') ** 2)
+        merge = tile_merge_of(config)
         if not all(isinstance(v, int) and v > 0 for v in (width, intermediate, depth)):
             return None
         return VisionShape(width=width, intermediate=intermediate, depth=depth, gated=False, merge=merge)

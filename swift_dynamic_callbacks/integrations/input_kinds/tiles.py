@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
-from ...config.models import tile_tokens_of
+from ...config.models import tile_merge_of, tile_tokens_of
 from .base import InputKind, VisionBatch, _has_rows, batch_rows, row_patches
 
 #: per row along dim 0
@@ -62,9 +62,8 @@ class Tiles(InputKind):
     @classmethod
     def for_model(cls, setting: str, config: Any) -> 'Tiles':
         """The kind with the image token and tile size of a model's ``config``."""
-        ratio = float(getattr(config, 'downsample_ratio', 1.0) or 1.0)
         return cls(setting, image_token_id=config.image_token_id, tile_tokens=tile_tokens_of(config) or 1,
-                   merge=round(1 / ratio**2))
+                   merge=tile_merge_of(config))
 
     def _row_tiles(self, batch: Mapping[str, Any]) -> tuple[list[int] | None, str | None]:
         """Each row's tiles, or why they cannot be told (host tensors: the loader's)."""
