@@ -215,7 +215,7 @@ def _train(tmp_path, model, data, name, length_batching, injector=None):
     try:
         sdc.register(length_batching=length_batching, integration={'record_samples': True})
         with injector:
-            out = run_sft(model, 'qwen2', data, str(tmp_path / name), callbacks=['length_batching'], **RUN)
+            out = run_sft(model, 'llama', data, str(tmp_path / name), callbacks=['length_batching'], **RUN)
     finally:
         plugin.unregister()
     return out, injector
@@ -251,17 +251,17 @@ def mixed_rows(tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
-def padded_runs(tmp_path_factory, tiny_qwen, mixed_rows):
+def padded_runs(tmp_path_factory, tiny_llama, mixed_rows):
     """The same balanced steps as micro-batches of the per-device size and as passes of at most 1,200 tokens."""
     root = tmp_path_factory.mktemp('padded')
-    plain, _ = _train(root, tiny_qwen, mixed_rows, 'plain', {'mode': 'balanced'})
-    cut, injector = _train(root, tiny_qwen, mixed_rows, 'cut', {'mode': 'balanced', 'pass_tokens': 1200})
+    plain, _ = _train(root, tiny_llama, mixed_rows, 'plain', {'mode': 'balanced'})
+    cut, injector = _train(root, tiny_llama, mixed_rows, 'cut', {'mode': 'balanced', 'pass_tokens': 1200})
     return plain, cut, injector
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize('padding_free', [False, True])
-def test_swift_sft_passes_by_tokens_give_the_gradient_of_the_same_steps(tmp_path, tiny_qwen, mixed_rows,
+def test_swift_sft_passes_by_tokens_give_the_gradient_of_the_same_steps(tmp_path, tiny_llama, mixed_rows,
                                                                         padded_runs, padding_free):
     """The same steps run as micro-batches of the per-device size and as passes of at most 1,200 tokens: the same
     samples every step, the same losses and final LoRA weights; passes within the budget (a row over it alone),
@@ -269,8 +269,8 @@ def test_swift_sft_passes_by_tokens_give_the_gradient_of_the_same_steps(tmp_path
     from swift_runs import decisions, train_logs
     if padding_free:
         base = {'mode': 'balanced', 'padding_free': True}
-        plain, _ = _train(tmp_path, tiny_qwen, mixed_rows, 'plain', base)
-        cut, injector = _train(tmp_path, tiny_qwen, mixed_rows, 'cut', {**base, 'pass_tokens': 1200})
+        plain, _ = _train(tmp_path, tiny_llama, mixed_rows, 'plain', base)
+        cut, injector = _train(tmp_path, tiny_llama, mixed_rows, 'cut', {**base, 'pass_tokens': 1200})
     else:
         plain, cut, injector = padded_runs
     _same_training(plain, cut)
@@ -293,14 +293,14 @@ def test_swift_sft_passes_by_tokens_give_the_gradient_of_the_same_steps(tmp_path
 
 
 @pytest.mark.e2e
-def test_swift_sft_passes_by_tokens_recover_from_ooms_with_the_same_result(tmp_path, tiny_qwen, mixed_rows,
+def test_swift_sft_passes_by_tokens_recover_from_ooms_with_the_same_result(tmp_path, tiny_llama, mixed_rows,
                                                                            padded_runs):
     """OOMs inside passes cut by tokens (a forward and a mid-backward one, in steps whose slots hold several passes):
     the run finishes with every sample once and the weights of the same run without them."""
     from swift_dynamic_callbacks.testing.faults import OomInjector
     from swift_runs import decisions, train_logs
     _, cut, _ = padded_runs
-    out, injector = _train(tmp_path, tiny_qwen, mixed_rows, 'oom', {'mode': 'balanced', 'pass_tokens': 1200},
+    out, injector = _train(tmp_path, tiny_llama, mixed_rows, 'oom', {'mode': 'balanced', 'pass_tokens': 1200},
                            OomInjector(forward_passes=(1, ), fail_passes=(4, )))
     assert injector.counts == {'forward': 1, 'backward': 1}, (injector.counts, injector.passes)
     assert [d for d in decisions(out) if d['kind'] == 'oom'] and train_logs(out)[-1]['dynamic/oom_count'] == 2

@@ -7,7 +7,7 @@ The loader collates on the host. Before the step's first pass, every batch of th
    flex_attention's filler are built there too);
 2. left without its ``attention_mask`` when every row has the same length (the mask is all ones): the model then
    builds its plain causal mask, and sdpa takes its causal fast path instead of a dense masked one; the loss is the
-   same;
+   same (kept under sequence parallelism and where HF counts input tokens by the mask: ``mask_free``);
 3. copied to the training device from pinned memory without blocking (CUDA only). HF's ``training_step`` would
    otherwise copy each tensor of each micro-batch from pageable memory, and each such copy waits for the device to
    finish its queue: a synchronisation per tensor per micro-batch. Already on the device, HF's own copy does nothing.
