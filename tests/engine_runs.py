@@ -1,8 +1,10 @@
 """Multi-process ``swift sft`` runs on CPU under a named engine, and the one-process reference they are compared with.
 
-:func:`run_ranks` launches ``tests/distributed_driver.py`` under ``torch.distributed.run`` (gloo, ``use_cpu: true``:
-without it accelerate runs ``DistributedType.NO`` and the ranks train separate copies) with the engine's settings from
-:data:`ENGINES`, under a timeout that kills the whole process group. :func:`reference` runs one process over the same
+:func:`run_ranks` launches ``tests/distributed_driver.py`` on several ranks (gloo, ``use_cpu: true``: without it
+accelerate runs ``DistributedType.NO`` and the ranks train separate copies) with the engine's settings from
+:data:`ENGINES`, under a timeout that kills the whole process group. On CPU the ranks are forked from one process that
+imported ms-swift once (``tests/fork_launch.py``: the import is about 12 s of CPU a process on 2 cores); on GPUs
+(``SDC_ENGINE_DEVICE=cuda``) they start under ``torch.distributed.run``. :func:`reference` runs one process over the same
 micro-batches per step (the union of the ranks'), from the same starting weights, with the same LR scales (the
 multi-process run's ``applied_request`` records replayed): the trainable weights of a correct engine equal it.
 """
@@ -24,6 +26,7 @@ from swift_runs import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, 'distributed_driver.py')
+FORK_LAUNCH = os.path.join(HERE, 'fork_launch.py')
 CONFIGS = os.path.join(HERE, 'engine_configs')
 TIMEOUT_S = 300
 #: ``cpu`` (default: gloo, ``use_cpu: true``) or ``cuda`` (NCCL on 2+ GPUs: ``scripts/gpu_engines.sh``)
@@ -58,7 +61,9 @@ def launch(workdir: str, spec: dict[str, Any], *, nproc: int, timeout: int = TIM
         json.dump(spec, f)
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false',
            'PYTHONPATH': os.pathsep.join(p for p in (HERE, os.environ.get('PYTHONPATH')) if p)}
-    if nproc > 1:
+    if nproc > 1 and DEVICE == 'cpu':  # the ranks forked after one import of ms-swift (tests/fork_launch.py)
+        command = [sys.executable, FORK_LAUNCH, str(nproc), str(free_port()), spec_path]
+    elif nproc > 1:
         command = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc), '--master_addr',
                    '127.0.0.1', '--master_port', str(free_port()), DRIVER, spec_path]
     else:
@@ -81,14 +86,21 @@ def launch(workdir: str, spec: dict[str, Any], *, nproc: int, timeout: int = TIM
     return log
 
 
+def arch_of(model: str) -> str:
+    """The tiny model's architecture (``tiny.MODEL_FLAGS`` key: its template) from its folder's ``config.json``."""
+    with open(os.path.join(model, 'config.json'), encoding='utf-8') as f:
+        return json.load(f)['model_type']
+
+
 def run_ranks(workdir: str, model: str, dataset: str, *, engine: str, callbacks: list[str], pack: dict[str, Any],
               faults: dict[str, Any] | None = None, output_dir: str | None = None, expect_failure: bool = False,
-              stop_at: int | None = None, nproc: int = 2, arch: str = 'qwen2', **sft: Any) -> str:
-    """``nproc`` ranks under ``engine`` (a key of :data:`ENGINES`) training the tiny ``arch`` model; returns the
-    output directory (or the log on failure)."""
+              stop_at: int | None = None, nproc: int = 2, arch: str | None = None, **sft: Any) -> str:
+    """``nproc`` ranks under ``engine`` (a key of :data:`ENGINES`) training the tiny ``model`` (as ``arch``, by
+    default its own); returns the output directory (or the log on failure)."""
     from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     out = output_dir or os.path.join(workdir, 'out')
-    kwargs = offline_sft_kwargs(model, dataset, out, arch=arch, callbacks=callbacks, lora_dropout=0.0,
+    kwargs = offline_sft_kwargs(model, dataset, out, arch=arch or arch_of(model), callbacks=callbacks,
+                                lora_dropout=0.0,
                                 **{**(DEVICE_SFT if nproc > 1 else ONE_PROCESS_SFT), **ENGINES[engine]['sft'], **sft})
     spec = {'sft': kwargs, 'pack': pack, 'faults': faults or {}, 'engine': ENGINES[engine]['driver'],
             'stop_at': stop_at}
@@ -98,14 +110,15 @@ def run_ranks(workdir: str, model: str, dataset: str, *, engine: str, callbacks:
 
 def reference(workdir: str, model: str, dataset: str, source: str, *, gradient_accumulation_steps: int,
               max_steps: int, world: int = 2, stop_at: int | None = None, samples: list[str] | None = None,
-              arch: str = 'qwen2', **sft: Any) -> str:
+              arch: str | None = None, **sft: Any) -> str:
     """One process over the multi-process run ``source``'s micro-batches (or those of the trace files
     ``samples``), starting weights and LR scales."""
     from swift_dynamic_callbacks.testing.tiny import offline_sft_kwargs
     out = os.path.join(workdir, 'out')
     pack = {'integration': {'record_samples': True, 'replay': os.path.join(source, 'dynamic_decisions.jsonl')},
             'training_log': {}}
-    kwargs = offline_sft_kwargs(model, dataset, out, arch=arch, callbacks=['training_log'], lora_dropout=0.0,
+    kwargs = offline_sft_kwargs(model, dataset, out, arch=arch or arch_of(model), callbacks=['training_log'],
+                                lora_dropout=0.0,
                                 gradient_accumulation_steps=gradient_accumulation_steps * world, max_steps=max_steps,
                                 **({'use_cpu': True} if DEVICE == 'cpu' else {}), **sft)
     spec = {'sft': kwargs, 'pack': pack, 'engine': 'single',

@@ -65,7 +65,7 @@ def assert_exactly_once(out: str, epochs: int) -> None:
     assert set(by_rank[0]) | set(by_rank[1]) == set(range(epochs))
 
 
-def test_all_callbacks_agree_at_every_step(tmp_path, tiny_qwen, dataset_15):
+def test_all_callbacks_agree_at_every_step(tmp_path, tiny_llama, dataset_15):
     """Every pack callback on, changes forced at chosen steps: a batch-size table that shrinks to 1 (so rank 1's
     shard runs out a step before rank 0's: a placeholder step), LR restarts (a plateau judged on each rank's own
     loss), memory pressure seen by rank 1 only, checkpoint rotation. Both ranks apply the same thing at every
@@ -80,7 +80,7 @@ def test_all_callbacks_agree_at_every_step(tmp_path, tiny_qwen, dataset_15):
         'checkpoint_rotation': {'keep_last': 1, 'keep_best': 0},
         'training_log': {},
     }
-    out = run_two_ranks(tmp_path, tiny_qwen, dataset_15, callbacks=ALL, pack=pack,
+    out = run_two_ranks(tmp_path, tiny_llama, dataset_15, callbacks=ALL, pack=pack,
                         faults={'1': {'memory': {2: 0.95}}}, num_train_epochs=2, max_steps=-1, save_steps=3)
     t0, t1 = traces(out)
     assert_same_steps(t0, t1)
@@ -102,13 +102,13 @@ def test_all_callbacks_agree_at_every_step(tmp_path, tiny_qwen, dataset_15):
     assert sorted(n for n in os.listdir(out) if n.startswith('checkpoint-')) == ['checkpoint-13']
 
 
-def test_oom_on_rank_1_backs_off_both_ranks(tmp_path, tiny_qwen, dataset_15):
+def test_oom_on_rank_1_backs_off_both_ranks(tmp_path, tiny_llama, dataset_15):
     """Rank 1 alone runs out of memory (passes of more than 500 padded tokens): it recovers, and from the next step
     on both ranks run with the same pass cap (the same budget, folded from rank 1's OOM on both ranks, grown back
     alike); rank 0's decision log holds rank 1's OOM record and the budget's."""
     pack = {'integration': {'record_samples': True}, 'batch_schedule': {'schedule': {0: 2}},
             'memory_backoff': {'clean_steps': 100}}
-    out = run_two_ranks(tmp_path, tiny_qwen, dataset_15, callbacks=['batch_schedule', 'memory_backoff'], pack=pack,
+    out = run_two_ranks(tmp_path, tiny_llama, dataset_15, callbacks=['batch_schedule', 'memory_backoff'], pack=pack,
                         faults={'1': {'oom_token_budget': 500}}, max_steps=4, gradient_accumulation_steps=2)
     with open(os.path.join(out, 'rank1.injected.json'), encoding='utf-8') as f:
         assert json.load(f)['forward'] >= 1
@@ -132,13 +132,13 @@ def test_oom_on_rank_1_backs_off_both_ranks(tmp_path, tiny_qwen, dataset_15):
     assert_exactly_once(out, epochs=2)  # 4 steps of 2 x 2 samples: two epochs of the 8-sample shard
 
 
-def test_early_stop_seen_by_rank_1_stops_both(tmp_path, tiny_qwen, dataset_15):
+def test_early_stop_seen_by_rank_1_stops_both(tmp_path, tiny_llama, dataset_15):
     """Rank 1 alone sees its monitored loss diverge at step 4: both ranks stop after step 4, one checkpoint is
     saved (rank 0 writes the pack state into it), and the stop record carries rank 1's value."""
     pack = {'integration': {'record_samples': True}, 'batch_schedule': {'schedule': {0: 2}},
             'early_stopping': {'monitor': 'loss', 'patience': 1000, 'divergence': 1000.0},
             'checkpoint_rotation': {'keep_last': 1, 'keep_best': 0}, 'training_log': {}}
-    out = run_two_ranks(tmp_path, tiny_qwen, dataset_15,
+    out = run_two_ranks(tmp_path, tiny_llama, dataset_15,
                         callbacks=['batch_schedule', 'early_stopping', 'checkpoint_rotation', 'training_log'],
                         pack=pack, faults={'1': {'monitor_value': {4: 1.0e6}}}, num_train_epochs=3, max_steps=-1,
                         save_steps=1000)

@@ -68,7 +68,7 @@ def placeholders(out: str) -> int:
     return sum(batch == [] for rank in (0, 1) for row in sample_trace(out, rank) for batch in row['batches'])
 
 
-def test_ddp_growth_pieces_and_ooms_on_one_rank(tmp_path, tiny_qwen, dataset_15):
+def test_ddp_growth_pieces_and_ooms_on_one_rank(tmp_path, tiny_llama, dataset_15):
     """DDP: batch growth 1 -> 2 -> 4 with GA 2 (micro-batches of 4 run as pieces), an epoch end where rank 1 is a sample
     short (a placeholder micro-batch), and rank 1 alone running out of memory in its very first forward and in a
     later one-sample forward (each run again as it was) and mid-backward in a pass of two (halved: both ranks cap
@@ -78,7 +78,7 @@ def test_ddp_growth_pieces_and_ooms_on_one_rank(tmp_path, tiny_qwen, dataset_15)
     pack = {'integration': {'record_samples': True},
             'batch_growth': {'initial': 1, 'factor': 2, 'interval': 4, 'maximum': 4, 'micro_batch_cap': 2}}
     common = dict(max_steps=9, lr_scheduler_type='cosine', warmup_ratio=0.0)
-    out = run_ranks(str(tmp_path / 'ddp'), tiny_qwen, dataset_15, engine='ddp', callbacks=['batch_growth'],
+    out = run_ranks(str(tmp_path / 'ddp'), tiny_llama, dataset_15, engine='ddp', callbacks=['batch_growth'],
                     pack=pack, faults={'1': {'oom_forward_passes': [0, 5], 'oom_backward_passes': [16]}},
                     gradient_accumulation_steps=2, **common)
     t0, t1 = assert_engine(out, 'ddp')
@@ -97,16 +97,16 @@ def test_ddp_growth_pieces_and_ooms_on_one_rank(tmp_path, tiny_qwen, dataset_15)
     assert decision_keys(t0) == decision_keys(t1)
     assert_exactly_once(out, complete_epochs=2)
     assert placeholders(out) == 1  # rank 1, step 4
-    ref = reference(str(tmp_path / 'ref'), tiny_qwen, dataset_15, out, gradient_accumulation_steps=2, **common)
+    ref = reference(str(tmp_path / 'ref'), tiny_llama, dataset_15, out, gradient_accumulation_steps=2, **common)
     assert_same_weights(out, ref)
 
 
-def test_ddp_noise_scale_reads_the_reduced_gradient(tmp_path, tiny_qwen, dataset_15):
+def test_ddp_noise_scale_reads_the_reduced_gradient(tmp_path, tiny_llama, dataset_15):
     """DDP: the gradient-noise probe's step gradient is the one the optimizer uses (after the all-reduce): the same on
     both ranks, and its squared norm is the logged ``grad_norm`` squared (it used to read each rank's own)."""
     pack = {'integration': {'record_samples': True},
             'batch_growth': {'policy': 'noise_scale', 'initial': 2, 'maximum': 4, 'interval': 100}}
-    out = run_ranks(str(tmp_path / 'ddp'), tiny_qwen, dataset_15, engine='ddp', callbacks=['batch_growth'],
+    out = run_ranks(str(tmp_path / 'ddp'), tiny_llama, dataset_15, engine='ddp', callbacks=['batch_growth'],
                     pack=pack, max_steps=4, gradient_accumulation_steps=2)
     t0, t1 = assert_engine(out, 'ddp')
     measured = [(a['noise'], b['noise']) for a, b in zip(t0['steps'], t1['steps']) if 'noise' in a]
@@ -123,7 +123,7 @@ def test_ddp_noise_scale_reads_the_reduced_gradient(tmp_path, tiny_qwen, dataset
 # run of the stage (a sharded engine's growth, LR, resume and early stop: FSDP2's arm)
 @pytest.mark.parametrize('engine', [engine_param('ddp', slow=True), engine_param('fsdp2'),
                                     engine_param('zero2', slow=True), engine_param('zero3', slow=True)])
-def test_growth_token_budget_lr_schedule_resume_and_early_stop(engine, tmp_path, tiny_qwen, dataset_15):
+def test_growth_token_budget_lr_schedule_resume_and_early_stop(engine, tmp_path, tiny_llama, dataset_15):
     """Every engine, every callback that is not refused there: batch growth with GA 2 and sqrt LR scaling, a token
     budget with bucketing on uneven shards (placeholder micro-batches on the short rank), warmup -> hold -> cosine,
     checkpoint rotation and the training log; killed after the checkpoint at step 4 and resumed, then stopped early at
@@ -139,11 +139,11 @@ def test_growth_token_budget_lr_schedule_resume_and_early_stop(engine, tmp_path,
             'checkpoint_rotation': {'keep_last': 1, 'keep_best': 0}, 'training_log': {}}
     common = dict(gradient_accumulation_steps=2, max_steps=12, save_steps=4)
     workdir = str(tmp_path / engine)
-    out = run_ranks(workdir, tiny_qwen, dataset_15, engine=engine, callbacks=callbacks, pack=pack, stop_at=4, **common)
+    out = run_ranks(workdir, tiny_llama, dataset_15, engine=engine, callbacks=callbacks, pack=pack, stop_at=4, **common)
     first = assert_engine(out, engine)
     assert_same_steps(*first)
     assert first[0]['global_step'] == 4 and os.path.isdir(os.path.join(out, 'checkpoint-4'))
-    run_ranks(workdir + '-resumed', tiny_qwen, dataset_15, engine=engine, callbacks=callbacks, pack=pack,
+    run_ranks(workdir + '-resumed', tiny_llama, dataset_15, engine=engine, callbacks=callbacks, pack=pack,
               faults={'1': {'monitor_value': {7: 1.0e6}}}, output_dir=out,
               resume_from_checkpoint=os.path.join(out, 'checkpoint-4'), **common)
     t0, t1 = assert_engine(out, engine)
@@ -158,7 +158,7 @@ def test_growth_token_budget_lr_schedule_resume_and_early_stop(engine, tmp_path,
     assert sorted(n for n in os.listdir(out) if n.startswith('checkpoint-')) == ['checkpoint-4', 'checkpoint-7']
     assert_exactly_once(out, complete_epochs=1)
     assert placeholders(out) >= 1
-    ref = reference(str(tmp_path / f'{engine}-ref'), tiny_qwen, dataset_15, out, gradient_accumulation_steps=2,
+    ref = reference(str(tmp_path / f'{engine}-ref'), tiny_llama, dataset_15, out, gradient_accumulation_steps=2,
                     max_steps=12, stop_at=7)
     assert_same_weights(out, ref)
 
@@ -196,7 +196,7 @@ ELASTIC = {  # source world -> (per-device batch, resumed worlds); the global ba
 
 
 @pytest.fixture(scope='module')
-def elastic_sources(tmp_path_factory, tiny_qwen, dataset_15):
+def elastic_sources(tmp_path_factory, tiny_llama, dataset_15):
     """One uninterrupted DDP run per source world (2 epochs of 15 samples, checkpoint at step 2), built once for all
     pytest-xdist workers (the tests copy them; the tiny model's weights depend only on its seed)."""
     built: dict[int, str] = {}
@@ -207,7 +207,7 @@ def elastic_sources(tmp_path_factory, tiny_qwen, dataset_15):
         batch, _ = ELASTIC[world]
 
         def build(folder):
-            return {'out': run_ranks(str(folder / f'elastic-{world}'), tiny_qwen, dataset_15, engine='ddp',
+            return {'out': run_ranks(str(folder / f'elastic-{world}'), tiny_llama, dataset_15, engine='ddp',
                                      callbacks=['training_log'],
                                      pack={'integration': {'record_samples': True}, 'training_log': {}}, nproc=world,
                                      per_device_train_batch_size=batch, gradient_accumulation_steps=1,
@@ -220,7 +220,7 @@ def elastic_sources(tmp_path_factory, tiny_qwen, dataset_15):
 
 @pytest.mark.parametrize('old,new', [(2, 1), pytest.param(2, 3, marks=pytest.mark.slow),  # CI time: 2to1 holds it
                                      pytest.param(1, 2, marks=pytest.mark.slow)], ids=['2to1', '2to3', '1to2'])
-def test_resume_on_another_number_of_processes(old, new, elastic_sources, tmp_path, tiny_qwen, dataset_15):
+def test_resume_on_another_number_of_processes(old, new, elastic_sources, tmp_path, tiny_llama, dataset_15):
     """A DDP run (or one process) resumed from its step-2 checkpoint on another number of processes: an
     ``elastic_resume`` record, the global batch kept (per-device batch derived again), the same samples a step, every
     sample of every epoch once over both runs, the LR at every step the uninterrupted run's, the new ranks' weights
@@ -232,7 +232,7 @@ def test_resume_on_another_number_of_processes(old, new, elastic_sources, tmp_pa
     shutil.copytree(source, target)
     kept = [[row for row in rows if row['step'] <= 2] for rows in _rows_by_rank(target, old)]
     written = [len(rows) for rows in _rows_by_rank(target, new)]
-    run_ranks(str(tmp_path / 'resumed'), tiny_qwen, dataset_15, engine='ddp',
+    run_ranks(str(tmp_path / 'resumed'), tiny_llama, dataset_15, engine='ddp',
               callbacks=['training_log'], pack={'integration': {'record_samples': True}, 'training_log': {}},
               nproc=new, output_dir=target, resume_from_checkpoint=os.path.join(target, 'checkpoint-2'),
               per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_train_epochs=2, max_steps=-1,
@@ -269,14 +269,14 @@ def test_resume_on_another_number_of_processes(old, new, elastic_sources, tmp_pa
         with open(merged, 'w', encoding='utf-8') as f:
             for rows in kept + resumed:
                 f.writelines(json.dumps(row) + '\n' for row in rows)
-        ref = reference(str(tmp_path / 'ref'), tiny_qwen, dataset_15, target, gradient_accumulation_steps=1,
+        ref = reference(str(tmp_path / 'ref'), tiny_llama, dataset_15, target, gradient_accumulation_steps=1,
                         max_steps=max(expected), world=old, samples=[merged], per_device_train_batch_size=batch,
                         learning_rate=1e-3, lr_scheduler_type='linear', warmup_steps=0)
         difference = max_difference(weights(target, 0), weights(ref, 0))
         assert difference <= 1e-5, f'{difference:.3g} from one process over the same samples a step'
 
 
-def test_stream_resume_on_two_processes_draws_the_uninterrupted_rows(tmp_path, tiny_qwen, dataset_15):
+def test_stream_resume_on_two_processes_draws_the_uninterrupted_rows(tmp_path, tiny_llama, dataset_15):
     """``streaming: true`` under DDP on 2 processes, batch growth, checkpointed at step 3 and resumed: every rank draws
     the rows (and batch sizes) of the uninterrupted run at every resumed step. On another number of processes the
     stream's position cannot be re-dealt: refused, naming why."""
@@ -284,13 +284,13 @@ def test_stream_resume_on_two_processes_draws_the_uninterrupted_rows(tmp_path, t
     pack = {'integration': {'record_samples': True},
             'batch_growth': {'initial': 1, 'factor': 2, 'interval': 2, 'maximum': 2}}
     common = dict(streaming=True, dataset_shuffle=False, max_steps=6, save_steps=3, gradient_accumulation_steps=1)
-    full = run_ranks(str(tmp_path / 'full'), tiny_qwen, dataset_15, engine='ddp', callbacks=['batch_growth'],
+    full = run_ranks(str(tmp_path / 'full'), tiny_llama, dataset_15, engine='ddp', callbacks=['batch_growth'],
                      pack=pack, **common)
     assert_same_steps(*assert_engine(full, 'ddp'))
     target = str(tmp_path / 'out')
     shutil.copytree(full, target)
     written = [len(rows) for rows in _rows_by_rank(target, 2)]
-    run_ranks(str(tmp_path / 'resumed'), tiny_qwen, dataset_15, engine='ddp', callbacks=['batch_growth'], pack=pack,
+    run_ranks(str(tmp_path / 'resumed'), tiny_llama, dataset_15, engine='ddp', callbacks=['batch_growth'], pack=pack,
               output_dir=target, resume_from_checkpoint=os.path.join(target, 'checkpoint-3'), **common)
     assert_engine(target, 'ddp')
     for rank, (straight, now) in enumerate(zip(_rows_by_rank(full, 2), _rows_by_rank(target, 2))):
@@ -298,7 +298,7 @@ def test_stream_resume_on_two_processes_draws_the_uninterrupted_rows(tmp_path, t
         assert resumed == [(r['step'], r['batch_size'], r['batches']) for r in straight if r['step'] > 3], rank
         assert len(resumed) == 3
     refused = shutil.copytree(full, str(tmp_path / 'one'))
-    log = run_ranks(str(tmp_path / 'one-run'), tiny_qwen, dataset_15, engine='ddp', callbacks=['batch_growth'],
+    log = run_ranks(str(tmp_path / 'one-run'), tiny_llama, dataset_15, engine='ddp', callbacks=['batch_growth'],
                     pack=pack, nproc=1, output_dir=refused, expect_failure=True,
                     resume_from_checkpoint=os.path.join(refused, 'checkpoint-3'), **common)
     assert 'resume a streaming run with the same number of processes' in open(log).read()
@@ -318,7 +318,7 @@ def _passes_by_rank(out: str) -> list[list[int]]:
 
 @pytest.mark.parametrize('engine', [engine_param('ddp'), engine_param('fsdp2'), engine_param('zero2'),
                                     engine_param('zero3')])
-def test_pass_tokens_on_ranks_with_other_pass_counts(engine, tmp_path, tiny_qwen, mixed_15):
+def test_pass_tokens_on_ranks_with_other_pass_counts(engine, tmp_path, tiny_llama, mixed_15):
     """``pass_tokens`` on 15 rows of 1-6 problems (cut to 300 tokens): the ranks' shares of a step need different
     numbers of passes (most passes hold one row; the last step of an epoch deals 4 rows and 3). Under
     FSDP2 and ZeRO-2/3 (every pass communicates) the rank with fewer runs zero-weight padding passes, planned with the
@@ -327,7 +327,7 @@ def test_pass_tokens_on_ranks_with_other_pass_counts(engine, tmp_path, tiny_qwen
     pack = {'integration': {'record_samples': True}, 'length_batching': {'mode': 'balanced', 'pass_tokens': 300}}
     common = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, max_steps=4, max_length=300,
                   truncation_strategy='right')
-    out = run_ranks(str(tmp_path / engine), tiny_qwen, mixed_15, engine=engine, callbacks=['length_batching'],
+    out = run_ranks(str(tmp_path / engine), tiny_llama, mixed_15, engine=engine, callbacks=['length_batching'],
                     pack=pack, **common)
     t0, t1 = assert_engine(out, engine)
     assert_same_steps(t0, t1)
@@ -341,13 +341,13 @@ def test_pass_tokens_on_ranks_with_other_pass_counts(engine, tmp_path, tiny_qwen
         # first step's set-up, one agreement a boundary (two where an epoch starts) — measured [5, 1, 2, 1]
         assert [s['pack_collectives_in_passes'] for s in trace['steps']] == [0] * len(trace['steps'])
         assert max(s['pack_collectives_boundary'] for s in trace['steps'][1:]) <= 2, trace['steps']
-    ref = reference(str(tmp_path / f'{engine}-ref'), tiny_qwen, mixed_15, out, gradient_accumulation_steps=2,
+    ref = reference(str(tmp_path / f'{engine}-ref'), tiny_llama, mixed_15, out, gradient_accumulation_steps=2,
                     max_steps=4, max_length=300, truncation_strategy='right')
     assert_same_weights(out, ref)
 
 
 @pytest.mark.parametrize('engine', [engine_param('fsdp2', slow=True), engine_param('zero3')])  # FSDP2 passes: below
-def test_pieces_and_a_pass_cap_under_sharded_engines(engine, tmp_path, tiny_qwen, dataset_15):
+def test_pieces_and_a_pass_cap_under_sharded_engines(engine, tmp_path, tiny_llama, dataset_15):
     """``micro_batch_cap`` pieces and ``memory_backoff``'s pass cap (a memory fraction seen by rank 1 alone) under a
     sharded engine: both ranks cut their micro-batches into the same number of passes (agreed at each step where a
     cap could cut them differently), a placeholder rank pads, and the weights equal one process's."""
@@ -355,14 +355,14 @@ def test_pieces_and_a_pass_cap_under_sharded_engines(engine, tmp_path, tiny_qwen
             'batch_growth': {'initial': 2, 'factor': 2, 'interval': 2, 'maximum': 4, 'micro_batch_cap': 2},
             'memory_backoff': {'clean_steps': 100}}
     common = dict(max_steps=5, lr_scheduler_type='cosine', warmup_ratio=0.0)
-    out = run_ranks(str(tmp_path / engine), tiny_qwen, dataset_15, engine=engine,
+    out = run_ranks(str(tmp_path / engine), tiny_llama, dataset_15, engine=engine,
                     callbacks=['batch_growth', 'memory_backoff'], pack=pack,
                     faults={'1': {'memory': {'3': 0.99}}}, gradient_accumulation_steps=2, **common)
     t0, t1 = assert_engine(out, engine)
     assert_same_steps(t0, t1)
     caps = [(s['pass_limit'] or {}).get('samples') for s in t0['steps']]
     assert caps[-1] == 1 and t0['steps'][-1]['num_pieces'] == 2  # the cap from step 4 on, pieces after growth
-    ref = reference(str(tmp_path / f'{engine}-ref'), tiny_qwen, dataset_15, out, gradient_accumulation_steps=2,
+    ref = reference(str(tmp_path / f'{engine}-ref'), tiny_llama, dataset_15, out, gradient_accumulation_steps=2,
                     **common)
     assert_same_weights(out, ref)
 
@@ -374,7 +374,7 @@ def dataset_16(fixture_dir):
 
 
 @pytest.mark.parametrize('engine', [engine_param('fsdp2'), engine_param('zero2', slow=True), engine_param('zero3')])
-def test_an_oom_on_one_rank_ends_the_run_and_the_checkpoint_resumes_below_it(engine, tmp_path, tiny_qwen, dataset_16):
+def test_an_oom_on_one_rank_ends_the_run_and_the_checkpoint_resumes_below_it(engine, tmp_path, tiny_llama, dataset_16):
     """Under a sharded engine (no OOM recovery) rank 1 alone runs out of memory in step 2: every rank ends (no hang:
     the launcher is gone within 60 s of the OOM, the time in rank 1's note), the log names the pass, the budget and
     the setting to lower, and the run resumed from the step-1 checkpoint folds rank 1's note into a lower pass budget
@@ -385,7 +385,7 @@ def test_an_oom_on_one_rank_ends_the_run_and_the_checkpoint_resumes_below_it(eng
     common = dict(gradient_accumulation_steps=2, max_steps=3, save_steps=1)
     workdir = str(tmp_path / engine)
     start = time.monotonic()
-    log = run_ranks(workdir, tiny_qwen, dataset_16, engine=engine, callbacks=['batch_schedule'], pack=pack,
+    log = run_ranks(workdir, tiny_llama, dataset_16, engine=engine, callbacks=['batch_schedule'], pack=pack,
                     faults={'1': {'oom_forward_passes': [2]}}, expect_failure=True, **common)
     failed_in, ended = time.monotonic() - start, time.time()
     with open(log, encoding='utf-8', errors='replace') as f:
@@ -397,7 +397,7 @@ def test_an_oom_on_one_rank_ends_the_run_and_the_checkpoint_resumes_below_it(eng
     assert note['step'] == 1 and note['pass_size'] == 2 and note['engine'] in ('fsdp2', 'deepspeed')
     assert failed_in < 240, failed_in  # start-up, one step, then every rank ended (never the 300 s timeout)
     assert ended - note['time'] < 60, ended - note['time']  # every rank and the launcher gone within 60 s of the OOM
-    run_ranks(workdir + '-resumed', tiny_qwen, dataset_16, engine=engine, callbacks=['batch_schedule'], pack=pack,
+    run_ranks(workdir + '-resumed', tiny_llama, dataset_16, engine=engine, callbacks=['batch_schedule'], pack=pack,
               output_dir=out, resume_from_checkpoint=os.path.join(out, 'checkpoint-1'), **common)
     t0, t1 = assert_engine(out, engine)
     assert_same_steps(t0, t1)

@@ -31,7 +31,7 @@ def _adapter(out: str, step: int) -> dict[str, torch.Tensor]:
 # CI time: a token budget an OOM lowered, resumed from its checkpoint: test_pass_cost.py::
 # test_swift_sft_a_lowered_budget_survives_a_resume; the checkpoint at the OOM step itself: the rows arm
 @pytest.mark.parametrize('unit', ['rows', pytest.param('tokens', marks=pytest.mark.slow)])
-def test_a_checkpoint_at_the_oom_step_resumes_as_the_uninterrupted_run(unit, tmp_path, tiny_qwen, gsm8k_16):
+def test_a_checkpoint_at_the_oom_step_resumes_as_the_uninterrupted_run(unit, tmp_path, tiny_llama, gsm8k_16):
     """``rows``: micro-batches of 4, an OOM in the first pass of step 3, the checkpoint at step 3. ``tokens``:
     ``pass_tokens: 1200`` on a device whose memory ends at 900 tokens a pass, the first OOM in step 2, the
     checkpoint at step 2. Resumed from that checkpoint: the same ``oom`` and ``pass_budget`` records, losses and
@@ -57,7 +57,7 @@ def test_a_checkpoint_at_the_oom_step_resumes_as_the_uninterrupted_run(unit, tmp
         try:
             sdc.register(**pack, integration={'oom_grow_back_steps': 1})
             with OomInjector(**(inject if injected else {})) as injector:
-                run_sft(tiny_qwen, 'qwen2', data, str(out), callbacks=callbacks, max_steps=max_steps,
+                run_sft(tiny_llama, 'llama', data, str(out), callbacks=callbacks, max_steps=max_steps,
                         gradient_accumulation_steps=2, lora_dropout=0.0, learning_rate=1e-3,
                         lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=at, **extra, **more)
         finally:
@@ -96,7 +96,7 @@ def dataset_15(fixture_dir):
 @pytest.mark.distributed
 @pytest.mark.engines
 @pytest.mark.slow  # CI time: one process above; rank 1's OOM and resume under engines: test_engines / SP tests
-def test_two_processes_a_checkpoint_at_rank_1s_oom_resumes_with_its_budget(tmp_path, tiny_qwen, dataset_15):
+def test_two_processes_a_checkpoint_at_rank_1s_oom_resumes_with_its_budget(tmp_path, tiny_llama, dataset_15):
     """DDP on 2 processes, rank 1 alone out of memory (passes over 500 padded tokens) in step 1, the checkpoint at
     step 1 written by rank 0: rank 1's OOM is in it (exchanged when it was written), so the resumed run has rank 0's
     record of it, the same budget on both ranks, no OOM again, and the uninterrupted run's weights."""
@@ -104,10 +104,10 @@ def test_two_processes_a_checkpoint_at_rank_1s_oom_resumes_with_its_budget(tmp_p
     pack = {'integration': {'oom_grow_back_steps': 1}, 'batch_schedule': {'schedule': {0: 2}}}
     common = dict(callbacks=['batch_schedule'], pack=pack, faults={'1': {'oom_token_budget': 500}},
                   gradient_accumulation_steps=2, save_steps=1, max_steps=3)
-    full = run_ranks(str(tmp_path / 'full'), tiny_qwen, dataset_15, engine='ddp', **common)
-    part = run_ranks(str(tmp_path / 'part'), tiny_qwen, dataset_15, engine='ddp', stop_at=1, **common)
+    full = run_ranks(str(tmp_path / 'full'), tiny_llama, dataset_15, engine='ddp', **common)
+    part = run_ranks(str(tmp_path / 'part'), tiny_llama, dataset_15, engine='ddp', stop_at=1, **common)
     assert _injected(part)['forward'] >= 1
-    run_ranks(str(tmp_path / 'resumed'), tiny_qwen, dataset_15, engine='ddp', output_dir=part,
+    run_ranks(str(tmp_path / 'resumed'), tiny_llama, dataset_15, engine='ddp', output_dir=part,
               resume_from_checkpoint=os.path.join(part, 'checkpoint-1'), **common)
     assert _injected(part)['forward'] == 0  # no OOM again on rank 1: it planned at the saved budget
     records = {name: [(d['step'], d['kind'], d['reason'], d['values'].get('rank'), d['values'].get('new'))
