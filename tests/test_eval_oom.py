@@ -106,7 +106,7 @@ def _run(model, data, val, out, injector_kwargs):
     try:
         sdc.register(batch_schedule={'schedule': {0: 4}})
         with OomInjector(**injector_kwargs) as injector:
-            run_sft(model, 'qwen2', data, out, callbacks=['batch_schedule'], max_steps=4,
+            run_sft(model, 'llama', data, out, callbacks=['batch_schedule'], max_steps=4,
                     per_device_train_batch_size=4, val_dataset=[val], eval_strategy='steps', eval_steps=2,
                     per_device_eval_batch_size=4, learning_rate=1e-3, lr_scheduler_type='constant')
     finally:
@@ -115,7 +115,7 @@ def _run(model, data, val, out, injector_kwargs):
 
 
 @pytest.mark.e2e
-def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_qwen):
+def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_llama):
     """Two evals of 12 rows in batches of 4; OOMs injected in the first eval's first forward and the second eval's
     second: the run ends, every eval metric and every training loss equal the run without them (1e-6), one ``oom``
     record ``phase: eval`` each, and later batches run at the cap each OOM set (2 rows, then 1)."""
@@ -126,7 +126,7 @@ def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_qwen):
     runs = {}
     for name, faults in (('plain', {}), ('oom', {'eval_passes': (0, 8)})):
         out = str(tmp_path / name)
-        injector = _run(tiny_qwen, data, val, out, faults)
+        injector = _run(tiny_llama, data, val, out, faults)
         lines = read_jsonl(f'{out}/logging.jsonl')
         runs[name] = ([r for r in lines if 'eval_loss' in r], [r['loss'] for r in lines if 'loss' in r], injector,
                       decisions(out))

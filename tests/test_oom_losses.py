@@ -98,11 +98,11 @@ def _same_after_the_oom(tmp_path, model, arch, data, **extra):
 
 
 @pytest.mark.e2e
-def test_label_smoothing_keeps_loss_and_gradient_after_an_oom(tmp_path, tiny_qwen, gsm8k_16):
+def test_label_smoothing_keeps_loss_and_gradient_after_an_oom(tmp_path, tiny_llama, gsm8k_16):
     """``label_smoothing_factor: 0.1``: HF's label smoother averages each call's label tokens; after one OOM the
     micro-batches run as two pieces for several steps, each weighted by its share, so the loss and gradient norm
     of every step equal the run without the OOM (at 55fa141 they doubled for the rest of the run)."""
-    oom = _same_after_the_oom(tmp_path, tiny_qwen, 'qwen2', gsm8k_16, label_smoothing_factor=0.1)
+    oom = _same_after_the_oom(tmp_path, tiny_llama, 'llama', gsm8k_16, label_smoothing_factor=0.1)
     assert oom['values']['loss'] == 'token_mean' and 'label_smoothing_factor: 0.1' in oom['message']
 
 
@@ -117,10 +117,10 @@ def labelled_16(tmp_path, gsm8k_16):
 
 
 @pytest.mark.e2e
-def test_seq_cls_keeps_loss_and_gradient_after_an_oom(tmp_path, tiny_qwen, labelled_16):
+def test_seq_cls_keeps_loss_and_gradient_after_an_oom(tmp_path, tiny_llama, labelled_16):
     """``task_type: seq_cls`` (ms-swift's plain Trainer: the model's loss is a mean over the call's rows): pieces
     weighted by their rows."""
-    oom = _same_after_the_oom(tmp_path, tiny_qwen, 'qwen2', labelled_16, task_type='seq_cls', num_labels=2)
+    oom = _same_after_the_oom(tmp_path, tiny_llama, 'llama', labelled_16, task_type='seq_cls', num_labels=2)
     assert oom['values']['loss'] == 'row_mean'
 
 
@@ -143,25 +143,25 @@ def mean_loss_type():
 
 
 @pytest.mark.e2e
-def test_a_loss_the_pack_cannot_split_turns_recovery_off_or_is_refused(tmp_path, tiny_qwen, gsm8k_16,
+def test_a_loss_the_pack_cannot_split_turns_recovery_off_or_is_refused(tmp_path, tiny_llama, gsm8k_16,
                                                                         mean_loss_type, caplog):
     """A custom ``loss_type``: under ``oom_recovery: auto`` recovery is off for the run, with a warning and the
     ``engine`` record naming the setting; ``oom_recovery: true`` is refused before step 1, naming it."""
     from swift_dynamic_callbacks.config import ConfigError
     out = str(tmp_path / 'auto')
     with caplog.at_level('WARNING', logger='swift_dynamic_callbacks'):
-        _run(tiny_qwen, 'qwen2', gsm8k_16, out, inject=False, loss_type=mean_loss_type, max_steps=1)
+        _run(tiny_llama, 'llama', gsm8k_16, out, inject=False, loss_type=mean_loss_type, max_steps=1)
     [engine] = [d for d in decisions(out) if d['kind'] == 'engine']
     assert engine['values']['oom_recovery'] is False and engine['values']['loss'] == 'unknown'
     assert 'loss_type: mean_token_ce' in engine['values']['oom_recovery_off']
     assert any('OOM recovery off (loss_type: mean_token_ce' in r.getMessage() for r in caplog.records)
     with pytest.raises(ConfigError, match='oom_recovery: true cannot be combined with loss_type: mean_token_ce'):
-        _run(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'true'), inject=False, loss_type=mean_loss_type,
+        _run(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'true'), inject=False, loss_type=mean_loss_type,
              max_steps=1, integration={'oom_recovery': True})
 
 
 @pytest.mark.e2e
-def test_a_resume_after_an_unrecovered_oom_never_splits_a_loss_the_pack_cannot_split(tmp_path, tiny_qwen, gsm8k_16,
+def test_a_resume_after_an_unrecovered_oom_never_splits_a_loss_the_pack_cannot_split(tmp_path, tiny_llama, gsm8k_16,
                                                                                     mean_loss_type, caplog):
     """A custom ``loss_type`` (a mean per call, unknown to the pack), micro-batches of 3 x GA 2, a checkpoint every
     step, one OOM in step 2: recovery is off, so the run ends, and its message says what to set instead of promising
@@ -176,7 +176,7 @@ def test_a_resume_after_an_unrecovered_oom_never_splits_a_loss_the_pack_cannot_s
         try:
             sdc.register(batch_schedule={'schedule': {0: 3}})
             with OomInjector(forward_passes=(2, ) if inject else ()):
-                run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, callbacks=['batch_schedule'],
+                run_sft(tiny_llama, 'llama', gsm8k_16, out, callbacks=['batch_schedule'],
                         **{**RUN, 'per_device_train_batch_size': 3, 'save_steps': 1, 'loss_type': mean_loss_type,
                            **extra})
         finally:
@@ -241,7 +241,7 @@ def test_the_advice_keeps_the_global_batch():
 
 
 @pytest.mark.e2e
-def test_with_no_pack_callback_listed_the_integration_still_recovers_an_oom(tmp_path, tiny_qwen, gsm8k_16):
+def test_with_no_pack_callback_listed_the_integration_still_recovers_an_oom(tmp_path, tiny_llama, gsm8k_16):
     """The pack registered with its settings and no pack callback listed (``callbacks: []``): the integration is
     installed all the same, so an OOM injected in a pass of 4 rows is recovered (an ``oom`` record, the run ends)
     with every step's loss and grad_norm equal to plain ms-swift's without the OOM (at f3c4471 the OOM ended the run as
@@ -249,12 +249,12 @@ def test_with_no_pack_callback_listed_the_integration_still_recovers_an_oom(tmp_
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     extra = dict(per_device_train_batch_size=4, max_steps=3)
-    run_sft(tiny_qwen, 'qwen2', gsm8k_16, str(tmp_path / 'plain'), **{**RUN, **extra})
+    run_sft(tiny_llama, 'llama', gsm8k_16, str(tmp_path / 'plain'), **{**RUN, **extra})
     out = str(tmp_path / 'alone')
     try:
         sdc.register(integration={'oom_recovery': 'auto'})
         with OomInjector(forward_passes=(1, )) as injector:
-            run_sft(tiny_qwen, 'qwen2', gsm8k_16, out, callbacks=[], **{**RUN, **extra})
+            run_sft(tiny_llama, 'llama', gsm8k_16, out, callbacks=[], **{**RUN, **extra})
     finally:
         plugin.unregister()
     assert injector.counts['forward'] == 1

@@ -416,7 +416,7 @@ def tiny_model_object():
 # ---- end to end ----------------------------------------------------------------------------------------------
 
 @pytest.mark.e2e
-def test_swift_sft_memory_end_below_pass_tokens_settles_in_tokens(tmp_path, tiny_qwen):
+def test_swift_sft_memory_end_below_pass_tokens_settles_in_tokens(tmp_path, tiny_llama):
     """A device whose memory ends at 900 tokens a pass under ``pass_tokens: 1200``: the OOMs lower a token budget
     (rows never capped), the epoch runs within 1.5x the passes of a run planned at 900 from the start, with the
     losses of the run without OOMs."""
@@ -432,7 +432,7 @@ def test_swift_sft_memory_end_below_pass_tokens_settles_in_tokens(tmp_path, tiny
             sdc.register(length_batching={'mode': 'balanced', 'pass_tokens': pass_tokens},
                          integration={'oom_grow_back_steps': 1})
             with OomInjector(token_budget=memory_end) as injector:
-                out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / name), callbacks=['length_batching'],
+                out = run_sft(tiny_llama, 'llama', data, str(tmp_path / name), callbacks=['length_batching'],
                               max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2,
                               gradient_accumulation_steps=2, lora_dropout=0.0, learning_rate=1e-3,
                               lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=1000, max_length=900,
@@ -459,7 +459,7 @@ def test_swift_sft_memory_end_below_pass_tokens_settles_in_tokens(tmp_path, tiny
 
 
 @pytest.mark.e2e
-def test_swift_sft_pass_tokens_auto_plans_at_a_recorded_budget(tmp_path, tiny_qwen):
+def test_swift_sft_pass_tokens_auto_plans_at_a_recorded_budget(tmp_path, tiny_llama):
     """``pass_tokens: auto`` on the CPU: the budget from half the available memory and the model's shape (at most
     8,192 on a CPU), one ``pass_tokens`` record with its figures, and the plan (and its passes) at that number."""
     import swift_dynamic_callbacks as sdc
@@ -471,7 +471,7 @@ def test_swift_sft_pass_tokens_auto_plans_at_a_recorded_budget(tmp_path, tiny_qw
     try:
         sdc.register(length_batching={'mode': 'balanced', 'pass_tokens': 'auto'})
         with OomInjector() as injector:
-            out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'auto'), callbacks=['length_batching'],
+            out = run_sft(tiny_llama, 'llama', data, str(tmp_path / 'auto'), callbacks=['length_batching'],
                           max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2,
                           gradient_accumulation_steps=2, save_steps=1000, max_length=2048)
     finally:
@@ -480,7 +480,8 @@ def test_swift_sft_pass_tokens_auto_plans_at_a_recorded_budget(tmp_path, tiny_qw
     [auto] = [d for d in records if d['kind'] == 'pass_tokens']
     chosen = auto['values']['pass_tokens']
     assert auto['reason'] == 'auto' and auto['values']['device'] == 'cpu' and auto['values']['free_gib'] > 0
-    assert 256 <= chosen <= 8192 and auto['values']['bytes_per_token'] > 18 * 151936  # the vocabulary's logits
+    vocab = auto['values']['vocab_size']
+    assert vocab == 49152 and 256 <= chosen <= 8192 and auto['values']['bytes_per_token'] > 18 * vocab  # its logits
     [plan] = [d for d in records if d['kind'] == 'batch_plan' and d['source'] == 'length_batching']
     assert plan['values']['new']['pass_tokens'] == 'auto'
     assert {r['dynamic/pass_budget'] for r in train_logs(out)} == {chosen}
@@ -490,7 +491,7 @@ def test_swift_sft_pass_tokens_auto_plans_at_a_recorded_budget(tmp_path, tiny_qw
 
 
 @pytest.mark.e2e
-def test_swift_sft_a_lowered_budget_survives_a_resume(tmp_path, tiny_qwen):
+def test_swift_sft_a_lowered_budget_survives_a_resume(tmp_path, tiny_llama):
     """The token budget an OOM lowered is in the checkpoint: a run resumed from it plans at that budget from its first
     step (no OOM again), and trains the uninterrupted run's samples with its losses."""
     import swift_dynamic_callbacks as sdc
@@ -505,7 +506,7 @@ def test_swift_sft_a_lowered_budget_survives_a_resume(tmp_path, tiny_qwen):
             sdc.register(length_batching={'mode': 'balanced', 'pass_tokens': 1200},
                          integration={'record_samples': True, 'oom_grow_back_steps': 0})
             with OomInjector(token_budget=900) as injector:
-                run_sft(tiny_qwen, 'qwen2', data, str(out), callbacks=['length_batching'], max_steps=max_steps,
+                run_sft(tiny_llama, 'llama', data, str(out), callbacks=['length_batching'], max_steps=max_steps,
                         per_device_train_batch_size=2, gradient_accumulation_steps=2, lora_dropout=0.0,
                         learning_rate=1e-3, lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=3,
                         max_length=900, truncation_strategy='right', **extra)
@@ -528,7 +529,7 @@ def test_swift_sft_a_lowered_budget_survives_a_resume(tmp_path, tiny_qwen):
 
 
 @pytest.mark.e2e
-def test_swift_sft_memory_backoff_under_pass_tokens_caps_and_plans_in_tokens(tmp_path, tiny_qwen):
+def test_swift_sft_memory_backoff_under_pass_tokens_caps_and_plans_in_tokens(tmp_path, tiny_llama):
     """memory_backoff under pass_tokens with a memory budget the process is always over: it caps a pass's *tokens*
     (never its rows), the integration plans the next steps within the cap, and every pass after a backoff keeps
     within it (or is one row)."""
@@ -543,7 +544,7 @@ def test_swift_sft_memory_backoff_under_pass_tokens_caps_and_plans_in_tokens(tmp
                      memory_backoff={'cpu_budget_gib': 0.5, 'clean_steps': 1},
                      integration={'record_samples': True})
         with OomInjector() as injector:
-            out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'out'), callbacks=['length_batching',
+            out = run_sft(tiny_llama, 'llama', data, str(tmp_path / 'out'), callbacks=['length_batching',
                                                                                       'memory_backoff'],
                           max_steps=-1, num_train_epochs=1, per_device_train_batch_size=2,
                           gradient_accumulation_steps=2, save_steps=1000, max_length=2048)
@@ -611,7 +612,7 @@ def test_swift_sft_pass_tokens_auto_on_a_full_fine_tune_fits_its_device(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_swift_sft_a_first_oom_keeps_the_speed_of_a_ten_step_epoch(tmp_path, tiny_qwen):
+def test_swift_sft_a_first_oom_keeps_the_speed_of_a_ten_step_epoch(tmp_path, tiny_llama):
     """Issue 56's held-out shape: ``pass_tokens: 1200`` on a device whose memory ends at 900 tokens a pass, one
     problem a row (many rows a pass), 4 x GA 4, 160 rows: a ten-step epoch. The first OOM halves the failing pass;
     the budget grows halfway back after one clean step and settles near the end, so the epoch runs within 1.3x the
@@ -629,7 +630,7 @@ def test_swift_sft_a_first_oom_keeps_the_speed_of_a_ten_step_epoch(tmp_path, tin
         try:
             sdc.register(length_batching={'mode': 'balanced', 'pass_tokens': pass_tokens})
             with OomInjector(token_budget=900) as injector:
-                out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / name), callbacks=['length_batching'],
+                out = run_sft(tiny_llama, 'llama', data, str(tmp_path / name), callbacks=['length_batching'],
                               max_steps=-1, num_train_epochs=1, per_device_train_batch_size=4,
                               gradient_accumulation_steps=4, lora_dropout=0.0, learning_rate=1e-3,
                               lr_scheduler_type='constant', warmup_ratio=0.0, save_steps=1000, max_length=900,
