@@ -230,7 +230,7 @@ def test_balanced_plan_round_trips_and_a_stream_refuses_it():
 # ---- end to end ----------------------------------------------------------------------------------------------
 
 @pytest.mark.e2e
-def test_swift_sft_balanced_steps_keep_the_global_batch(tmp_path, tiny_qwen):
+def test_swift_sft_balanced_steps_keep_the_global_batch(tmp_path, tiny_llama):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
@@ -239,7 +239,7 @@ def test_swift_sft_balanced_steps_keep_the_global_batch(tmp_path, tiny_qwen):
     data = str(write_mixed_length_dataset(tmp_path / 'mixed.jsonl', n=n))
     try:
         sdc.register(length_batching={'mode': 'balanced'}, integration={'record_samples': True})
-        out = run_sft(tiny_qwen, 'qwen2', data, str(tmp_path / 'out'), callbacks=['length_batching'], max_steps=-1,
+        out = run_sft(tiny_llama, 'llama', data, str(tmp_path / 'out'), callbacks=['length_batching'], max_steps=-1,
                       num_train_epochs=1, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                       max_length=2048)
     finally:
