@@ -4,8 +4,8 @@
 accelerate runs ``DistributedType.NO`` and the ranks train separate copies) with the engine's settings from
 :data:`ENGINES`, under a timeout that kills the whole process group. On CPU the ranks are forked from one process that
 imported ms-swift once (``tests/fork_launch.py``: the import is about 12 s of CPU a process on 2 cores); on GPUs
-(``SDC_ENGINE_DEVICE=cuda``) they start under ``torch.distributed.run``. :func:`reference` runs one process over the same
-micro-batches per step (the union of the ranks'), from the same starting weights, with the same LR scales (the
+(``SDC_ENGINE_DEVICE=cuda``) they start under ``torch.distributed.run``. :func:`reference` runs one process over the
+same micro-batches per step (the union of the ranks'), from the same starting weights, with the same LR scales (the
 multi-process run's ``applied_request`` records replayed): the trainable weights of a correct engine equal it.
 """
 
