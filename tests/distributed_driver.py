@@ -321,7 +321,7 @@ def main(spec_path: str) -> None:
             json.dump([wall for wall, _ in timers.last.step_ends], f)
     if injector is not None:
         with open(os.path.join(output_dir, f'rank{rank}.injected.json'), 'w', encoding='utf-8') as f:
-            json.dump({**injector.counts, 'passes': injector.passes}, f)
+            json.dump({**injector.counts, 'passes': injector.passes, 'eval_ooms': injector.eval_ooms}, f)
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():  # a clean shutdown: gloo threads left running can abort exit
         dist.barrier()

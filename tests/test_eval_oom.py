@@ -6,6 +6,7 @@ sft`` runs with ``eval_strategy: steps`` and OOMs injected in eval forwards."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -62,7 +63,10 @@ def test_an_eval_oom_runs_the_batch_in_halves_with_the_whole_batchs_results():
     assert loss.item() == pytest.approx(whole[0].item(), rel=1e-6)
     assert torch.equal(logits, whole[1]) and torch.equal(labels, whole[2])
     assert passes.cap == 2 and passes.oom_count == 2
-    assert [(r.kind, r.values['phase'], r.values['rows']) for r in records] == [('oom', 'eval', 6), ('oom', 'eval', 3)]
+    assert records == []  # written when the eval ends (every rank's: gathered)
+    passes.end_eval()
+    assert [(r.kind, r.values['phase'], r.values['rank'], r.values['rows']) for r in records] == [
+        ('oom', 'eval', 0, 6), ('oom', 'eval', 0, 3)]
     calls.clear()  # later batches: cut in advance to the cap, no OOM
     loss, _, _ = passes.run(None, batch, _predict_mean(2, calls))
     assert calls == [2, 2, 2] and loss.item() == pytest.approx(whole[0].item(), rel=1e-6)
@@ -80,11 +84,63 @@ def test_what_keeps_an_eval_batch_whole(monkeypatch):
     unknown, _ = _eval_passes(loss=LossKind('unknown', 'loss_type: custom', 'not additive'))
     assert 'loss_type: custom' in unknown.begin(SimpleNamespace(args=SimpleNamespace())).values['why']
     from swift_dynamic_callbacks import distributed
-    monkeypatch.setattr(distributed, 'world_size', lambda: 2)  # several processes: off, said at start
-    several, _ = _eval_passes()
-    assert several.begin(SimpleNamespace(args=SimpleNamespace())).values['why'].startswith('2 processes')
+    from swift_dynamic_callbacks.integrations.engines import DDPEngine, DeepSpeedEngineAdapter, FSDP2Engine
+    monkeypatch.setattr(distributed, 'world_size', lambda: 2)  # several processes: on where an eval forward is alone
+    assert _eval_passes(engine=DDPEngine(SimpleNamespace()))[0].begin(SimpleNamespace(args=SimpleNamespace())).reason \
+        == 'on'
+    for engine in (FSDP2Engine, DeepSpeedEngineAdapter):
+        sharded, _ = _eval_passes(engine=engine(SimpleNamespace()))
+        assert sharded.begin(SimpleNamespace(args=SimpleNamespace())).values['why'].startswith(
+            f'{engine.name} on 2 processes: every eval forward enters')
+    monkeypatch.setattr(distributed, 'sequence_parallel_size', lambda: 2)
+    grouped, _ = _eval_passes(engine=DDPEngine(SimpleNamespace()))
+    assert grouped.begin(SimpleNamespace(args=SimpleNamespace())).values['why'].startswith('sequence_parallel_size: 2')
     assert eval_loss_kind(LossKind('token_sum', None, '')).kind == 'token_mean'
     assert eval_loss_kind(LossKind('row_mean', 'x', 'y')).kind == 'row_mean'
+
+
+def _predict_counted(fail_over: int | None, calls: list[int], num_items):
+    """A prediction step as transformers 5's: the loss is the batch's token sum over the count it asks for
+    (``num_items``, the trainer's ``_get_num_items_in_batch``), each row's loss its ids' sum over its label tokens."""
+    def predict(batch):
+        count = num_items([batch])
+        rows = batch['input_ids'].shape[0]
+        calls.append(rows)
+        if fail_over is not None and rows > fail_over:
+            raise torch.OutOfMemoryError('CUDA out of memory (test)')
+        labels = batch['labels'][..., 1:]
+        values = batch['input_ids'][..., 1:].float()
+        return (values * (labels != -100)).sum() / count, None, batch['labels']
+    return predict
+
+
+def test_the_pieces_of_an_eval_batch_share_its_label_count_counted_once():
+    """transformers 5 passes a batch's label count, summed over the ranks (a collective), to its eval loss: every piece
+    of a batch run again gets the whole batch's count, counted once a batch (the ranks stay in step), and the pieces'
+    losses add up to the whole batch's; outside an eval batch (training) a batch's own count."""
+    passes, _ = _eval_passes()
+    passes.begin(SimpleNamespace(args=SimpleNamespace(predict_with_generate=False)))
+    counted = []
+
+    def count(batches):  # HF's count, "gathered": one call a collective
+        counted.append(sum(b['input_ids'].shape[0] for b in batches))
+        return sum(int((b['labels'][..., 1:] != -100).sum()) for b in batches) * 2  # and another rank's as many
+
+    def num_items(batches):
+        return passes.num_items(batches, count)
+
+    batch = _batch()
+    whole = _predict_counted(None, [], lambda batches: count(batches))(batch)
+    counted.clear()
+    calls = []
+    loss, _, labels = passes.run(None, batch, _predict_counted(2, calls, num_items))
+    assert calls == [6, 3, 2, 1, 2, 1] and counted == [6]  # one count a batch, of the whole batch, whatever its pieces
+    assert loss.item() == pytest.approx(whole[0].item(), rel=1e-6) and torch.equal(labels, whole[2])
+    counted.clear()
+    loss, _, _ = passes.run(None, batch, _predict_counted(2, calls, num_items))  # cut in advance: counted once too
+    assert counted == [6] and loss.item() == pytest.approx(whole[0].item(), rel=1e-6)
+    counted.clear()
+    assert passes.num_items([batch], count) == count([batch]) and counted == [6, 6]  # outside eval: each call counts
 
 
 def test_pieces_put_together_by_hand():
@@ -149,3 +205,43 @@ def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_llama):
     [on] = [d for d in records if d['kind'] == 'eval_oom_recovery']
     assert on['reason'] == 'on'
 
+
+
+@pytest.mark.e2e
+@pytest.mark.engines
+@pytest.mark.distributed
+def test_two_processes_an_eval_oom_on_rank_1_changes_no_metric(tmp_path, tiny_llama):
+    """DDP on 2 processes, two evals of 12 rows (6 a rank, batches of 4): rank 1 alone runs out of memory in its first
+    eval forward (4 rows: run as 2 + 2, its batches capped at 2) and in a 2-row piece of the second eval (1 + 1). Each
+    piece gets its batch's label count, counted once a batch on every rank (transformers 5 sums it over the ranks: a
+    rank that made more counts than the others used to put the ranks' collectives out of step and end the run), so
+    the run ends and every eval metric and training loss equals the 2-process run without the OOMs (1e-6); rank 0
+    writes both ``oom`` records with ``rank: 1``."""
+    from engine_runs import assert_engine, run_ranks
+    from swift_dynamic_callbacks.testing.tiny import write_gsm8k_dataset
+    from swift_runs import decisions, read_jsonl
+    data = str(write_gsm8k_dataset(tmp_path / 'train.jsonl', 24))
+    val = str(write_gsm8k_dataset(tmp_path / 'val.jsonl', 12, 'test'))
+    runs = {}
+    for name, faults in (('plain', {}), ('oom', {'1': {'oom_eval_passes': [0, 5]}})):
+        out = run_ranks(str(tmp_path / name), tiny_llama, data, engine='ddp', callbacks=['batch_schedule'],
+                        pack={'batch_schedule': {'schedule': {0: 2}}}, faults=faults, max_steps=4,
+                        per_device_train_batch_size=2, val_dataset=[val], eval_strategy='steps', eval_steps=2,
+                        per_device_eval_batch_size=4, learning_rate=1e-3, lr_scheduler_type='constant')
+        assert_engine(out, 'ddp')
+        lines = read_jsonl(f'{out}/logging.jsonl')
+        runs[name] = ([r for r in lines if 'eval_loss' in r], [r['loss'] for r in lines if 'loss' in r], out)
+    (plain_evals, plain_losses, _), (evals, losses, out) = runs['plain'], runs['oom']
+    assert len(evals) == len(plain_evals) == 2 and losses == pytest.approx(plain_losses, rel=1e-6)
+    for a, b in zip(plain_evals, evals):
+        metrics = [k for k in a if k.startswith('eval_') and not k.endswith(('_runtime', '_per_second'))]
+        assert 'eval_loss' in metrics and 'eval_token_acc' in metrics, a
+        for k in metrics:
+            assert b[k] == pytest.approx(a[k], rel=1e-6), (k, a, b)
+    with open(f'{out}/rank1.injected.json', encoding='utf-8') as f:
+        assert json.load(f)['eval_ooms'] == 2
+    ooms = [d for d in decisions(out) if d['kind'] == 'oom']
+    assert [(d['reason'], d['values']['phase'], d['values']['rank'], d['values']['rows'], d['values']['eval_cap'])
+            for d in ooms] == [('recovered', 'eval', 1, 4, 2), ('recovered', 'eval', 1, 2, 1)]
+    [on] = [d for d in decisions(out) if d['kind'] == 'eval_oom_recovery']
+    assert on['reason'] == 'on'

@@ -51,7 +51,8 @@ class IntegrationCallback(TrainerCallback):
 
     Placed first among the trainer's callbacks, so progress bars and HF's stop rule see its ``max_steps``.
     Hooks: ``on_train_begin`` (marks ``control`` as honoured, sets ``state.max_steps`` for epoch budgets),
-    ``on_step_end`` (epoch end, honest ``state.epoch``, epoch budget), ``on_train_end`` (takes the decision queue;
+    ``on_step_end`` (epoch end, honest ``state.epoch``, epoch budget), ``on_evaluate`` (the eval's OOM records, every
+    rank's), ``on_train_end`` (takes the decision queue;
     the progress bar's total becomes the steps run).
     Flags set: ``should_epoch_stop``, ``should_training_stop``. State: none (the integration owns it).
     """
@@ -66,6 +67,9 @@ class IntegrationCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.integration.after_step(state, control)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.integration.eval_passes.end_eval()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.integration.decisions.drain(control)
@@ -155,6 +159,12 @@ class DynamicTrainerMixin(RunHooks):
     def prediction_step(self, model, inputs, *args, **kwargs):
         predict = lambda part: super(DynamicTrainerMixin, self).prediction_step(model, part, *args, **kwargs)  # noqa: E731
         return self.dynamic_integration.predict(model, inputs, predict)
+
+    # transformers 5 counts a batch's label tokens (summed over the ranks) for its loss, in training and in eval; the
+    # pieces of an eval batch get the whole batch's count, counted once (``EvalPasses.num_items``)
+    def _get_num_items_in_batch(self, batch_samples, device):
+        count = lambda batches: super(DynamicTrainerMixin, self)._get_num_items_in_batch(batches, device)  # noqa: E731
+        return self.dynamic_integration.eval_passes.num_items(batch_samples, count)
 
     # HF counts FLOPs and input tokens per micro-batch slot from its ``input_ids``; a slot of several passes
     # (``PassGroup``) or none (``EmptyMicroBatch``) holds none: count the passes it ran, one by one.

@@ -6,6 +6,8 @@ adapter answers:
 
 - :attr:`Engine.collective_passes`: whether every pass enters the engine's collectives (FSDP2, DeepSpeed), so every
   rank must run the same number of passes in a step (the pack pads a rank's short step with zero-weight passes);
+- :attr:`Engine.eval_alone`: whether one rank may run an eval batch again in halves while the others go on (no
+  collective inside an eval forward: one process, DDP, whose eval runs the unwrapped model);
 - :meth:`Engine.matches` / :meth:`Engine.create`: whether accelerate runs this engine, and its adapter for a run;
 - :meth:`Engine.pass_context`: run this pass with or without the engine's gradient synchronisation;
 - :meth:`Engine.finish_step`: after the step's last pass, reduce the step's gradients (when the engine does not);
@@ -39,6 +41,8 @@ class Engine:
     name: ClassVar[str] = 'single'
     #: every pass enters the engine's collectives: every rank runs the same number of passes a step
     collective_passes: ClassVar[bool] = False
+    #: an eval forward enters no collective: a rank may run an eval batch again in halves alone
+    eval_alone: ClassVar[bool] = True
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer

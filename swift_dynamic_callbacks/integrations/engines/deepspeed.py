@@ -32,6 +32,7 @@ class DeepSpeedEngineAdapter(Engine):
 
     name: ClassVar[str] = 'deepspeed'
     collective_passes: ClassVar[bool] = True
+    eval_alone: ClassVar[bool] = False  # ZeRO-3 gathers parameters in every forward; ZeRO-2's eval not checked
 
     @classmethod
     def matches(cls, kind: str, world: int, accelerator: Any) -> bool:

@@ -31,6 +31,7 @@ class FSDP2Engine(Engine):
 
     name: ClassVar[str] = 'fsdp2'
     collective_passes: ClassVar[bool] = True
+    eval_alone: ClassVar[bool] = False  # every forward gathers the parameters of each sharded unit
 
     @classmethod
     def matches(cls, kind: str, world: int, accelerator: Any) -> bool:
