@@ -100,7 +100,7 @@ def test_what_keeps_an_eval_batch_whole(monkeypatch):
 
 
 def _predict_counted(fail_over: int | None, calls: list[int], num_items):
-    """A prediction step as transformers 5's: the loss is the batch's token sum over the count it asks for
+    """A prediction step as transformers': the loss is the batch's token sum over the count it asks for
     (``num_items``, the trainer's ``_get_num_items_in_batch``), each row's loss its ids' sum over its label tokens."""
     def predict(batch):
         count = num_items([batch])
@@ -115,7 +115,7 @@ def _predict_counted(fail_over: int | None, calls: list[int], num_items):
 
 
 def test_the_pieces_of_an_eval_batch_share_its_label_count_counted_once():
-    """transformers 5 passes a batch's label count, summed over the ranks (a collective), to its eval loss: every piece
+    """transformers passes a batch's label count, summed over the ranks (a collective), to its eval loss: every piece
     of a batch run again gets the whole batch's count, counted once a batch (the ranks stay in step), and the pieces'
     losses add up to the whole batch's; outside an eval batch (training) a batch's own count."""
     passes, _ = _eval_passes()
@@ -213,7 +213,7 @@ def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_llama):
 def test_two_processes_an_eval_oom_on_rank_1_changes_no_metric(tmp_path, tiny_llama):
     """DDP on 2 processes, two evals of 12 rows (6 a rank, batches of 4): rank 1 alone runs out of memory in its first
     eval forward (4 rows: run as 2 + 2, its batches capped at 2) and in a 2-row piece of the second eval (1 + 1). Each
-    piece gets its batch's label count, counted once a batch on every rank (transformers 5 sums it over the ranks: a
+    piece gets its batch's label count, counted once a batch on every rank (transformers sums it over the ranks: a
     rank that made more counts than the others used to put the ranks' collectives out of step and end the run), so
     the run ends and every eval metric and training loss equals the 2-process run without the OOMs (1e-6); rank 0
     writes both ``oom`` records with ``rank: 1``."""

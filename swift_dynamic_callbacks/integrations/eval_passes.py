@@ -8,14 +8,14 @@ keeps the batch's padding, so the shapes match), and the loss as the whole batch
 the uncut batch's. Later eval batches of the run are cut in advance to the largest half that ran (``cap``, saved with
 the pack's state).
 
-The loss. transformers 5 counts an eval batch's label tokens (after the causal shift) before its loss and passes the
-count (``num_items_in_batch``, summed over the ranks: one collective a batch) to the loss, which is then the batch's
+The loss. transformers (4.57.6 and 5) counts an eval batch's label tokens before its loss and passes the count
+(``num_items_in_batch``, summed over the ranks: one collective a batch) to the loss, which is then the batch's
 token sum over that count. Each piece of a batch is given the whole batch's count, counted once, when the first piece
 asks (:meth:`EvalPasses.num_items`, through the trainer mixin's ``_get_num_items_in_batch``): the pieces' losses add up
 to the whole batch's, and every rank makes one count collective a batch whatever its pieces, so a rank that runs a
 batch again in halves stays in step with the others (DDP: its eval forwards enter no other collective). Where no count
-is passed (transformers 4.57, a loss that is a mean whatever the count: label smoothing, sequence classification) the
-loss is a mean over the piece's label tokens or rows, and the pieces are weighted by their share.
+is passed (a model that takes no loss arguments) or the loss is a mean whatever the count (label smoothing, sequence
+classification), it is a mean over the piece's label tokens or rows, and the pieces are weighted by their share.
 
 Where a batch cannot be cut with the same results it is not (recovery off, said once at train start in an
 ``eval_oom_recovery`` record, and an eval OOM ends the run as before): generation (``predict_with_generate``: halves
@@ -50,9 +50,9 @@ Prediction = tuple[Any, Any, Any]
 
 def eval_loss_kind(training: LossKind, counted: bool = False) -> LossKind:
     """The kind of the loss an eval batch returns: a training token sum is normalised by ``num_items_in_batch``; where
-    eval passes none (``counted`` false: transformers 4.57) the model averages over the batch's label tokens
-    (``token_mean``, shifted for a causal LM), where it passes the batch's count the loss stays a token sum over a
-    given count; a mean over tokens or rows stays one; ``unknown`` stays unknown."""
+    eval passes the batch's count (``counted``) it stays a token sum over a given count, where it passes none the
+    model averages over the batch's label tokens (``token_mean``, shifted for a causal LM); a mean over tokens or rows
+    stays one; ``unknown`` stays unknown."""
     if training.kind == 'token_sum' and not counted:
         return LossKind('token_mean', training.setting, training.why, shift=True)
     return training

@@ -160,7 +160,7 @@ class DynamicTrainerMixin(RunHooks):
         predict = lambda part: super(DynamicTrainerMixin, self).prediction_step(model, part, *args, **kwargs)  # noqa: E731
         return self.dynamic_integration.predict(model, inputs, predict)
 
-    # transformers 5 counts a batch's label tokens (summed over the ranks) for its loss, in training and in eval; the
+    # transformers counts a batch's label tokens (summed over the ranks) for its loss, in training and in eval; the
     # pieces of an eval batch get the whole batch's count, counted once (``EvalPasses.num_items``)
     def _get_num_items_in_batch(self, batch_samples, device):
         count = lambda batches: super(DynamicTrainerMixin, self)._get_num_items_in_batch(batches, device)  # noqa: E731
