@@ -150,11 +150,18 @@ def test_pieces_put_together_by_hand():
     assert loss.item() == pytest.approx(0.25 * 2 + 0.75 * 5)
     assert logits.shape == (3, 3) and labels[0].shape == (3, 2) and labels[1][0].tolist() == [1.0, 1.0]
     assert put_together([(None, None, None), (None, None, None)], None) == (None, None, None)
+    # pieces whose logits ms-swift kept from their own first label position on: padded at the end with -100, as HF
+    # pads eval batches of other lengths (a row's logits and labels alike)
+    short = (torch.tensor(1.0), torch.ones(1, 2, 4), torch.tensor([[-100, 7]]))
+    long = (torch.tensor(1.0), torch.zeros(2, 3, 4), torch.tensor([[-100, -100, 5], [-100, 6, 8]]))
+    _, logits, labels = put_together([short, long], [0.5, 0.5])
+    assert logits.shape == (3, 3, 4) and (logits[0, 2] == -100).all() and (logits[0, :2] == 1).all()
+    assert labels.tolist() == [[-100, 7, -100], [-100, -100, 5], [-100, 6, 8]]
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------------
 
-def _run(model, data, val, out, injector_kwargs):
+def _run(model, data, val, out, injector_kwargs, **sft):
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks.integrations import swift as plugin
     from swift_dynamic_callbacks.testing.faults import OomInjector
@@ -164,17 +171,20 @@ def _run(model, data, val, out, injector_kwargs):
         with OomInjector(**injector_kwargs) as injector:
             run_sft(model, 'llama', data, out, callbacks=['batch_schedule'], max_steps=4,
                     per_device_train_batch_size=4, val_dataset=[val], eval_strategy='steps', eval_steps=2,
-                    per_device_eval_batch_size=4, learning_rate=1e-3, lr_scheduler_type='constant')
+                    per_device_eval_batch_size=4, learning_rate=1e-3, lr_scheduler_type='constant', **sft)
     finally:
         plugin.unregister()
     return injector
 
 
 @pytest.mark.e2e
-def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_llama):
+@pytest.mark.parametrize('eval_metric', [None, 'acc'])
+def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_llama, eval_metric):
     """Two evals of 12 rows in batches of 4; OOMs injected in the first eval's first forward and the second eval's
     second: the run ends, every eval metric and every training loss equal the run without them (1e-6), one ``oom``
-    record ``phase: eval`` each, and later batches run at the cap each OOM set (2 rows, then 1)."""
+    record ``phase: eval`` each, and later batches run at the cap each OOM set (2 rows, then 1). With ``eval_metric:
+    acc`` the batches' logits are kept for the metric, each piece's as long as ms-swift keeps it (from the piece's own
+    first label position on): the pieces used to fail to concatenate, ending the run."""
     from swift_dynamic_callbacks.testing.tiny import write_gsm8k_dataset
     from swift_runs import decisions, read_jsonl
     data = str(write_gsm8k_dataset(tmp_path / 'train.jsonl', 24))
@@ -182,7 +192,7 @@ def test_swift_sft_eval_ooms_change_no_metric(tmp_path, tiny_llama):
     runs = {}
     for name, faults in (('plain', {}), ('oom', {'eval_passes': (0, 8)})):
         out = str(tmp_path / name)
-        injector = _run(tiny_llama, data, val, out, faults)
+        injector = _run(tiny_llama, data, val, out, faults, eval_metric=eval_metric)
         lines = read_jsonl(f'{out}/logging.jsonl')
         runs[name] = ([r for r in lines if 'eval_loss' in r], [r['loss'] for r in lines if 'loss' in r], injector,
                       decisions(out))
@@ -227,7 +237,8 @@ def test_two_processes_an_eval_oom_on_rank_1_changes_no_metric(tmp_path, tiny_ll
         out = run_ranks(str(tmp_path / name), tiny_llama, data, engine='ddp', callbacks=['batch_schedule'],
                         pack={'batch_schedule': {'schedule': {0: 2}}}, faults=faults, max_steps=4,
                         per_device_train_batch_size=2, val_dataset=[val], eval_strategy='steps', eval_steps=2,
-                        per_device_eval_batch_size=4, learning_rate=1e-3, lr_scheduler_type='constant')
+                        per_device_eval_batch_size=4, learning_rate=1e-3, lr_scheduler_type='constant',
+                        eval_metric='acc')  # logits kept: each rank's pieces padded, then HF pads across the ranks
         assert_engine(out, 'ddp')
         lines = read_jsonl(f'{out}/logging.jsonl')
         runs[name] = ([r for r in lines if 'eval_loss' in r], [r['loss'] for r in lines if 'loss' in r], out)

@@ -3,8 +3,9 @@
 HF's ``prediction_step`` returns, for one eval batch, its loss, its logits and its labels. When it raises an OOM,
 :class:`EvalPasses` frees memory and runs the batch as two halves of rows (cut by the run's input kind, as training
 passes are: a Qwen-VL batch at its rows' images), each half again in halves if it runs out of memory too, down to one
-row; the halves' results are put together as the whole batch's: logits and labels concatenated along the rows (a half
-keeps the batch's padding, so the shapes match), and the loss as the whole batch's loss. Metrics computed from them are
+row; the halves' results are put together as the whole batch's: logits and labels concatenated along the rows (padded at
+the end to the longest piece's, as HF pads batches of other lengths: ms-swift keeps a piece's logits from its first
+label position on), and the loss as the whole batch's loss. Metrics computed from them are
 the uncut batch's. Later eval batches of the run are cut in advance to the largest half that ran (``cap``, saved with
 the pack's state).
 
@@ -77,12 +78,30 @@ def _concat(values: Sequence[Any]) -> Any:
         return None
     first = values[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(list(values), dim=0)
+        return torch.cat(_padded(values), dim=0)
     if isinstance(first, (tuple, list)):
         return type(first)(_concat([v[i] for v in values]) for i in range(len(first)))
     if isinstance(first, Mapping):
         return {k: _concat([v[k] for v in values]) for k in first}
     raise TypeError(f'cannot put an eval batch\'s pieces together: a result of type {type(first).__name__}')
+
+
+def _padded(tensors: Sequence[torch.Tensor], value: int = -100) -> list[torch.Tensor]:
+    """``tensors`` padded at the end of every dimension but the rows to the largest, with ``value`` (-100: what HF's
+    evaluation loop pads batches of other lengths with). A piece's logits and labels can be shorter than the whole
+    batch's: ms-swift keeps the logits from the first label position of the piece's rows on (``logits_to_keep``; one
+    row: its label positions only); a row's logits and labels are padded alike, so every metric that compares them
+    position by position and skips -100 labels is the uncut batch's."""
+    if len({t.shape[1:] for t in tensors}) <= 1:
+        return list(tensors)
+    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    out = []
+    for t in tensors:
+        pad: list[int] = []
+        for d in reversed(range(1, t.dim())):
+            pad += [0, shape[d - 1] - t.shape[d]]
+        out.append(torch.nn.functional.pad(t, pad, value=value))
+    return out
 
 
 class EvalPasses:
