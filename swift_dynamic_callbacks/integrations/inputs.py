@@ -7,7 +7,7 @@ The loader collates on the host. Before the step's first pass, every batch of th
    flex_attention's filler are built there too);
 2. left without its ``attention_mask`` when every row has the same length (the mask is all ones): the model then
    builds its plain causal mask, and sdpa takes its causal fast path instead of a dense masked one; the loss is the
-   same (kept under sequence parallelism and where HF counts input tokens by the mask: ``mask_free``);
+   same (kept under sequence parallelism and where HF counts input tokens by the mask: :func:`mask_may_go`);
 3. copied to the training device from pinned memory without blocking (CUDA only). HF's ``training_step`` would
    otherwise copy each tensor of each micro-batch from pageable memory, and each such copy waits for the device to
    finish its queue: a synchronisation per tensor per micro-batch. Already on the device, HF's own copy does nothing.
@@ -24,6 +24,17 @@ import torch
 from ..data.slots import EmptyMicroBatch, PassGroup
 from .input_kinds import InputKind
 from .padding_free import PackedBatch, flatten_rows
+
+
+def mask_may_go(args: Any) -> bool:
+    """Whether an all-ones ``attention_mask`` may be dropped (step 2 of the module docstring): not under sequence
+    parallelism (transformers would read the split rows' positions as packed rows), nor where HF counts input tokens by
+    the mask (``include_num_input_tokens_seen: non_padding``: without it HF counts the tokens that are not the pad
+    token, and a model whose pad token is a real one, as SmolLM2's ``<|im_end|>``, would count fewer than without the
+    pack)."""
+    from .. import distributed
+    return (distributed.sequence_parallel_size() == 1
+            and getattr(args, 'include_num_input_tokens_seen', 'no') != 'non_padding')
 
 
 def prepare_slot(slot: Any, *, padding_free: bool, device: torch.device | None, attention: str = 'sdpa',

@@ -40,7 +40,7 @@ from .decisions import Decisions
 from .engines import Engine
 from .eval_passes import EvalPasses
 from .grpo_passes import GrpoPasses
-from .inputs import prepare_slot, to_device
+from .inputs import mask_may_go, prepare_slot, to_device
 from .layout import Layout
 from .optimizer import OptimizerScale
 from .lr import LRControl
@@ -300,12 +300,7 @@ class Integration:
         self.metrics.count([batch for _, slot in pairs for batch in slot_batches(slot)],
                            padding_free=self.runner.padding_free)
         target = trainer.args.device if trainer.args.device.type == 'cuda' else None
-        # An all-ones mask is dropped (sdpa's causal fast path), except under sequence parallelism (transformers would
-        # read the split rows' positions as packed rows) and where HF counts input tokens by the mask
-        # (``include_num_input_tokens_seen: non_padding``: without it HF counts the tokens that are not the pad token,
-        # and a model whose pad token is a real one, as SmolLM2's <|im_end|>, would count fewer than without the pack)
-        mask_free = (distributed.sequence_parallel_size() == 1
-                     and getattr(trainer.args, 'include_num_input_tokens_seen', 'no') != 'non_padding')
+        mask_free = mask_may_go(trainer.args)
         pairs = [(indices, prepare_slot(slot, padding_free=self.runner.padding_free,
                                                  attention=self.attention.kernel, device=target,
                                                  kind=self.runner.kind, mask_free=mask_free))
