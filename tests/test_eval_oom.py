@@ -16,10 +16,13 @@ from swift_dynamic_callbacks.integrations.eval_passes import EvalPasses, eval_lo
 from swift_dynamic_callbacks.integrations.loss_kind import LossKind
 
 
-def _predict_mean(fail_over: int | None, calls: list[int]):
-    """A prediction step whose loss is the mean over the batch's label tokens after the causal shift (as a causal
-    LM's eval loss), logits the ids as floats; an OOM for a batch of more than ``fail_over`` rows."""
+def _predict_mean(fail_over: int | None, calls: list[int], num_items=None):
+    """A prediction step whose loss is the token sum over the batch's label tokens after the causal shift divided by
+    their count (the mean, as a causal LM's eval loss without a count) or, with ``num_items`` (the trainer's
+    ``_get_num_items_in_batch``, asked first, as transformers does), by the count it gives; logits the ids as floats;
+    an OOM for a batch of more than ``fail_over`` rows."""
     def predict(batch):
+        count = num_items([batch]) if num_items is not None else None
         rows = batch['input_ids'].shape[0]
         calls.append(rows)
         if fail_over is not None and rows > fail_over:
@@ -27,7 +30,7 @@ def _predict_mean(fail_over: int | None, calls: list[int]):
         labels = batch['labels'][..., 1:]
         values = batch['input_ids'][..., 1:].float()
         mask = labels != -100
-        loss = (values * mask).sum() / mask.sum()
+        loss = (values * mask).sum() / (mask.sum() if count is None else count)
         return loss, batch['input_ids'].float() * 2, batch['labels']
     return predict
 
@@ -99,21 +102,6 @@ def test_what_keeps_an_eval_batch_whole(monkeypatch):
     assert eval_loss_kind(LossKind('row_mean', 'x', 'y')).kind == 'row_mean'
 
 
-def _predict_counted(fail_over: int | None, calls: list[int], num_items):
-    """A prediction step as transformers': the loss is the batch's token sum over the count it asks for
-    (``num_items``, the trainer's ``_get_num_items_in_batch``), each row's loss its ids' sum over its label tokens."""
-    def predict(batch):
-        count = num_items([batch])
-        rows = batch['input_ids'].shape[0]
-        calls.append(rows)
-        if fail_over is not None and rows > fail_over:
-            raise torch.OutOfMemoryError('CUDA out of memory (test)')
-        labels = batch['labels'][..., 1:]
-        values = batch['input_ids'][..., 1:].float()
-        return (values * (labels != -100)).sum() / count, None, batch['labels']
-    return predict
-
-
 def test_the_pieces_of_an_eval_batch_share_its_label_count_counted_once():
     """transformers passes a batch's label count, summed over the ranks (a collective), to its eval loss: every piece
     of a batch run again gets the whole batch's count, counted once a batch (the ranks stay in step), and the pieces'
@@ -130,14 +118,14 @@ def test_the_pieces_of_an_eval_batch_share_its_label_count_counted_once():
         return passes.num_items(batches, count)
 
     batch = _batch()
-    whole = _predict_counted(None, [], lambda batches: count(batches))(batch)
+    whole = _predict_mean(None, [], lambda batches: count(batches))(batch)
     counted.clear()
     calls = []
-    loss, _, labels = passes.run(None, batch, _predict_counted(2, calls, num_items))
+    loss, _, labels = passes.run(None, batch, _predict_mean(2, calls, num_items))
     assert calls == [6, 3, 2, 1, 2, 1] and counted == [6]  # one count a batch, of the whole batch, whatever its pieces
     assert loss.item() == pytest.approx(whole[0].item(), rel=1e-6) and torch.equal(labels, whole[2])
     counted.clear()
-    loss, _, _ = passes.run(None, batch, _predict_counted(2, calls, num_items))  # cut in advance: counted once too
+    loss, _, _ = passes.run(None, batch, _predict_mean(2, calls, num_items))  # cut in advance: counted once too
     assert counted == [6] and loss.item() == pytest.approx(whole[0].item(), rel=1e-6)
     counted.clear()
     assert passes.num_items([batch], count) == count([batch]) and counted == [6, 6]  # outside eval: each call counts

@@ -3,11 +3,11 @@
 HF's ``prediction_step`` returns, for one eval batch, its loss, its logits and its labels. When it raises an OOM,
 :class:`EvalPasses` frees memory and runs the batch as two halves of rows (cut by the run's input kind, as training
 passes are: a Qwen-VL batch at its rows' images), each half again in halves if it runs out of memory too, down to one
-row; the halves' results are put together as the whole batch's: logits and labels concatenated along the rows (padded at
-the end to the longest piece's, as HF pads batches of other lengths: ms-swift keeps a piece's logits from its first
-label position on), and the loss as the whole batch's loss. Metrics computed from them are
-the uncut batch's. Later eval batches of the run are cut in advance to the largest half that ran (``cap``, saved with
-the pack's state).
+row; the halves' results are put together as the whole batch's: logits and labels concatenated along the rows
+(padded at the end to the longest piece's, as HF pads batches of other lengths: ms-swift keeps a piece's logits from
+its first label position on), and the loss as the whole batch's loss. Metrics computed from them are the uncut
+batch's. Later eval batches of the run are cut in advance to the largest half that ran (``cap``, saved with the pack's
+state).
 
 The loss. transformers (4.57.6 and 5) counts an eval batch's label tokens before its loss and passes the count
 (``num_items_in_batch``, summed over the ranks: one collective a batch) to the loss, which is then the batch's
@@ -120,8 +120,7 @@ class EvalPasses:
         self.off: str | None = 'not started'  # why recovery is off (None: on)
         self.cap: int | None = None  # the most rows an eval pass holds after an OOM (None: the batch's)
         self.oom_count = 0
-        self.training_loss = LossKind('token_sum', None, '')
-        self.loss = LossKind('token_mean', None, '', shift=True)
+        self.training_loss = LossKind('token_sum', None, '')  # the run's (its eval kind: :func:`eval_loss_kind`)
         self._whole: Any = None  # the eval batch being run (None: none), whose pieces share its label count
         self._count: tuple[Any] | None = None  # that batch's count, once counted (a 1-tuple: the count may be None)
         self.pending: list[DecisionRecord] = []  # this rank's ``oom`` records of the eval under way
@@ -131,13 +130,13 @@ class EvalPasses:
         from .. import distributed
         args = trainer.args
         self.training_loss = self.runner.loss
-        self.loss = eval_loss_kind(self.runner.loss)
+        loss = eval_loss_kind(self.runner.loss)
         engine = getattr(self.runner, 'engine', None)
         off = None
         if getattr(args, 'predict_with_generate', False):
             off = 'predict_with_generate: the halves of a batch would generate to different lengths'
-        elif not self.loss.splittable:
-            off = f'{self.loss.setting}: {self.loss.why}'
+        elif not loss.splittable:
+            off = f'{loss.setting}: {loss.why}'
         elif self.runner.split_refusal() is not None:
             off = self.runner.split_refusal()
         elif distributed.world_size() > 1 and engine is not None and not engine.eval_alone:
