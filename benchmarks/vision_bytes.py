@@ -17,6 +17,8 @@ Usage (transformers' model classes only: no processor, no torchvision; about 10 
     python scripts/bench_vision_bytes.py --arch qwen3_5 --tower trained --depth 4
     python scripts/bench_vision_bytes.py --device cuda --dtype bfloat16 --layers 28 --depth 32 --vocab 151936 \
         --tokens 4096                                          # on a GPU: the towers' real depths, the allocator
+    python scripts/bench_vision_bytes.py --reprice LOG --dtype bfloat16 --layers 28 --depth 32 --vocab 151936 \
+        --tokens 4096                                          # a run's output priced by the cost model as it is now
 """
 
 from __future__ import annotations
@@ -43,12 +45,41 @@ PASSES: dict[str, tuple[list[tuple[int, int]], list[tuple[int, int, int]]]] = {
 #: language model: Qwen2.5-1.5B's layer widths (the shape :mod:`.activation_bytes` measures); vision towers: the
 #: families' own (every size of a family shares its tower)
 TEXT = dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2)
+#: Qwen3.5's Gated DeltaNet widths (its linear-attention layers)
+LINEAR = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32)
 VISION = {
     'qwen2_5_vl': dict(hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
                        temporal_patch_size=2, window_size=112),
     'qwen3_5': dict(hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, spatial_merge_size=2,
                     temporal_patch_size=2, num_position_embeddings=2304),
 }
+
+
+def layer_types(arch: str, layers: int) -> list[str]:
+    """The decoder's layer types: Qwen3.5's every fourth and its last full attention, the others linear."""
+    if arch != 'qwen3_5':
+        return ['full_attention'] * layers
+    return ['full_attention' if i % 4 == 3 or i == layers - 1 else 'linear_attention' for i in range(layers)]
+
+
+def price(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``result`` (one arm's, measured or read back from a log) priced by the cost model as it is now: the language
+    model's ``bytes_per_token`` at the run's shape and dtype, the tower's ``vision_bytes_per_token`` (from the arm's
+    recorded ``vision_shape``) and their ratio, the ``vision_token_cost``."""
+    from swift_dynamic_callbacks.policies.pass_cost import bytes_per_token, vision_bytes_per_token, vision_token_cost
+    dtype_bytes = 2 if args.dtype == 'bfloat16' else 4
+    linear = layer_types(result['arch'], args.layers).count('linear_attention')
+    width = (2 * LINEAR['linear_num_key_heads'] * LINEAR['linear_key_head_dim']
+             + LINEAR['linear_num_value_heads'] * LINEAR['linear_value_head_dim']) if linear else 0
+    per_token = bytes_per_token(hidden=TEXT['hidden_size'], intermediate=TEXT['intermediate_size'],
+                                layers=args.layers, vocab=args.vocab, dtype_bytes=dtype_bytes, checkpointing=False,
+                                linear_layers=linear, linear_width=width)
+    shape = result['vision_shape']
+    vision = vision_bytes_per_token(width=shape['width'], intermediate=shape['intermediate'], depth=shape['depth'],
+                                    gated=shape['gated'], merge=shape['merge'], out_width=TEXT['hidden_size'],
+                                    dtype_bytes=dtype_bytes, checkpointing=False, trained=result['tower'] == 'trained')
+    return {**result, 'vision_token_cost': vision_token_cost(vision, per_token), 'bytes_per_token': per_token,
+            'vision_bytes_per_token': vision}
 
 
 def build(arch: str, tower: str, args: argparse.Namespace) -> Any:
@@ -68,10 +99,7 @@ def build(arch: str, tower: str, args: argparse.Namespace) -> Any:
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
         model_cls = transformers.Qwen2_5_VLForConditionalGeneration
     else:  # Qwen3.5: linear attention (Gated DeltaNet), every fourth layer and the last full attention
-        layers = ['full_attention' if i % 4 == 3 or i == args.layers - 1 else 'linear_attention'
-                  for i in range(args.layers)]
-        text.update(head_dim=128, layer_types=layers, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-                    linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        text.update(head_dim=128, layer_types=layer_types(arch, args.layers), linear_conv_kernel_dim=4, **LINEAR,
                     rope_parameters={'rope_type': 'default', 'rope_theta': 1e7, 'partial_rotary_factor': 0.25,
                                      'mrope_section': [11, 11, 10], 'mrope_interleaved': True})
         config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **ids)
@@ -132,7 +160,6 @@ def measure(arch: str, tower: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.activation_bytes import peak_mode
     from swift_dynamic_callbacks.config.models import vision_shape_of
-    from swift_dynamic_callbacks.policies.pass_cost import bytes_per_token, vision_bytes_per_token, vision_token_cost
     model = build(arch, tower, args)
     out: dict[str, Any] = {'arch': arch, 'tower': tower, 'tokens': args.tokens, 'passes': {}}
 
@@ -161,22 +188,9 @@ def measure(arch: str, tower: str, args: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize()
             out['passes'][name]['cuda_peak_mib'] = (torch.cuda.max_memory_allocated() - before) / 2**20
-    config = model.base_model.model.config
-    dtype_bytes = 2 if args.dtype == 'bfloat16' else 4
-    text = config.text_config
-    linear = list(getattr(text, 'layer_types', None) or ()).count('linear_attention')
-    width = 2 * getattr(text, 'linear_num_key_heads', 0) * getattr(text, 'linear_key_head_dim', 0) + getattr(
-        text, 'linear_num_value_heads', 0) * getattr(text, 'linear_value_head_dim', 0) if linear else 0
-    per_token = bytes_per_token(hidden=text.hidden_size, intermediate=text.intermediate_size,
-                                layers=text.num_hidden_layers, vocab=text.vocab_size, dtype_bytes=dtype_bytes,
-                                checkpointing=False, linear_layers=linear, linear_width=width)
-    shape = vision_shape_of(config)
-    vision = vision_bytes_per_token(width=shape.width, intermediate=shape.intermediate, depth=shape.depth,
-                                    gated=shape.gated, merge=shape.merge, out_width=text.hidden_size,
-                                    dtype_bytes=dtype_bytes, checkpointing=False, trained=tower == 'trained')
-    out.update(vision_token_cost=vision_token_cost(vision, per_token), vision_shape=shape.__dict__,
-               bytes_per_token=per_token, vision_bytes_per_token=vision)
-    return out
+    shape = vision_shape_of(model.base_model.model.config)
+    out['vision_shape'] = shape.__dict__
+    return price(out, args)
 
 
 def table(results: list[dict[str, Any]], key: str = 'peak_mib') -> str:
@@ -237,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--device', choices=('cpu', 'cuda'), default='cpu',
                         help="cuda: the CUDA allocator's peak is measured beside the storages' (a second table)")
     parser.add_argument('--json', default=None, help='also write the raw figures to this file')
+    parser.add_argument('--reprice', default=None, metavar='LOG',
+                        help="measure nothing: read a run's '[vision-bytes]' lines from LOG (its output) and print "
+                             "its tables priced by the cost model as it is now (give the run's --layers --vocab "
+                             "--dtype --tokens)")
     parser.add_argument('--child', nargs=2, metavar=('ARCH', 'TOWER'), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -245,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 640:
         parser.error(f'--tokens: at least 640 (a pass holds up to 512 media tokens and their markers), got '
                      f'{args.tokens}')
+    if args.reprice:
+        with open(args.reprice, encoding='utf-8') as f:
+            results = [price(json.loads(x.split(' ', 1)[1]), args) for x in f if x.startswith('[vision-bytes] ')]
+        return report(results, args)
     from benchmarks.common import machine_lines
     print('\n'.join(machine_lines(sys.argv, args.device)))
     print(f'\nLanguage model: hidden {TEXT["hidden_size"]}, intermediate {TEXT["intermediate_size"]}, {args.layers} '
@@ -264,8 +286,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results.append(json.loads(lines[-1].split(' ', 1)[1]))
             print(lines[-1], flush=True)
+    return report(results, args)
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> int:
+    """The tables of ``results`` (the allocator's too where they hold it), and ``--json``."""
     print(table(results))
-    if args.device == 'cuda':
+    if any('cuda_peak_mib' in r['passes']['text'] for r in results):
         print('\nThe CUDA allocator\'s peak (max_memory_allocated over what was allocated before the pass):\n')
         print(table(results, 'cuda_peak_mib'))
     print()

@@ -350,15 +350,19 @@ def test_auto_reads_a_moe_shape():
 
 def test_a_linear_attention_layer_holds_more_a_token_by_hand():
     """Qwen3.5's Gated DeltaNet layers (3 of 4) hold their widths ``2 x keys + values`` x the fitted factor beyond a
-    full-attention layer; with checkpointing the one layer recomputed is the larger."""
+    full-attention layer, in fp32 whatever the model's dtype (transformers' torch path computes them in fp32); with
+    checkpointing the one layer recomputed is the larger."""
     from swift_dynamic_callbacks.policies.pass_cost import LINEAR_ATTENTION_WIDTHS
     shape = dict(hidden=4096, intermediate=12288, layers=32, vocab=248320, dtype_bytes=2)
     layer, width = (10 * 4096 + 4 * 12288) * 2, 2 * 16 * 128 + 32 * 128
     full = bytes_per_token(**shape, checkpointing=False)
     hybrid = bytes_per_token(**shape, checkpointing=False, linear_layers=24, linear_width=width)
-    assert hybrid - full == 24 * LINEAR_ATTENTION_WIDTHS * width * 2
+    assert hybrid - full == 24 * LINEAR_ATTENTION_WIDTHS * width * 4
     assert bytes_per_token(**shape, checkpointing=True, linear_layers=24, linear_width=width) == (
-        18 * 248320 + 32 * 4096 * 2 + layer + LINEAR_ATTENTION_WIDTHS * width * 2)
+        18 * 248320 + 32 * 4096 * 2 + layer + LINEAR_ATTENTION_WIDTHS * width * 4)
+    in_fp32 = bytes_per_token(**{**shape, 'dtype_bytes': 4}, checkpointing=False, linear_layers=24,
+                              linear_width=width) - bytes_per_token(**{**shape, 'dtype_bytes': 4}, checkpointing=False)
+    assert in_fp32 == hybrid - full  # the linear layers' extra does not halve in bf16
     assert bytes_per_token(**shape, checkpointing=False, linear_width=width) == full  # no linear layer: no term
 
 

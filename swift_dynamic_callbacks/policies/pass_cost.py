@@ -161,8 +161,13 @@ def budget_after_step(state: BudgetState, ceiling: int, *, fitted: int = 0, grow
 
 #: a linear-attention layer's bytes a token beyond a full-attention layer's, in its widths ``2 x keys + values``
 #: (:func:`bytes_per_token`): fitted by the storage counter of ``scripts/bench_vision_bytes.py`` on text passes of the
-#: Qwen3.5 shape (CPU, transformers' torch Gated DeltaNet: chunked, with each chunk's recurrent state kept)
+#: Qwen3.5 shape (CPU, fp32, transformers' torch Gated DeltaNet: chunked, with each chunk's recurrent state kept)
 LINEAR_ATTENTION_WIDTHS = 11
+#: the bytes of an element of those widths, whatever the model's dtype: transformers' torch Gated DeltaNet
+#: (``torch_chunk_gated_delta_rule``, its gated norm too) computes in fp32. Counted in the model's dtype, a bf16
+#: Qwen3.5 held 1.50 x ``bytes_per_token`` on an H200 (28 layers, 21 of them linear); counted in fp32, 1.07 x (the
+#: Qwen2.5 shape there: 1.15 x)
+LINEAR_ATTENTION_DTYPE_BYTES = 4
 
 
 def bytes_per_token(*, hidden: int, intermediate: int, layers: int, vocab: int, dtype_bytes: int,
@@ -175,10 +180,12 @@ def bytes_per_token(*, hidden: int, intermediate: int, layers: int, vocab: int, 
     recomputed). Calibrated on one point (Qwen2.5-1.5B shape, bf16, sdpa, LoRA, a 16,384-token pass: 81.7 GiB peak on
     an H200; this gives 5.6 MB a token, 92 GB); the weights, their gradients and the optimizer are not per token.
     ``linear_layers`` of the ``layers`` are linear attention (Qwen3.5's Gated DeltaNet, ``linear_width`` = 2 x its
-    key width + its value width): each holds :data:`LINEAR_ATTENTION_WIDTHS` x ``linear_width`` more.
+    key width + its value width): each holds :data:`LINEAR_ATTENTION_WIDTHS` x ``linear_width`` more, in fp32
+    (:data:`LINEAR_ATTENTION_DTYPE_BYTES`) whatever ``dtype_bytes``.
     """
     layer = (10 * hidden + 4 * intermediate) * dtype_bytes
-    linear = layer + LINEAR_ATTENTION_WIDTHS * linear_width * dtype_bytes if linear_layers else layer
+    extra = LINEAR_ATTENTION_WIDTHS * linear_width * LINEAR_ATTENTION_DTYPE_BYTES
+    linear = layer + extra if linear_layers else layer
     if checkpointing:
         kept = layers * hidden * dtype_bytes + max(layer, linear)
     else:
