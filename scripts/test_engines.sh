@@ -8,7 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 VENV=$VENV bash scripts/setup_env.sh
-"$VENV/bin/python" -m pip install -q 'torch==2.13.0' -e '.[deepspeed]'
+compile=()  # PIP_SKIP_COMPILE=1: as in scripts/setup_env.sh
+if [ "${PIP_SKIP_COMPILE:-0}" = 1 ]; then compile=(--no-compile); fi
+"$VENV/bin/python" -m pip install -q "${compile[@]}" 'torch==2.13.0' -e '.[deepspeed]'
 "$VENV/bin/python" -c 'import deepspeed' 2>/dev/null || { echo "deepspeed failed to import" >&2; exit 1; }
 # a test a worker (test_engines.py's module fixture that several tests copy is built once: engine_runs.build_once)
 source scripts/pytest_env.sh load

@@ -37,7 +37,9 @@ if [ ! -x "$TF457_VENV/bin/python" ]; then
 fi
 if ! pins_ok; then
   "$TF457_VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  "$TF457_VENV/bin/python" -m pip install -q "${PINS[@]}"
+  compile=()  # PIP_SKIP_COMPILE=1: as in scripts/setup_env.sh
+  if [ "${PIP_SKIP_COMPILE:-0}" = 1 ]; then compile=(--no-compile); fi
+  "$TF457_VENV/bin/python" -m pip install -q "${compile[@]}" "${PINS[@]}"
 fi
 if [ "${TF457_SETUP_ONLY:-0}" = 1 ]; then  # the pins only: the pack's own editable install writes into this checkout
   "$TF457_VENV/bin/python" -m pip check

@@ -36,7 +36,9 @@ if [ ! -x "$VL_VENV/bin/python" ]; then
 fi
 if ! pins_ok; then
   "$VL_VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  "$VL_VENV/bin/python" -m pip install -q "${PINS[@]}"
+  compile=()  # PIP_SKIP_COMPILE=1: as in scripts/setup_env.sh
+  if [ "${PIP_SKIP_COMPILE:-0}" = 1 ]; then compile=(--no-compile); fi
+  "$VL_VENV/bin/python" -m pip install -q "${compile[@]}" "${PINS[@]}"
 fi
 if [ "${VL_SETUP_ONLY:-0}" = 1 ]; then  # the pins only: the pack's own editable install writes into this checkout
   "$VL_VENV/bin/python" -c 'import torchvision.ops, qwen_vl_utils'
