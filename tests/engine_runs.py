@@ -59,7 +59,7 @@ def launch(workdir: str, spec: dict[str, Any], *, nproc: int, timeout: int = TIM
     spec_path = os.path.join(workdir, 'spec.json')
     with open(spec_path, 'w', encoding='utf-8') as f:
         json.dump(spec, f)
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false',
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false', 'PYTHONUNBUFFERED': '1',
            'PYTHONPATH': os.pathsep.join(p for p in (HERE, os.environ.get('PYTHONPATH')) if p)}
     if nproc > 1 and DEVICE == 'cpu':  # the ranks forked after one import of ms-swift (tests/fork_launch.py)
         command = [sys.executable, FORK_LAUNCH, str(nproc), str(free_port()), spec_path]

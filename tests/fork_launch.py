@@ -4,10 +4,11 @@
 of CPU a process on a 2-core machine: most of a short engine run's start), then forks ``NPROC`` ranks that each set
 the environment ``torch.distributed.run`` gives a worker (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and run ``distributed_driver.main(SPEC)``. Like
-``torch.distributed.run``, the first rank to fail makes it stop the others (SIGTERM, then SIGKILL after 30 s) and
-exit non-zero. Used by ``engine_runs.launch`` on CPU only (the GPU engine runs keep ``torch.distributed.run``: no
-process may fork after CUDA starts); the user's route (``NPROC_PER_NODE=2 swift-dynamic sft``, torchrun under
-ms-swift) is tested by ``tests/test_balanced_ddp.py`` and ``tests/test_cli_yaml.py``.
+``torch.distributed.run``, the first rank to fail makes it stop the others (SIGTERM, then SIGKILL after
+:data:`GRACE_S`) and exit non-zero. Used by ``engine_runs.launch`` on CPU only (the GPU engine runs keep
+``torch.distributed.run``: no process may fork after CUDA starts); the user's route
+(``NPROC_PER_NODE=2 swift-dynamic sft``, torchrun under ms-swift) is tested by ``tests/test_balanced_ddp.py`` and
+``tests/test_cli_yaml.py``.
 
 Nothing the forked ranks share is a rank's own: the parent starts no process group, no thread pool (one OpenMP thread,
 ``OMP_NUM_THREADS=1``) and no device, and each rank patches its own copies of the classes the driver patches. What
@@ -24,7 +25,10 @@ import sys
 import time
 import traceback
 
-GRACE_S = 30  # torch.distributed.run's default between SIGTERM and SIGKILL
+#: seconds between SIGTERM and SIGKILL once a rank failed (torch.distributed.run waits 30): the run's outcome is decided
+#: and every rank writes unbuffered; a rank blocked in a gloo collective (DeepSpeed's start-up) never sees SIGTERM, so
+#: 30 s here were 50 of the 74 s of the ZeRO-3 refusal test
+GRACE_S = 5
 
 
 def _run_rank(rank: int, nproc: int, port: int, spec_path: str) -> int:
