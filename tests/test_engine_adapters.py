@@ -77,6 +77,33 @@ def test_check_engine_names_every_refused_setting(engine):
     assert refusals(None, pack, ['memory_backoff']) == []
 
 
+@pytest.mark.parametrize('engine_args,section,listed,words', [
+    ({'deepspeed': {'zero_optimization': {'stage': 3}}}, {'integration': {'oom_recovery': True}}, [],
+     'dynamic_callbacks.integration.oom_recovery: oom_recovery is not supported under deepspeed'),
+    ({'fsdp': 'full_shard auto_wrap', 'fsdp_config': {'fsdp_version': 2}},
+     {'batch_growth': {'policy': 'noise_scale', 'initial': 1, 'maximum': 2}}, ['batch_growth'],
+     'dynamic_callbacks.batch_growth.policy: noise_scale is not supported under fsdp2'),
+    ({'fsdp': 'full_shard auto_wrap', 'fsdp_config': {'fsdp_version': 1}}, {}, [], 'FSDP1'),
+])
+def test_the_plugin_route_refuses_the_engines_features_before_the_model_loads(monkeypatch, engine_args, section,
+                                                                               listed, words):
+    """``swift sft`` / Python runs: ms-swift's parsed arguments (``deepspeed`` a dict, ``fsdp`` its options and
+    ``fsdp_config``) name the engine, and ``check_pipeline`` (run before ``_prepare_model_tokenizer``) refuses what
+    it cannot run, as ``swift-dynamic check`` does on the YAML (it was refused when training started, after every rank
+    had loaded the model); without an engine, or with a feature the engine runs, nothing is refused."""
+    from types import SimpleNamespace
+
+    from swift_dynamic_callbacks.integrations import swift as plugin
+    monkeypatch.setattr(plugin, '_active', True)
+    monkeypatch.setattr(plugin, '_configured', plugin.parse_section(section))
+    with pytest.raises(ConfigError, match=words):
+        plugin.check_pipeline(SimpleNamespace(callbacks=listed, **engine_args))
+    plugin.check_pipeline(SimpleNamespace(callbacks=listed, deepspeed=None, fsdp=[], fsdp_config={}))
+    monkeypatch.setattr(plugin, '_configured', plugin.parse_section({'batch_growth': {'micro_batch_cap': 1}}))
+    plugin.check_pipeline(SimpleNamespace(callbacks=['batch_growth'], deepspeed={'zero_optimization': {'stage': 3}},
+                                          fsdp=[], fsdp_config={}))  # pieces run under every engine
+
+
 # ---- choosing the adapter ----------------------------------------------------------------------------------------
 def fake_trainer(kind: str, world: int = 2, fsdp_version: int = 2, oom: bool = True):
     from accelerate.utils import DistributedType

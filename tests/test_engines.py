@@ -172,14 +172,19 @@ def test_growth_token_budget_lr_schedule_resume_and_early_stop(engine, tmp_path,
                  'dynamic_callbacks.integration.oom_recovery: oom_recovery is not supported under deepspeed',
                  id='zero3-oom_recovery', marks=pytest.mark.skipif(not _deepspeed_available(), reason='no deepspeed')),
 ])
-def test_sharded_engines_refuse_at_start(engine, callbacks, pack, message, tmp_path, tiny_qwen, dataset_15):
-    """A feature the engine cannot run stops the run when training starts, naming the setting and the engine
-    (``swift-dynamic check`` refuses the same YAML before any model loads)."""
+def test_sharded_engines_refuse_before_the_model_loads(engine, callbacks, pack, message, tmp_path, tiny_qwen,
+                                                        dataset_15):
+    """A feature the engine cannot run stops the run on the plugin route before any rank loads the model (ms-swift's
+    parsed ``deepspeed`` / ``fsdp`` arguments name the engine), naming the setting and the engine, as ``swift-dynamic
+    check`` does on the YAML (until this stop it was refused when training started, after the model and DeepSpeed
+    loaded)."""
     log = run_ranks(str(tmp_path / engine), tiny_qwen, dataset_15, engine=engine, callbacks=callbacks, pack=pack,
                     max_steps=2, gradient_accumulation_steps=2, expect_failure=True)
     with open(log, encoding='utf-8', errors='replace') as f:
         text = f.read()
     assert 'ConfigError' in text and message in text
+    # raised by the check ms-swift's _prepare_model_tokenizer runs first: no rank built the model (or its adapter)
+    assert 'in check_pipeline' in text and 'PeftModelForCausalLM' not in text
     assert not os.path.exists(os.path.join(str(tmp_path / engine), 'out', 'rank0.trace.json')) or not traces(
         os.path.join(str(tmp_path / engine), 'out'))[0]['steps']
 

@@ -200,6 +200,27 @@ class LaunchRun:
                         moe=model.moe is not False, layout=model.layout, model_setting=model.setting)
 
 
+def engine_pack(pack: PackConfig, settings: Mapping[str, Any]) -> PackConfig:
+    """The pack as the engine table (``config.engines``) and the step runner's rules read it: under GRPO / GKD with
+    ``grpo_pass_tokens``, OOM recovery is the GRPO passes' own (one process, checked by ``rules.rlhf_refusal``), so
+    they see ``oom_recovery: auto``."""
+    if (str(settings.get('rlhf_type') or '').lower() in RLHF_RUN_LEVEL
+            and pack.integration.grpo_pass_tokens is not None):
+        return replace(pack, integration=replace(pack.integration, oom_recovery='auto'))
+    return pack
+
+
+def check_engine_settings(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str]) -> None:
+    """Refuse what the engine the ms-swift settings name (``deepspeed:`` / ``fsdp:``) cannot run, before any model
+    loads: the command line on the YAML (:func:`check_run`), the ``swift sft`` / Python routes on the parsed
+    arguments (``integrations.swift.check_pipeline``).
+
+    Raises:
+        ConfigError: every refused feature with its setting and the engine (``config.engines.check_engine``).
+    """
+    check_engine(engine_from_swift(settings), engine_pack(pack, settings).to_json(), listed)
+
+
 def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str] | None = None) -> list[str]:
     """Check the pack against the rest of the ms-swift settings (the YAML with the flags after it applied), before
     any model loads: the names in ``callbacks:``, the controls, the engine, then :data:`LAUNCH_RULES` in order.
@@ -213,12 +234,10 @@ def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[st
     pack_listed = [n for n in listed if n in CALLBACK_CONFIGS]
     check_controls(pack_listed)
     if str(settings.get('rlhf_type') or '').lower() in RLHF_RUN_LEVEL:
-        # GRPO / GKD: what the rollout trainer allows first; OOM recovery there is the GRPO passes' own (one process,
-        # checked here and at start), so the step runner's rules see it as auto
+        # GRPO / GKD: what the rollout trainer allows first
         _check_rlhf(pack, settings, {n: pack.callback_config(n) for n in pack_listed}, ', '.join(pack_listed))
-        if pack.integration.grpo_pass_tokens is not None:
-            pack = replace(pack, integration=replace(pack.integration, oom_recovery='auto'))
-    check_engine(engine_from_swift(settings), pack.to_json(), listed)
+    check_engine_settings(pack, settings, listed)
+    pack = engine_pack(pack, settings)
     # The integration runs whenever the pack is on, a pack callback listed or not (OOM recovery and the pass settings
     # work alone), so every rule applies; a rule about a callback finds none when it is not listed.
     run = LaunchRun(pack, settings, {n: pack.callback_config(n) for n in pack_listed}, ', '.join(pack_listed))

@@ -25,6 +25,7 @@ from ..callbacks import (BatchGrowthCallback, BatchScheduleCallback, CheckpointR
                          TrainingLogCallback)
 from ..config import ConfigError, to_mapping  # noqa: F401 - ConfigError re-exported
 from ..config.integration import IntegrationConfig  # noqa: F401 - re-exported
+from ..config.launch import check_engine_settings
 from ..config.pack import (CALLBACK_CONFIGS, ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig,  # noqa: F401
                            load_env_config, parse_section)
 from ..config.rules import rlhf_refusal
@@ -99,7 +100,8 @@ def register(settings: Mapping[str, Any] | None = None, **by_name: Any) -> PackC
 def check_pipeline(args: Any) -> None:
     """The checks that need ms-swift's parsed arguments, before the model loads (the plugin and Python routes; the
     command line runs them on the YAML first): settings of pack callbacks that are not listed (nothing would read
-    them), what ``rlhf_type`` allows (:func:`..config.rules.rlhf_refusal`). Nothing when the pack is off or not
+    them), what ``rlhf_type`` allows (:func:`..config.rules.rlhf_refusal`), what the engine named by ``deepspeed`` /
+    ``fsdp`` cannot run (:func:`..config.launch.check_engine_settings`). Nothing when the pack is off or not
     registered; with no pack callback listed, for the integration alone."""
     listed = [n for n in (getattr(args, 'callbacks', None) or []) if n in CALLBACKS]
     pack = current_config()
@@ -112,6 +114,9 @@ def check_pipeline(args: Any) -> None:
                            get=lambda name: getattr(args, name, None), world_size=_launch_world_size())
     if message is not None:
         raise ConfigError(message)
+    # the engine ms-swift's arguments name (parsed: ``deepspeed`` a dict, ``fsdp`` its options with ``fsdp_config``)
+    settings = {name: getattr(args, name, None) for name in ('deepspeed', 'fsdp', 'fsdp_config', 'rlhf_type')}
+    check_engine_settings(pack, settings, listed)
 
 
 def _launch_world_size() -> int:
