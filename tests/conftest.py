@@ -3,52 +3,27 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 
 
-def _random_dataset_fingerprints() -> None:
-    """Test speed only: ``datasets`` names the cache file of every ``map`` by a hash of the transform, and ms-swift's
-    encode transform holds the template with its 151k-token tokenizer, so every in-process ``swift sft`` run spent
-    seconds dill-pickling it (most of a short run's set-up). A random fingerprint is what ``datasets`` itself uses when
-    a transform cannot be hashed: the map still runs (16 rows), only its cache is never reused between runs. The pack's
-    own dataset fingerprint (``rows.dataset_fingerprint``) hashes token ids and is not affected."""
-    import datasets.arrow_dataset
-    import datasets.fingerprint
-
-    def random_fingerprint(fingerprint, transform, transform_args):
-        return datasets.fingerprint.generate_random_fingerprint()
-
-    datasets.fingerprint.update_fingerprint = random_fingerprint
-    datasets.arrow_dataset.update_fingerprint = random_fingerprint
+def _speed_up_datasets() -> None:
+    """Test speed only (``speedups.py``): ``datasets`` patched here and, through ``site/sitecustomize.py`` on the
+    ``PYTHONPATH``, in every Python process a test starts."""
+    import speedups
+    speedups.install()
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'site')
+    if site not in sys.path:
+        sys.path.append(site)  # for the tests that build a child's PYTHONPATH from sys.path
+    paths = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
+    if site not in paths:
+        os.environ['PYTHONPATH'] = os.pathsep.join([site] + paths)
 
 
-_random_dataset_fingerprints()
-
-
-def _map_in_process() -> None:
-    """Test speed only: ``datasets`` 4.x runs ``map(num_proc=1)`` in a pool of one worker process, so each in-process
-    ``swift sft`` run (ms-swift's ``dataset_num_proc`` is 1 and 0 is refused) pickled its template, 151k-token tokenizer
-    included, to a subprocess twice (about 1.7 s of a 3 s set-up). ``num_proc=None`` runs the same map in this process;
-    the rows it gives are the same."""
-    import functools
-
-    import datasets
-
-    original = datasets.Dataset.map
-
-    @functools.wraps(original)
-    def map_in_process(self, *args, **kwargs):
-        if kwargs.get('num_proc') == 1:
-            kwargs['num_proc'] = None
-        return original(self, *args, **kwargs)
-
-    datasets.Dataset.map = map_in_process
-
-
-_map_in_process()
+_speed_up_datasets()
 
 
 @pytest.fixture(scope='session')
