@@ -52,7 +52,7 @@ fi
 echo "[test_transformers_457] environment ready in $(( $(date +%s) - start ))s"
 
 source scripts/pytest_env.sh load  # a test a worker
-"$TF457_VENV/bin/python" -m pytest tests/test_e2e_swift.py tests/test_batch_growth.py -m e2e -q -p no:cacheprovider \
-  "${PYTEST_WORKERS[@]}" "$@"
-# padding-free rows rely on transformers' packed-sequence masks (position_ids): every equality / no-cross-attention test
-"$TF457_VENV/bin/python" -m pytest tests/test_padding_free.py -q -p no:cacheprovider "${PYTEST_WORKERS[@]}" "$@"
+# the e2e runs (with the two files' unit tests: about a second) and, as padding-free rows rely on transformers'
+# packed-sequence masks (position_ids), every equality / no-cross-attention test: one session (one start of the workers)
+"$TF457_VENV/bin/python" -m pytest tests/test_e2e_swift.py tests/test_batch_growth.py tests/test_padding_free.py -q \
+  -p no:cacheprovider "${PYTEST_WORKERS[@]}" "$@"
