@@ -49,6 +49,13 @@ def gsm8k_16(fixture_dir):
     return str(write_gsm8k_dataset(fixture_dir / 'gsm8k-16.jsonl', 16))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``start_first`` (the longest of the engine and vision-language stages, which run a test a
+    worker: ``--dist load`` hands tests out in collection order) go first, the rest keep their order: a long test
+    collected last kept one worker busy while the other had nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker('start_first') is None)
+
+
 def pytest_collection_finish(session):
     """Test speed only: every in-process ``swift sft`` run calls ``gc.collect()`` (accelerate's ``free_memory`` at the
     start of training), and with torch, transformers, ms-swift and the collected tests imported a full collection

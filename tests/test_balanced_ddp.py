@@ -17,6 +17,7 @@ from swift_runs import decisions, free_port, indices_by_epoch, read_jsonl, sampl
 pytestmark = [pytest.mark.distributed, pytest.mark.engines, pytest.mark.e2e]
 
 
+@pytest.mark.start_first
 def test_two_processes_balanced_padding_free_with_a_batch_change(tmp_path, tiny_qwen):
     from swift_dynamic_callbacks.testing.tiny import write_mixed_length_dataset
     n = 27

@@ -121,6 +121,7 @@ def test_ddp_noise_scale_reads_the_reduced_gradient(tmp_path, tiny_llama, datase
 
 # CI time: DDP growth is the test above; ZeRO-3's passes, pieces and OOM note are tests below, its growth the slowest
 # run of the stage (a sharded engine's growth, LR, resume and early stop: FSDP2's arm)
+@pytest.mark.start_first
 @pytest.mark.parametrize('engine', [engine_param('ddp', slow=True), engine_param('fsdp2'),
                                     engine_param('zero2', slow=True), engine_param('zero3', slow=True)])
 def test_growth_token_budget_lr_schedule_resume_and_early_stop(engine, tmp_path, tiny_llama, dataset_15):
@@ -351,6 +352,7 @@ def test_pass_tokens_on_ranks_with_other_pass_counts(engine, tmp_path, tiny_llam
     assert_same_weights(out, ref)
 
 
+@pytest.mark.start_first
 @pytest.mark.parametrize('engine', [engine_param('fsdp2', slow=True), engine_param('zero3')])  # FSDP2 passes: below
 def test_pieces_and_a_pass_cap_under_sharded_engines(engine, tmp_path, tiny_llama, dataset_15):
     """``micro_batch_cap`` pieces and ``memory_backoff``'s pass cap (a memory fraction seen by rank 1 alone) under a

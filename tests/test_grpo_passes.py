@@ -138,6 +138,7 @@ def test_an_oom_in_a_loss_pass_runs_its_halves_with_the_same_gradient(grpo_data,
     assert len([d for d in budgets if d['reason'] == 'oom']) == 1  # folded once
 
 
+@pytest.mark.start_first
 @pytest.mark.distributed
 @pytest.mark.engines
 def test_two_processes_pass_by_pass_give_the_one_pass_gradient_and_the_callbacks_run(grpo_data, tmp_path):

@@ -363,6 +363,7 @@ def test_lazy_vl_rows_under_a_token_budget_train_every_row_once(vl_model, vl_row
 @pytest.mark.vl
 @pytest.mark.e2e
 @pytest.mark.distributed
+@pytest.mark.start_first
 @needs_vl
 @pytest.mark.parametrize('engine', ['ddp', 'fsdp2', pytest.param('zero2', marks=pytest.mark.slow)])  # CI time
 def test_two_processes_balanced_vl_rows_with_passes_equal_one_process(engine, vl_rows, fixture_dir, tmp_path):

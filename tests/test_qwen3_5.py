@@ -108,6 +108,7 @@ def test_every_split_keeps_the_gradient_with_recovery_on(models, rows, tmp_path,
     assert len(seen) == len(set(seen)) == 28  # 4 steps of 8: the epoch's 28 rows, each once
 
 
+@pytest.mark.start_first
 @pytest.mark.distributed
 def test_two_processes_balanced_qwen3_5_rows_every_row_once(models, rows, tmp_path):
     """2 CPU processes under DDP, ``mode: balanced`` with ``pass_tokens`` over image and text rows of Qwen3.5: every

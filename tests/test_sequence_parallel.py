@@ -28,6 +28,7 @@ def _logs(out: str) -> list[dict]:
     return [row for row in read_jsonl(os.path.join(out, 'logging.jsonl')) if 'loss' in row]
 
 
+@pytest.mark.start_first
 def test_passes_under_sequence_parallelism_keep_the_gradient(tmp_path, tiny_llama, mixed_15):
     """``mode: balanced`` with ``pass_tokens`` (several passes a step) against the same balanced steps in one pass a
     micro-batch, both under sequence parallelism on 2 processes (one data rank): the same samples, and every step's
