@@ -11,16 +11,16 @@ os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 
 
 def _speed_up_datasets() -> None:
-    """Test speed only (``speedups.py``): ``datasets`` patched here and, through ``site/sitecustomize.py`` on the
-    ``PYTHONPATH``, in every Python process a test starts."""
+    """Test speed only (``speedups.py``): ``datasets`` patched here and, through
+    ``child_startup/sitecustomize.py`` on the ``PYTHONPATH``, in every Python process a test starts."""
     import speedups
     speedups.install()
-    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'site')
-    if site not in sys.path:
-        sys.path.append(site)  # for the tests that build a child's PYTHONPATH from sys.path
+    startup = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'child_startup')
+    if startup not in sys.path:
+        sys.path.append(startup)  # for the tests that build a child's PYTHONPATH from sys.path
     paths = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
-    if site not in paths:
-        os.environ['PYTHONPATH'] = os.pathsep.join([site] + paths)
+    if startup not in paths:
+        os.environ['PYTHONPATH'] = os.pathsep.join([startup] + paths)
 
 
 _speed_up_datasets()

@@ -11,8 +11,8 @@
 
 Together about 10 s a run started in a process of its own (``swift-dynamic pt`` on the demo config: 40 s -> 31 s)
 and 5 s an in-process one. :func:`install` patches ``datasets`` as imported now (``conftest.py``);
-:func:`install_on_import` patches it when a process first imports it (``site/sitecustomize.py``, on the
-``PYTHONPATH`` of every process the tests start: the command-line runs, the engine tests' ranks).
+:func:`install_on_import` patches it when a process first imports it (``child_startup/sitecustomize.py``, on
+the ``PYTHONPATH`` of every process the tests start: the command-line runs, the engine tests' ranks).
 """
 
 from __future__ import annotations
