@@ -170,6 +170,19 @@ def _replay_patch(paths: list[str]) -> None:
     ElasticDataLoader.next_step = next_step
 
 
+def _skip_shm_comm_build() -> None:
+    """On CPU, DeepSpeed's process group JIT-compiles its shared-memory all-reduce (``deepspeed_shm_comm``, with
+    ninja, into one folder every environment shares) when it starts: about 45 s of both cores, again after every
+    change of environment. The op serves ``inference_all_reduce`` only; training's collectives are torch.distributed's
+    either way, so the test ranks mark it unavailable and DeepSpeed goes on without it (nothing a test checks changes).
+    """
+    import torch
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__['deepspeed_shm_comm'] = False
+
+
 def main(spec_path: str) -> None:
     with open(spec_path, encoding='utf-8') as f:
         spec = json.load(f)
@@ -179,6 +192,8 @@ def main(spec_path: str) -> None:
     engine = spec.get('engine', 'ddp')
     if engine == 'fsdp2':
         _lift_cpu_to_fsdp()
+    if engine == 'deepspeed':
+        _skip_shm_comm_build()
 
     import swift_dynamic_callbacks as sdc
     from swift_dynamic_callbacks import distributed
