@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from swift_dynamic_callbacks.cli import prepare
-from swift_dynamic_callbacks.integrations.swift import CALLBACKS, PLUGIN_FILE, SECTION, parse_section
+from swift_dynamic_callbacks.config.launch import check_settings
+from swift_dynamic_callbacks.integrations.swift import CALLBACKS, PLUGIN_FILE, SECTION, parse_section, parsed_settings
 from swift_dynamic_callbacks.testing.tiny import MODEL_FLAGS
 
 ROOT = os.path.join(os.path.dirname(__file__), '..')
@@ -72,6 +73,8 @@ def test_shipped_config_is_valid(path, tmp_path, monkeypatch):
     namespace, remaining = parser.parse_known_args(argv)  # types and choices; the dataclass is not built
     assert remaining == [], f'{path}: ms-swift rejects {remaining}'
     assert config['external_plugins'][-1] == PLUGIN_FILE
+    # the launch checks as the `swift sft` route runs them, on the parsed flags (check_pipeline): nothing refused
+    check_settings(pack, parsed_settings(namespace), config.get('callbacks', []), world_size=1)
 
     from swift.dataset import DATASET_MAPPING
     from swift.model import MODEL_MAPPING

@@ -6,7 +6,8 @@ micro-batches, ``swift rlhf`` types and split passes of pairs, settings the inte
 of evaluation metrics in a run that never evaluates, ... — everything that would otherwise only fail after the model
 has loaded. The flags after the file are read as ``swift sft`` reads them (:func:`read_flags`). Each check is a small
 named rule (:data:`LAUNCH_RULES`); the ones the training process checks again at start are written once in
-:mod:`.rules` and called from both places.
+:mod:`.rules` and called from both places. The ``swift sft`` and Python routes run the same checks
+(:func:`check_settings`) on ms-swift's parsed arguments, before the model loads.
 """
 
 from __future__ import annotations
@@ -157,13 +158,13 @@ def _transformers_major() -> int:
 
 @dataclass(frozen=True)
 class LaunchRun:
-    """What a launch rule reads: the pack, the ms-swift settings, the pack callbacks listed (their settings), and
-    their names for messages."""
+    """What a launch rule reads: the pack, the ms-swift settings, the pack callbacks listed (their settings) and the
+    run's number of processes."""
 
     pack: PackConfig
     settings: Mapping[str, Any]
     configs: Mapping[str, Any]
-    uses: str
+    world_size: int = 1
 
     def number(self, key: str, default: float | None = None) -> float | None:
         return _number(self.settings, key, default)
@@ -189,7 +190,7 @@ class LaunchRun:
                         splitters=tuple(pass_splitters(self.configs)), task_type=self.settings.get('task_type'),
                         loss_type=self.settings.get('loss_type'),
                         label_smoothing_factor=self.number('label_smoothing_factor', 0) or 0.0,
-                        router_aux_loss_coef=self.number('router_aux_loss_coef', 0) or 0.0, world_size=_world_size(),
+                        router_aux_loss_coef=self.number('router_aux_loss_coef', 0) or 0.0, world_size=self.world_size,
                         average_tokens_across_devices=(self.flag('average_tokens_across_devices')
                                                        if 'average_tokens_across_devices' in self.settings else True),
                         include_num_input_tokens_seen=str(self.settings.get('include_num_input_tokens_seen', 'no'))
@@ -223,27 +224,39 @@ def check_engine_settings(pack: PackConfig, settings: Mapping[str, Any], listed:
 
 def check_run(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str] | None = None) -> list[str]:
     """Check the pack against the rest of the ms-swift settings (the YAML with the flags after it applied), before
-    any model loads: the names in ``callbacks:``, the controls, the engine, then :data:`LAUNCH_RULES` in order.
-    Returns notes (warnings) for what cannot be decided here.
+    any model loads: the names in ``callbacks:``, then :func:`check_settings` (``NPROC_PER_NODE`` x ``NNODES``
+    processes). Returns notes (warnings) for what cannot be decided here.
 
     Raises:
         ConfigError: naming the setting, the value and what is allowed (see the module docstring for the list).
     """
     listed = listed_callbacks(settings) if listed is None else list(listed)
     notes = list(pack.notes) + _unknown_callbacks(listed, settings)
+    check_settings(pack, settings, listed, world_size=_world_size())
+    return notes
+
+
+def check_settings(pack: PackConfig, settings: Mapping[str, Any], listed: Sequence[str], *, world_size: int) -> None:
+    """Every launch check of the pack against ms-swift's settings on ``world_size`` processes: the controls, what
+    ``rlhf_type`` allows, the engine, then :data:`LAUNCH_RULES` in order. The command line runs it on the YAML
+    (:func:`check_run`); the ``swift sft`` / Python routes on ms-swift's parsed arguments, before the model loads
+    (``integrations.swift.check_pipeline``). An absent key (or ``None``) is ms-swift's default.
+
+    Raises:
+        ConfigError: naming the setting, the value and what is allowed (see the module docstring for the list).
+    """
     pack_listed = [n for n in listed if n in CALLBACK_CONFIGS]
     check_controls(pack_listed)
+    configs = {n: pack.callback_config(n) for n in pack_listed}
     if str(settings.get('rlhf_type') or '').lower() in RLHF_RUN_LEVEL:
-        # GRPO / GKD: what the rollout trainer allows first
-        _check_rlhf(pack, settings, {n: pack.callback_config(n) for n in pack_listed}, ', '.join(pack_listed))
+        _check_rlhf(pack, settings, configs, world_size)  # GRPO / GKD: what the rollout trainer allows first
     check_engine_settings(pack, settings, listed)
     pack = engine_pack(pack, settings)
     # The integration runs whenever the pack is on, a pack callback listed or not (OOM recovery and the pass settings
     # work alone), so every rule applies; a rule about a callback finds none when it is not listed.
-    run = LaunchRun(pack, settings, {n: pack.callback_config(n) for n in pack_listed}, ', '.join(pack_listed))
+    run = LaunchRun(pack, settings, {n: pack.callback_config(n) for n in pack_listed}, world_size)
     for rule in LAUNCH_RULES:
         rule(run)
-    return notes
 
 
 def check_callback_names(settings: Mapping[str, Any]) -> list[str]:
@@ -369,7 +382,7 @@ def _noise_scale(run: LaunchRun) -> None:
     accumulation = run.number('gradient_accumulation_steps')
     if accumulation is None:
         batch = run.number('per_device_train_batch_size', 1) or 1
-        accumulation = max(1, math.ceil(SWIFT_GLOBAL_BATCH / batch / _world_size()))  # ms-swift's default
+        accumulation = max(1, math.ceil(SWIFT_GLOBAL_BATCH / batch / run.world_size))  # ms-swift's default
     batching = run.configs.get('length_batching')
     for setting, cap, maximum in _noise_asks(run):
         message = noise_scale_passes(setting, accumulation, cap, maximum,
@@ -393,8 +406,8 @@ def _memory_probe(run: LaunchRun) -> None:
 
 
 def _group_by_length(run: LaunchRun) -> None:
-    if run.flag('group_by_length') and _world_size() > 1:
-        raise group_by_length_error(f'NPROC_PER_NODE x NNODES = {_world_size()}')
+    if run.flag('group_by_length') and run.world_size > 1:
+        raise group_by_length_error(f'{run.world_size} processes')
 
 
 def _ignore_data_skip(run: LaunchRun) -> None:
@@ -411,7 +424,7 @@ def _epochs(run: LaunchRun) -> None:
 
 
 def _rlhf(run: LaunchRun) -> None:
-    _check_rlhf(run.pack, run.settings, run.configs, run.uses)
+    _check_rlhf(run.pack, run.settings, run.configs, run.world_size)
 
 
 def _sequence_parallel_rows(run: LaunchRun) -> None:
@@ -489,11 +502,11 @@ def ignore_data_skip_error(checkpoint: str) -> ConfigError:
 
 #: ``swift rlhf`` types the pack runs: one sample is a chosen/rejected pair (two padded rows) or, under KTO, a
 #: completion with its KL row; their batches and token budgets count both rows (``rows.row_cost``)
-def _check_rlhf(pack: PackConfig, settings: Mapping[str, Any], configs: Mapping[str, Any], uses: str) -> None:
+def _check_rlhf(pack: PackConfig, settings: Mapping[str, Any], configs: Mapping[str, Any], world_size: int) -> None:
     """``rlhf_type`` (``swift rlhf``): :func:`.rules.rlhf_refusal`, the rule every route asks before the model loads."""
     message = rlhf_refusal(settings.get('rlhf_type'), list(configs), configs, pack.integration.oom_recovery,
                            grpo_pass_tokens=pack.integration.grpo_pass_tokens, get=settings.get,
-                           world_size=_world_size())
+                           world_size=world_size)
     if message is not None:
         raise ConfigError(message)
 

@@ -15,6 +15,7 @@ recovery and the integration's pass settings work alone (:func:`_install_when_no
 
 from __future__ import annotations
 
+import enum
 import os
 from typing import Any, Mapping
 
@@ -25,10 +26,9 @@ from ..callbacks import (BatchGrowthCallback, BatchScheduleCallback, CheckpointR
                          TrainingLogCallback)
 from ..config import ConfigError, to_mapping  # noqa: F401 - ConfigError re-exported
 from ..config.integration import IntegrationConfig  # noqa: F401 - re-exported
-from ..config.launch import check_engine_settings
+from ..config.launch import check_settings
 from ..config.pack import (CALLBACK_CONFIGS, ENV_CONFIG, PLUGIN_FILE, SECTION, PackConfig,  # noqa: F401
                            load_env_config, parse_section)
-from ..config.rules import rlhf_refusal
 from .hooks import PackOffCallback, install, pack_disabled
 
 #: Every pack callback by its ms-swift name (the same names as ``config.pack.CALLBACK_CONFIGS``, which the
@@ -98,25 +98,30 @@ def register(settings: Mapping[str, Any] | None = None, **by_name: Any) -> PackC
 
 
 def check_pipeline(args: Any) -> None:
-    """The checks that need ms-swift's parsed arguments, before the model loads (the plugin and Python routes; the
-    command line runs them on the YAML first): settings of pack callbacks that are not listed (nothing would read
-    them), what ``rlhf_type`` allows (:func:`..config.rules.rlhf_refusal`), what the engine named by ``deepspeed`` /
-    ``fsdp`` cannot run (:func:`..config.launch.check_engine_settings`). Nothing when the pack is off or not
+    """The pack's launch checks on ms-swift's parsed arguments, before the model loads (the plugin and Python routes;
+    the command line runs them on the YAML first): settings of pack callbacks that are not listed (nothing would read
+    them), then :func:`..config.launch.check_settings` on :func:`parsed_settings` (what ``rlhf_type`` allows, what the
+    engine named by ``deepspeed`` / ``fsdp`` cannot run, every launch rule). Nothing when the pack is off or not
     registered; with no pack callback listed, for the integration alone."""
     listed = [n for n in (getattr(args, 'callbacks', None) or []) if n in CALLBACKS]
     pack = current_config()
     if not (_active or listed) or pack_disabled(pack.integration) is not None:
         return
     parse_section({'integration': {}, **pack.callbacks}, listed)  # settings for unlisted callbacks -> error
-    configs = {n: pack.callback_config(n) for n in listed}
-    message = rlhf_refusal(getattr(args, 'rlhf_type', None), listed, configs, pack.integration.oom_recovery,
-                           grpo_pass_tokens=pack.integration.grpo_pass_tokens,
-                           get=lambda name: getattr(args, name, None), world_size=_launch_world_size())
-    if message is not None:
-        raise ConfigError(message)
-    # the engine ms-swift's arguments name (parsed: ``deepspeed`` a dict, ``fsdp`` its options with ``fsdp_config``)
-    settings = {name: getattr(args, name, None) for name in ('deepspeed', 'fsdp', 'fsdp_config', 'rlhf_type')}
-    check_engine_settings(pack, settings, listed)
+    check_settings(pack, parsed_settings(args), listed, world_size=_launch_world_size())
+
+
+def parsed_settings(args: Any) -> dict[str, Any]:
+    """ms-swift's parsed arguments as the launch rules read a YAML's settings: each attribute that is set (``None``
+    left out: an absent key is ms-swift's default to the rules), an enum (HF's ``IntervalStrategy``,
+    ``SchedulerType``, ``OptimizerNames``) as its value. ``deepspeed`` stays the dict ms-swift parsed it into and
+    ``fsdp`` its options beside ``fsdp_config`` (``config.engines.engine_from_swift`` reads both forms)."""
+    settings = {}
+    for name, value in vars(args).items():
+        if value is None or name.startswith('_'):
+            continue
+        settings[name] = value.value if isinstance(value, enum.Enum) else value
+    return settings
 
 
 def _launch_world_size() -> int:
