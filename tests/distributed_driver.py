@@ -323,7 +323,12 @@ def main(spec_path: str) -> None:
         from swift_dynamic_callbacks.testing.timing import StepTimer
         callbacks_map['step_timer'] = timers = StepTimer.factory()
     if spec.get('pack') is not None:
-        sdc.register(spec.get('pack', {}))
+        pack = spec['pack']
+        backoff = pack.get('memory_backoff')
+        if backoff is not None and spec['sft'].get('use_cpu') and 'cpu_budget_gib' not in backoff:
+            # the probe is the fake above, whatever the budget; use_cpu: true without one is refused at launch
+            pack = {**pack, 'memory_backoff': {**backoff, 'cpu_budget_gib': 100}}
+        sdc.register(pack)
     from swift import SftArguments, sft_main
     if spec.get('profile') and rank == 0:
         import cProfile
