@@ -7,15 +7,19 @@ imported ms-swift once (``tests/fork_launch.py``: the import is about 12 s of CP
 (``SDC_ENGINE_DEVICE=cuda``) they start under ``torch.distributed.run``. :func:`reference` runs one process over the
 same micro-batches per step (the union of the ranks'), from the same starting weights, with the same LR scales (the
 multi-process run's ``applied_request`` records replayed): the trainable weights of a correct engine equal it.
+On CPU both commands are forked from one server per pytest worker that imported ms-swift once
+(``tests/fork_server.py``: about 8 s of CPU saved a run); ``SDC_FORK_SERVER=0`` starts each as a fresh process.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +31,9 @@ from swift_runs import free_port
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, 'distributed_driver.py')
 FORK_LAUNCH = os.path.join(HERE, 'fork_launch.py')
+FORK_SERVER = os.path.join(HERE, 'fork_server.py')
+#: seconds for the fork server to import ms-swift, or to fork a run
+STARTUP_S = 180
 CONFIGS = os.path.join(HERE, 'engine_configs')
 TIMEOUT_S = 300
 #: ``cpu`` (default: gloo, ``use_cpu: true``) or ``cuda`` (NCCL on 2+ GPUs: ``scripts/gpu_engines.sh``)
@@ -70,6 +77,20 @@ def launch(workdir: str, spec: dict[str, Any], *, nproc: int, timeout: int = TIM
         command = [sys.executable, DRIVER, spec_path]
     log = os.path.join(workdir, 'run.log')
     start = time.monotonic()
+    server = _server(env) if DEVICE == 'cpu' else None
+    if server is not None:  # the same command, forked from this worker's server (tests/fork_server.py)
+        rc = server.run({'nproc': nproc, 'port': command[3] if nproc > 1 else 0, 'spec': spec_path, 'cwd': workdir,
+                         'log': log, 'env': env}, timeout, log)
+    else:
+        rc = _run_command(command, env, workdir, log, timeout, nproc)
+    if expect_failure:
+        assert rc != 0, f'the run was expected to fail but exited 0:\n{_tail(log)}'
+    else:
+        assert rc == 0, f'exited {rc} after {time.monotonic() - start:.0f}s:\n{_tail(log)}'
+    return log
+
+
+def _run_command(command: list[str], env: dict[str, str], workdir: str, log: str, timeout: int, nproc: int) -> int:
     with open(log, 'w') as f:
         process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=workdir,
                                    start_new_session=True)
@@ -79,11 +100,71 @@ def launch(workdir: str, spec: dict[str, Any], *, nproc: int, timeout: int = TIM
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             pytest.fail(f'{nproc}-process run did not finish in {timeout}s (a hang?); last output:\n{_tail(log)}')
-    if expect_failure:
-        assert rc != 0, f'the run was expected to fail but exited 0:\n{_tail(log)}'
-    else:
-        assert rc == 0, f'exited {rc} after {time.monotonic() - start:.0f}s:\n{_tail(log)}'
-    return log
+    return rc
+
+
+class ForkServer:
+    """The client of this worker's ``tests/fork_server.py``: one run at a time, its exit status."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = _import_env(env)
+        self.errors = tempfile.TemporaryFile()
+        self.process = subprocess.Popen([sys.executable, FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self.errors, env=env, cwd=HERE, bufsize=0)
+        self.buffer = b''
+        if self._message(STARTUP_S) is None:
+            self.process.kill()
+            self.errors.seek(0)
+            raise RuntimeError(f'tests/fork_server.py did not start:\n{self.errors.read().decode(errors="replace")}')
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def _message(self, timeout: float) -> dict[str, Any] | None:
+        deadline = time.monotonic() + timeout
+        while b'\n' not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.process.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.process.stdout.fileno(), 4096)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b'\n', 1)
+        return json.loads(line)
+
+    def run(self, request: dict[str, Any], timeout: int, log: str) -> int:
+        self.process.stdin.write((json.dumps(request) + '\n').encode())
+        self.process.stdin.flush()
+        started = self._message(STARTUP_S)
+        if started is None:
+            pytest.fail(f'the fork server did not start a run:\n{_tail(log)}')
+        ended = self._message(timeout)
+        if ended is None:
+            os.killpg(started['pid'], signal.SIGKILL)
+            self._message(STARTUP_S)  # the server reaps it
+            pytest.fail(f'{request["nproc"]}-process run did not finish in {timeout}s (a hang?); last output:\n'
+                        f'{_tail(log)}')
+        return int(ended['code'])
+
+
+def _import_env(env: dict[str, str]) -> dict[str, str]:
+    """What of a run's environment its imports may read: all of it but pytest's name of the running test."""
+    return {k: v for k, v in env.items() if k != 'PYTEST_CURRENT_TEST'}
+
+
+_SERVER: ForkServer | None = None
+
+
+def _server(env: dict[str, str]) -> ForkServer | None:
+    """This worker's fork server, started on its first CPU run; ``None`` (a fresh process) for a run whose environment
+    is not the one the server imported under, or with ``SDC_FORK_SERVER=0``."""
+    global _SERVER
+    if os.environ.get('SDC_FORK_SERVER', '1') == '0':
+        return None
+    if _SERVER is None or not _SERVER.alive():
+        _SERVER = ForkServer(env)
+    return _SERVER if _import_env(env) == _SERVER.env else None
 
 
 def arch_of(model: str) -> str:
