@@ -15,7 +15,7 @@ from swift_dynamic_callbacks.config import ConfigError
 from swift_dynamic_callbacks.config.rules import grpo_passes_refusal
 from swift_dynamic_callbacks.integrations import grpo_passes as module
 from swift_dynamic_callbacks.integrations.grpo_passes import GrpoPasses, GrpoPassTooLargeError
-from swift_dynamic_callbacks.policies.rl_passes import WEIGHTING, halves, pass_weight, plan_passes
+from swift_dynamic_callbacks.policies.rl_passes import WEIGHTING, pass_weight, plan_passes
 
 
 def test_the_plan_covers_every_row_once_within_the_budget():
@@ -23,9 +23,6 @@ def test_the_plan_covers_every_row_once_within_the_budget():
     assert plan_passes(3, 10, 5) == [(0, 1), (1, 2), (2, 3)]  # a row over the budget runs alone
     assert plan_passes(4, 10, 1000) == [(0, 4)]
     assert plan_passes(0, 10, 100) == []
-    assert halves(2, 7) == [(2, 4), (4, 7)]
-    with pytest.raises(ValueError):
-        halves(3, 4)
 
 
 @pytest.mark.parametrize('loss_type', sorted(WEIGHTING))
@@ -250,3 +247,62 @@ def test_a_micro_batch_reads_the_device_once_whatever_its_passes(monkeypatch):
     assert len(trainer.calls) == 4 and reads == ['tolist'], reads
     reads.clear()
     assert float(loss) == pytest.approx(float((x @ torch.ones(3)).mean()))
+
+
+class FakeAdapterGrpo(FakeGrpo):
+    """:class:`FakeGrpo` whose base is frozen: 3 trainable weights beside 100 frozen ones (an adapter run)."""
+
+    def __init__(self, oom_rows: int = 99) -> None:
+        super().__init__(oom_rows)
+        self.model.register_parameter('base', torch.nn.Parameter(torch.zeros(100), requires_grad=False))
+
+
+def _counting_snapshots(monkeypatch) -> list[int]:
+    taken: list[int] = []
+    original = module.grad_snapshot
+    monkeypatch.setattr(module, 'grad_snapshot', lambda model: (taken.append(1), original(model))[1])
+    return taken
+
+
+def test_an_adapter_run_snapshots_once_a_micro_batch_and_recovers_the_same_gradient(monkeypatch):
+    """The step runner's one snapshot rule: where the base is frozen, one copy of the trainable gradients a micro-batch,
+    however many passes it runs (at 4951e3b: one a pass, so 4 here); after an OOM the micro-batch runs again from it,
+    cut at the step's cap, with the gradient of the run without the OOM."""
+    taken = _counting_snapshots(monkeypatch)
+    trainer, (inputs, x) = FakeAdapterGrpo(), _inputs(rows=4)
+    _passes(3).compute_loss(trainer, trainer.model, inputs, None)  # one completion a pass: 4 passes
+    assert len(trainer.calls) == 4 and len(taken) == 1
+    taken.clear()
+    trainer, (inputs, x) = FakeAdapterGrpo(oom_rows=1), _inputs(rows=4)
+    trainer.w.grad = torch.full((3,), 5.0)  # an earlier micro-batch's gradient in this step: kept
+    loss = _passes(100).compute_loss(trainer, trainer.model, inputs, None)
+    assert len(taken) == 1 and [rows for rows, _ in trainer.calls] == [4, 2, 1, 1, 1, 1]
+    assert torch.allclose(trainer.w.grad, torch.full((3,), 5.0) + x.mean(0) / 2)
+    assert float(loss) == pytest.approx(float((x @ torch.ones(3)).mean()))
+    assert [m[1] for m in trainer.aggregated] == [1, 1, 1, 1]  # the run's passes' metrics, not the failed ones'
+
+
+def test_a_full_fine_tune_keeps_no_copy_and_runs_the_step_again_after_an_oom(monkeypatch):
+    """A full fine-tune takes no gradient copy (at 4951e3b: a copy of every gradient before every pass): an OOM in the
+    step's second micro-batch drops the step's gradients and runs its first micro-batch again, cut at the new cap, then
+    the second; the gradient is the one of the run without the OOM and the first micro-batch's metrics are counted once.
+    The next step starts afresh (its first micro-batch is not run again)."""
+    taken = _counting_snapshots(monkeypatch)
+    trainer = FakeGrpo()
+    (first, x1), (second, x2) = _inputs(rows=2), _inputs(rows=4)
+    passes = _passes(100)
+    passes.compute_loss(trainer, trainer.model, first, None)
+    trainer.oom_rows = 2  # memory is shorter from now on: passes of more than 2 completions fail
+    trainer.calls.clear()
+    passes.compute_loss(trainer, trainer.model, second, None)
+    assert not taken
+    # the failing pass; the first micro-batch again at the cap; the second at the cap
+    assert [rows for rows, _ in trainer.calls] == [4, 2, 2, 2]
+    assert torch.allclose(trainer.w.grad, x1.mean(0) / 2 + x2.mean(0) / 2)
+    assert [m[1] for m in trainer.aggregated] == [2, 2]  # the second micro-batch's own passes
+    passes.end_step(1)
+    trainer.w.grad = None
+    trainer.calls.clear()
+    trainer.oom_rows = 1
+    passes.compute_loss(trainer, trainer.model, _inputs(rows=2)[0], None)  # the budget 6: 2 rows of 3, fails
+    assert [rows for rows, _ in trainer.calls] == [2, 1, 1]  # nothing of the last step runs again

@@ -14,9 +14,13 @@ rank with most (zero-weight passes: ms-swift's gathers of metrics and DDP's redu
 last under ``no_sync``. A ``num_generations`` group's advantages were computed by ms-swift before the batch reached
 here and are only sliced, never changed; a micro-batch never leaves its optimizer step.
 
-On one process an OOM in a pass (forward or backward) restores the gradients from before the pass and runs its two
-halves instead (a one-row pass is retried ``oom_single_sample_retries`` times, then the run ends naming what to
-lower). The budget is the step runner's one owner, :class:`~.pass_budget.PassBudget`, in tokens, under the same rule
+On one process an OOM in a pass (forward or backward) brings back the gradients from before the micro-batch and runs
+it again cut at the step's cap (the failing pass in halves at least; a one-row pass is retried
+``oom_single_sample_retries`` times, then the run ends naming what to lower), under the step runner's one snapshot
+rule (:func:`~.passes.frozen_base`): an adapter run copies its trainable gradients once a micro-batch; a full
+fine-tune keeps no copy, drops the gradients and runs the step's earlier micro-batches again (kept until the step's
+boundary: ms-swift holds them in its rollout buffer anyway; their metrics are not counted twice).
+The budget is the step runner's one owner, :class:`~.pass_budget.PassBudget`, in tokens, under the same rule
 as ``swift sft``: an OOM caps the rest of the step (the largest pass known to run clean below the failing one, else
 its half), and the step's outcome is folded in once, at its boundary (the smallest failure, the largest clean pass;
 grown back every ``oom_grow_back_steps`` clean steps, probed after ``oom_probe_steps``). The ``oom`` records are the
@@ -25,7 +29,7 @@ Under several processes an OOM ends the run with the pass and what to lower (one
 pass holds ms-swift's metric gathers).
 
 State (``state_dict``): the pass budget (:class:`~.pass_budget.PassBudget`'s) and the OOM count; per step: the passes
-run and the step's OOM records.
+run, the step's OOM records and (a full fine-tune with recovery on) its micro-batches.
 """
 
 from __future__ import annotations
@@ -40,12 +44,12 @@ from .. import distributed
 from ..config.rules import GRPO_RECOVERY_WHY
 from ..device_memory import device_figures, free_memory, is_oom
 from ..policies.pass_cost import BudgetState
-from ..policies.rl_passes import WEIGHTING, halves, pass_weight, plan_passes
+from ..policies.rl_passes import WEIGHTING, pass_weight, plan_passes
 from ..records import DecisionRecord
 from .loss_kind import LossKind
 from .oom_report import PassOom, recovered
 from .pass_budget import PassBudget
-from .passes import grad_snapshot, restore_grads
+from .passes import frozen_base, grad_snapshot, restore_grads
 
 logger = logging.getLogger('swift_dynamic_callbacks')
 
@@ -81,6 +85,9 @@ class GrpoPasses:
         self.oom_count = 0
         self.step_passes = 0  # the most passes a micro-batch of the last step ran
         self._ooms: list[DecisionRecord] = []  # this step's oom records (folded into the budget at its boundary)
+        self._step_batches: list[_MicroBatch] = []  # a full fine-tune's micro-batches of this step (run again after
+        # an OOM: their gradients are dropped with the failing pass's)
+        self._frozen: bool | None = None  # whether the base is frozen (an adapter run): read once
 
     @property
     def budget(self) -> int:
@@ -96,78 +103,94 @@ class GrpoPasses:
     # ---- one micro-batch -----------------------------------------------------------------------------------------
     def compute_loss(self, trainer: Any, model: Any, inputs: Any, num_items_in_batch: Any) -> torch.Tensor:
         """The trainer's ``compute_loss`` in training: every pass's forward and backward here; returns the summed loss
-        as a leaf for HF's ``training_step`` to scale and backpropagate (nothing flows from it)."""
+        as a leaf for HF's ``training_step`` to scale and backpropagate (nothing flows from it).
+
+        After an OOM the micro-batch runs again from the gradients before it, cut at the step's cap, under the step
+        runner's one snapshot rule: where the base is frozen (an adapter run) a copy of the gradients taken once
+        before the micro-batch comes back; a full fine-tune keeps no second copy of its gradients (exactly when memory
+        is short), drops them and runs the step's earlier micro-batches again (their metrics are not counted twice).
+        """
         if isinstance(inputs, list):
             assert len(inputs) == 1
             inputs = inputs[0]
-        model_inputs, batch = inputs['model_inputs'], inputs['grpo_batch']
-        origin = inputs.get('_origin_data')
-        rows, length = (int(n) for n in model_inputs['input_ids'].shape[:2])
-        row_tokens = counted_mask(trainer, batch).sum(dim=-1).tolist()  # one read a micro-batch, not one a pass
-        total_tokens = sum(row_tokens)
-        plan = plan_passes(rows, length, self.budget)
-        passes = distributed.max_ints([len(plan)])[0]  # the most any rank runs (this one's included)
-        queue: list[tuple[int, int, bool]] = [(s, e, True) for s, e in plan]
-        queue += [(0, 1, False)] * (passes - len(plan))  # zero-weight passes: as many passes as every rank
-        divisor = _ga_divisor(trainer, num_items_in_batch)
-        total: Any = 0.0  # the weighted losses, summed on the device (read by HF's logging, not here)
-        metrics: list[tuple[Any, int]] = []
-        ran = 0
+        batch = _MicroBatch(trainer, inputs, _ga_divisor(trainer, num_items_in_batch))
+        frozen = self._frozen_base(model)
+        snapshot = grad_snapshot(model) if self.oom_recovery and frozen else None
         retries = ooms = 0
-        while queue:
-            start, end, real = queue.pop(0)
-            last = not queue
-            weight = (pass_weight(self.loss_type, end - start, rows, int(sum(row_tokens[start:end])), total_tokens)
-                      if real else 0.0)
-            snapshot = grad_snapshot(model) if self.oom_recovery else None
-            failed = None
+        while True:
             try:
-                part_inputs, part_batch = trainer.get_chunked_inputs(model_inputs, batch, start, end, origin)
+                if ooms and snapshot is None:  # a full fine-tune: the step so far, again (its gradients were dropped)
+                    for earlier in self._step_batches:
+                        self._run_passes(trainer, model, earlier, count=False)
+                total, metrics = self._run_passes(trainer, model, batch, count=True)
+                break
+            except _PassFailed as failed:
+                if not (self.oom_recovery and is_oom(failed.cause)):
+                    if is_oom(failed.cause):
+                        raise RuntimeError(self._unrecovered(failed.rows, batch.length)) from failed.cause
+                    raise failed.cause from None
+                rows = failed.rows
+            # recovered outside the except block, so that no traceback pins the failed pass's tensors
+            if snapshot is not None:
+                restore_grads(model, snapshot)
+            else:
+                for p in model.parameters():
+                    p.grad = None
+            free_memory()
+            ooms += 1
+            self._note_oom(trainer, rows, batch.length, ooms)
+            if rows == 1:  # a one-completion pass cannot be cut: run again as it was, a bounded number of times
+                retries += 1
+                if retries > self.single_sample_retries:
+                    raise GrpoPassTooLargeError(self._too_large(batch.length))
+        del snapshot
+        if self.oom_recovery and not frozen:
+            self._step_batches.append(batch)
+        trainer._aggregate_and_update_metrics(metrics, 'train')
+        return total.detach().clone().requires_grad_(True)
+
+    def _run_passes(self, trainer: Any, model: Any, batch: _MicroBatch, *, count: bool) -> tuple[Any, list]:
+        """One micro-batch as passes within the budget (every rank as many: zero-weight passes), each backpropagated
+        at once; returns the summed weighted loss (on the device) and the passes' metrics. ``count``: the passes run
+        for the step (a replay after an OOM adds its gradient only). Raises :class:`_PassFailed` on a failing pass."""
+        plan = plan_passes(batch.rows, batch.length, self.budget)
+        passes = distributed.max_ints([len(plan)])[0] if count else len(plan)  # the most any rank runs
+        queue = [(s, e, True) for s, e in plan] + [(0, 1, False)] * (passes - len(plan))
+        total: Any = torch.zeros((), device=batch.device)  # summed on the device (read by HF's logging, not here)
+        metrics: list[tuple[Any, int]] = []
+        for k, (start, end, real) in enumerate(queue):
+            weight = batch.weight(self.loss_type, start, end) if real else 0.0
+            try:
+                part_inputs, part_batch = trainer.get_chunked_inputs(batch.model_inputs, batch.batch, start, end,
+                                                                     batch.origin)
+                last = k == len(queue) - 1
                 context = trainer.accelerator.no_sync(model) if not last else contextlib.nullcontext()
                 with context:
                     loss, data = trainer._compute_loss_and_metrics(model, part_inputs, part_batch)
-                    trainer.accelerator.backward(loss * (weight / divisor))
-            except Exception as error:  # noqa: BLE001 - only OOMs are recovered; everything else is raised
-                if not (self.oom_recovery and is_oom(error)):
-                    if is_oom(error):
-                        raise RuntimeError(self._unrecovered(end - start, length)) from error
-                    raise
-                failed = (end - start) * length
-            if failed is not None:
-                restore_grads(model, snapshot)
-                del snapshot
-                free_memory()
-                ooms += 1
-                cap = self._note_oom(trainer, start, end, length, ooms)
-                if end - start > 1:
-                    # the failing pass in halves; the passes still to run re-cut at the step's cap, as the step
-                    # runner cuts the rest of its step (one process: no other rank's pass count to keep)
-                    queue = [(s, e, real) for s, e in halves(start, end)] + [
-                        (s + a, s + b, r) for s, e, r in queue for a, b in plan_passes(e - s, length, cap)]
-                    continue
-                retries += 1
-                if retries > self.single_sample_retries:
-                    raise GrpoPassTooLargeError(self._too_large(length))
-                queue.insert(0, (start, end, real))
-                continue
-            ran += 1
-            self.pass_budget.ran(end - start, (end - start) * length)
+                    trainer.accelerator.backward(loss * (weight / batch.divisor))
+            except Exception as error:  # noqa: BLE001 - sorted by compute_loss: only OOMs are recovered
+                raise _PassFailed(end - start, error) from error
+            self.pass_budget.ran(end - start, (end - start) * batch.length)
             if real:
                 total = total + loss.detach() * weight
                 metrics.append((data, end - start))
             del loss
-        self.step_passes = max(self.step_passes, ran)
-        trainer._aggregate_and_update_metrics(metrics, 'train')
-        if not isinstance(total, torch.Tensor):  # no real pass ran here (cannot happen: a micro-batch has rows)
-            total = torch.zeros((), device=model_inputs['input_ids'].device)
-        return total.detach().clone().requires_grad_(True)
+        if count:
+            self.step_passes = max(self.step_passes, len(queue))
+        return total, metrics
 
-    def _note_oom(self, trainer: Any, start: int, end: int, length: int, retries: int) -> int:
-        """An OOM in the pass of completions ``start:end`` (the micro-batch's ``retries``-th): the step's cap (the
-        budget owner's rule; returned, in tokens) and the step runner's ``oom`` record (said now, written at the
-        boundary, folded into the budget there)."""
+    def _frozen_base(self, model: Any) -> bool:
+        """The step runner's snapshot rule (``passes.frozen_base``), read once a run."""
+        if self._frozen is None:
+            self._frozen = frozen_base(model)
+        return self._frozen
+
+    def _note_oom(self, trainer: Any, size: int, length: int, retries: int) -> int:
+        """An OOM in a pass of ``size`` completions (the micro-batch's ``retries``-th): the step's cap (the budget
+        owner's rule; returned, in tokens) and the step runner's ``oom`` record (said now, written at the boundary,
+        folded into the budget there)."""
         self.oom_count += 1
-        size, cost = end - start, (end - start) * length
+        cost = size * length
         cap = self.pass_budget.after_oom(size, cost)
         oom = PassOom(distributed.rank(), int(trainer.state.global_step), size, cost, 'tokens', self.pass_budget.fitted,
                       device_figures())
@@ -208,6 +231,7 @@ class GrpoPasses:
         folded = self.pass_budget.fold(self._ooms, step, fitted=self.pass_budget.fitted)
         records = self._ooms + ([folded] if folded is not None else [])
         self._ooms = []
+        self._step_batches = []
         self.pass_budget.start_step(None)
         return records
 
@@ -235,6 +259,33 @@ class GrpoPasses:
             self.pass_budget.oom = BudgetState(**state['state'])
         self.pass_budget.configure(tokens_ceiling=self.ceiling, rows=1)
 
+
+
+class _PassFailed(Exception):
+    """A pass of ``rows`` completions raised ``cause`` (raised out of :meth:`GrpoPasses._run_passes`)."""
+
+    def __init__(self, rows: int, cause: BaseException) -> None:
+        super().__init__(f'a pass of {rows} completions failed: {cause!r}')
+        self.rows = rows
+        self.cause = cause
+
+
+class _MicroBatch:
+    """One micro-batch of completions as the passes read it: ms-swift's ``model_inputs`` and ``grpo_batch``, its
+    shape, each completion's counted tokens (one read from the device a micro-batch) and HF's divisor."""
+
+    def __init__(self, trainer: Any, inputs: Mapping[str, Any], divisor: float) -> None:
+        self.model_inputs, self.batch = inputs['model_inputs'], inputs['grpo_batch']
+        self.origin = inputs.get('_origin_data')
+        self.rows, self.length = (int(n) for n in self.model_inputs['input_ids'].shape[:2])
+        self.device = self.model_inputs['input_ids'].device
+        self.row_tokens = counted_mask(trainer, self.batch).sum(dim=-1).tolist()
+        self.total_tokens = sum(self.row_tokens)
+        self.divisor = divisor
+
+    def weight(self, loss_type: str, start: int, end: int) -> float:
+        """The pass ``start:end``'s share of the micro-batch's loss under ``loss_type``."""
+        return pass_weight(loss_type, end - start, self.rows, int(sum(self.row_tokens[start:end])), self.total_tokens)
 
 
 def counted_mask(trainer: Any, batch: Any) -> torch.Tensor:

@@ -85,6 +85,17 @@ def row_tokens(batch: Any, row: int) -> int | None:
     return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else None
 
 
+def frozen_base(model: Any) -> bool:
+    """The one snapshot rule of the step paths: where at most a tenth of the parameters train (an adapter run), a copy
+    of the trainable gradients is cheap and is taken before a micro-batch, to come back after an OOM; a full
+    fine-tune keeps no second copy of its gradients (exactly when memory is short) and runs the step so far again."""
+    trainable = total = 0
+    for p in model.parameters():
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable <= 0.1 * max(total, 1)
+
+
 def grad_snapshot(model: Any) -> list[torch.Tensor | None]:
     """A copy of the trainable parameters' gradients (``None`` where there is none yet)."""
     return [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters() if p.requires_grad]

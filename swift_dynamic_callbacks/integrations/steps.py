@@ -52,8 +52,8 @@ from .packed_attention import PackedAttention
 from .oom_report import PassOom, recovered, too_large_message, unrecovered_message, unrecovered_note
 from .pass_budget import PassBudget, write_oom_note
 from .padding_free import PackedBatch
-from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, grad_snapshot, pass_lengths, restore_grads, \
-    row_tokens, split_micro_batch
+from .passes import GradNoiseProbe, SampleTooLargeError, batch_shape, frozen_base, grad_snapshot, pass_lengths, \
+    restore_grads, row_tokens, split_micro_batch
 
 Run = Callable[[Mapping[str, Any]], torch.Tensor]
 logger = logging.getLogger('swift_dynamic_callbacks')
@@ -541,11 +541,7 @@ class StepRunner:
     # ---- out of memory -------------------------------------------------------------------------------------
     def _snapshot_grads(self, model: Any) -> bool:
         if self._adapter_like is None:
-            trainable = total = 0
-            for p in model.parameters():
-                total += p.numel()
-                trainable += p.numel() if p.requires_grad else 0
-            self._adapter_like = trainable <= 0.1 * max(total, 1)
+            self._adapter_like = frozen_base(model)
         return self._adapter_like
 
     def _recover(self, model: Any, failed: tuple[int, int, int] | None) -> None:

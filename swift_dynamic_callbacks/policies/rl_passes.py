@@ -29,14 +29,6 @@ def plan_passes(rows: int, length: int, budget: int) -> list[tuple[int, int]]:
     return [(start, min(rows, start + per_pass)) for start in range(0, rows, per_pass)]
 
 
-def halves(start: int, end: int) -> list[tuple[int, int]]:
-    """A pass that ran out of memory, re-cut: its two halves (a one-row pass cannot be cut)."""
-    if end - start < 2:
-        raise ValueError(f'a pass of one row ({start}) cannot be cut')
-    middle = start + (end - start) // 2
-    return [(start, middle), (middle, end)]
-
-
 def pass_weight(loss_type: str, rows: int, total_rows: int, tokens: int, total_tokens: int) -> float:
     """The share of the micro-batch's loss a pass of ``rows`` rows and ``tokens`` completion tokens carries (of
     ``total_rows`` / ``total_tokens``) under ``loss_type`` (:data:`WEIGHTING`): the pass's own loss times it, summed
