@@ -127,9 +127,9 @@ class GrpoPasses:
             except _PassFailed as failed:
                 if not (self.oom_recovery and is_oom(failed.cause)):
                     if is_oom(failed.cause):
-                        raise RuntimeError(self._unrecovered(failed.rows, batch.length)) from failed.cause
+                        raise RuntimeError(self._unrecovered(failed.rows, failed.length)) from failed.cause
                     raise failed.cause from None
-                rows = failed.rows
+                rows, length = failed.rows, failed.length  # the failing pass (of this micro-batch or one run again)
             # recovered outside the except block, so that no traceback pins the failed pass's tensors
             if snapshot is not None:
                 restore_grads(model, snapshot)
@@ -138,11 +138,11 @@ class GrpoPasses:
                     p.grad = None
             free_memory()
             ooms += 1
-            self._note_oom(trainer, rows, batch.length, ooms)
+            self._note_oom(trainer, rows, length, ooms)
             if rows == 1:  # a one-completion pass cannot be cut: run again as it was, a bounded number of times
                 retries += 1
                 if retries > self.single_sample_retries:
-                    raise GrpoPassTooLargeError(self._too_large(batch.length))
+                    raise GrpoPassTooLargeError(self._too_large(length))
         del snapshot
         if self.oom_recovery and not frozen:
             self._step_batches.append(batch)
@@ -169,7 +169,7 @@ class GrpoPasses:
                     loss, data = trainer._compute_loss_and_metrics(model, part_inputs, part_batch)
                     trainer.accelerator.backward(loss * (weight / batch.divisor))
             except Exception as error:  # noqa: BLE001 - sorted by compute_loss: only OOMs are recovered
-                raise _PassFailed(end - start, error) from error
+                raise _PassFailed(end - start, batch.length, error) from error
             self.pass_budget.ran(end - start, (end - start) * batch.length)
             if real:
                 total = total + loss.detach() * weight
@@ -262,11 +262,12 @@ class GrpoPasses:
 
 
 class _PassFailed(Exception):
-    """A pass of ``rows`` completions raised ``cause`` (raised out of :meth:`GrpoPasses._run_passes`)."""
+    """A pass of ``rows`` completions of ``length`` tokens raised ``cause`` (out of :meth:`GrpoPasses._run_passes`)."""
 
-    def __init__(self, rows: int, cause: BaseException) -> None:
-        super().__init__(f'a pass of {rows} completions failed: {cause!r}')
+    def __init__(self, rows: int, length: int, cause: BaseException) -> None:
+        super().__init__(f'a pass of {rows} completions x {length} tokens failed: {cause!r}')
         self.rows = rows
+        self.length = length
         self.cause = cause
 
 
