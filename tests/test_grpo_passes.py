@@ -85,8 +85,9 @@ def _same_steps(a: list[dict], b: list[dict], rel: float) -> None:
                                                    for t in ('bnpo', 'dr_grpo', 'dapo')])
 def test_passes_of_one_completion_give_the_one_pass_gradient(grpo_data, tmp_path, loss_type):
     """Every completion its own pass (``grpo_pass_tokens: 1``: 4 passes a micro-batch, weighted by rows, completion
-    tokens or the window as ``loss_type`` reduces): the loss and grad_norm of both steps within 1e-5 of GRPO's one
-    pass; the passes are what the pack requested (a ``grpo_passes`` record, ``dynamic/grpo_passes`` 4 a step)."""
+    tokens or the window as ``loss_type`` reduces; the old and reference log-probs, without a gradient, one completion
+    a pass too): the loss and grad_norm of both steps within 1e-5 of GRPO's one pass; the passes are what the pack
+    requested (a ``grpo_passes`` record, ``dynamic/grpo_passes`` and ``dynamic/grpo_logp_passes`` 4 a step)."""
     one = _run(grpo_data, str(tmp_path / 'one'), None, loss_type=loss_type)
     out = str(tmp_path / 'cut')
     cut = _run(grpo_data, out, {'grpo_pass_tokens': 1}, loss_type=loss_type)
@@ -95,6 +96,7 @@ def test_passes_of_one_completion_give_the_one_pass_gradient(grpo_data, tmp_path
     assert record['values']['loss_type'] == loss_type and record['values']['grpo_pass_tokens'] == 1
     assert record['values']['oom_recovery'] is True
     assert [row['dynamic/grpo_passes'] for row in cut] == [4, 4]
+    assert [row['dynamic/grpo_logp_passes'] for row in cut] == [4, 4]  # the old / reference log-probs cut too
     assert all('dynamic/grpo_passes' not in row for row in one)
 
 

@@ -306,3 +306,48 @@ def test_a_full_fine_tune_keeps_no_copy_and_runs_the_step_again_after_an_oom(mon
     trainer.oom_rows = 1
     passes.compute_loss(trainer, trainer.model, _inputs(rows=2)[0], None)  # the budget 6: 2 rows of 3, fails
     assert [rows for rows, _ in trainer.calls] == [2, 1, 1]  # nothing of the last step runs again
+
+
+class FakeLogps(FakeGrpo):
+    """:class:`FakeGrpo` with ms-swift's one-call log-prob computation: each completion's per-token values are its
+    own (``x_row * w``), calls of more rows than ``oom_rows`` run out of memory."""
+
+    template = SimpleNamespace(padding_free=False)
+
+    def _get_per_token_logps_and_entropies_single(self, model, model_inputs, grpo_batch, compute_entropy=False):
+        rows = model_inputs['input_ids'].shape[0]
+        self.calls.append((rows, -1))
+        if rows > self.oom_rows:
+            raise torch.OutOfMemoryError('injected')
+        logps = model_inputs['input_ids'] * self.w
+        return logps, (-logps if compute_entropy else None)
+
+
+def test_the_log_prob_forwards_run_as_passes_with_the_one_call_result():
+    """A rollout's old / reference log-probs (no gradient): passes of whole completions within the budget, their rows
+    put back in order: the one call's values; a micro-batch that fits runs the trainer's own call; an OOM in a pass
+    runs the forwards again at the step's cap (an ``oom`` record with ``phase: logps``)."""
+    trainer, (inputs, x) = FakeLogps(), _inputs(rows=4)
+    whole_calls = []
+
+    def whole():
+        whole_calls.append(1)
+        return trainer._get_per_token_logps_and_entropies_single(trainer.model, inputs['model_inputs'], None, True)
+
+    passes = _passes(6)  # 2 completions of 3 tokens a pass
+    with torch.no_grad():
+        logps, entropies = passes.logps(trainer, trainer.model, inputs['model_inputs'], inputs['grpo_batch'],
+                                        compute_entropy=True, origin=None, whole=whole)
+    assert torch.equal(logps, x * trainer.w) and torch.equal(entropies, -x * trainer.w)
+    assert [rows for rows, _ in trainer.calls] == [2, 2] and not whole_calls
+    assert passes.metrics()['dynamic/grpo_logp_passes'] == 2
+    trainer.calls.clear()
+    _passes(100).logps(trainer, trainer.model, inputs['model_inputs'], inputs['grpo_batch'], compute_entropy=False,
+                       origin=None, whole=whole)
+    assert whole_calls == [1]  # fits: ms-swift's own call
+    trainer, passes = FakeLogps(oom_rows=1), _passes(6)
+    logps, _ = passes.logps(trainer, trainer.model, inputs['model_inputs'], inputs['grpo_batch'],
+                            compute_entropy=False, origin=None, whole=whole)
+    assert torch.equal(logps, x * trainer.w) and [rows for rows, _ in trainer.calls] == [2, 1, 1, 1, 1]
+    [oom] = [r for r in passes.end_step(1) if r.kind == 'oom']
+    assert oom.values['phase'] == 'logps' and oom.values['pass_size'] == 2

@@ -84,6 +84,7 @@ class GrpoPasses:
         self.pass_budget.start_step(None)
         self.oom_count = 0
         self.step_passes = 0  # the most passes a micro-batch of the last step ran
+        self.logp_passes = 0  # the most passes a log-prob forward (no gradient) of the last step ran
         self._ooms: list[DecisionRecord] = []  # this step's oom records (folded into the budget at its boundary)
         self._step_batches: list[_MicroBatch] = []  # a full fine-tune's micro-batches of this step (run again after
         # an OOM: their gradients are dropped with the failing pass's)
@@ -179,13 +180,58 @@ class GrpoPasses:
             self.step_passes = max(self.step_passes, len(queue))
         return total, metrics
 
+    # ---- the log-prob forwards without a gradient ----------------------------------------------------------------
+    def logps(self, trainer: Any, model: Any, model_inputs: Mapping[str, Any], grpo_batch: Any, *,
+              compute_entropy: bool, origin: Any, whole: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A rollout's old and reference per-token log-probs (ms-swift's ``_get_per_token_logps_and_entropies`` under
+        ``no_grad``) cut by the same budget as the loss passes: each pass of whole completions (ms-swift's
+        ``get_chunked_inputs``, the same padded length) runs ms-swift's one-call computation and the passes' rows are
+        put back together in order, so the result is the one call's (each completion's log-probs are its own). No
+        collective runs in these forwards (the unwrapped model), so the ranks need not run as many. An OOM in one is
+        recovered as a loss pass's, with ``phase: logps`` (the forwards are run again at the step's cap; nothing to
+        restore). ``whole``: the trainer's own call, used when the micro-batch fits the budget or its rows are packed
+        (``padding_free``: one row)."""
+        rows, length = (int(n) for n in model_inputs['input_ids'].shape[:2])
+        if getattr(getattr(trainer, 'template', None), 'padding_free', False):
+            return whole()
+        retries = single = 0
+        while True:
+            plan = plan_passes(rows, length, self.budget)
+            if len(plan) <= 1 and not retries:
+                return whole()
+            try:
+                parts = []
+                for start, end in plan:
+                    failing = end - start
+                    part_inputs, part_batch = trainer.get_chunked_inputs(model_inputs, grpo_batch, start, end, origin)
+                    parts.append(trainer._get_per_token_logps_and_entropies_single(
+                        model, part_inputs, part_batch, compute_entropy=compute_entropy))
+                break
+            except Exception as error:  # noqa: BLE001 - only OOMs are recovered; everything else is raised
+                if not (self.oom_recovery and is_oom(error)):
+                    if is_oom(error):
+                        raise RuntimeError(self._unrecovered(failing, length)) from error
+                    raise
+            parts = []
+            free_memory()
+            retries += 1
+            self._note_oom(trainer, failing, length, retries, phase='logps')
+            if failing == 1:  # a one-completion pass cannot be cut: run again as it was, a bounded number of times
+                single += 1
+                if single > self.single_sample_retries:
+                    raise GrpoPassTooLargeError(self._too_large(length))
+        self.logp_passes = max(self.logp_passes, len(plan))
+        logps = torch.cat([part[0] for part in parts])
+        entropies = torch.cat([part[1] for part in parts]) if compute_entropy else None
+        return logps, entropies
+
     def _frozen_base(self, model: Any) -> bool:
         """The step runner's snapshot rule (``passes.frozen_base``), read once a run."""
         if self._frozen is None:
             self._frozen = frozen_base(model)
         return self._frozen
 
-    def _note_oom(self, trainer: Any, size: int, length: int, retries: int) -> int:
+    def _note_oom(self, trainer: Any, size: int, length: int, retries: int, *, phase: str = 'loss') -> int:
         """An OOM in a pass of ``size`` completions (the micro-batch's ``retries``-th): the step's cap (the budget
         owner's rule; returned, in tokens) and the step runner's ``oom`` record (said now, written at the boundary,
         folded into the budget there)."""
@@ -196,8 +242,9 @@ class GrpoPasses:
                       device_figures())
         _, record = recovered(oom, new_cap=cap, retries=retries, single_sample_retries=self.single_sample_retries,
                               oom_count=self.oom_count, loss=_GRPO_LOSS)
-        record.values['phase'] = 'loss'
-        logger.warning(f'{record.message} [GRPO loss pass: {size} completions x {length} tokens]')
+        record.values['phase'] = phase
+        what = 'loss' if phase == 'loss' else 'log-prob'
+        logger.warning(f'{record.message} [GRPO {what} pass: {size} completions x {length} tokens]')
         self._ooms.append(record)
         return self.budget
 
@@ -237,9 +284,10 @@ class GrpoPasses:
 
     def metrics(self) -> dict[str, Any]:
         """The numbers of the last step for the log line."""
-        values = {'dynamic/grpo_passes': self.step_passes, 'dynamic/pass_budget': self.budget,
+        values = {'dynamic/grpo_passes': self.step_passes, 'dynamic/grpo_logp_passes': self.logp_passes,
+                  'dynamic/pass_budget': self.budget,
                   'dynamic/oom_count': self.oom_count}  # recovered on one process only: this rank's are all
-        self.step_passes = 0
+        self.step_passes = self.logp_passes = 0
         return values
 
     def state_dict(self) -> dict[str, Any]:

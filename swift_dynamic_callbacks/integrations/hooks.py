@@ -133,6 +133,19 @@ class RunLevelTrainerMixin(RunHooks):
                                         num_items_in_batch=num_items_in_batch)
         return passes.compute_loss(self, model, inputs, num_items_in_batch)
 
+    def _get_per_token_logps_and_entropies(self, model, model_inputs, grpo_batch, compute_entropy=False,
+                                           origin_data=None):
+        """GRPO's log-prob forwards without a gradient in training (a rollout's old and reference log-probs) as passes
+        by tokens where ``grpo_pass_tokens`` asks for it (:meth:`.grpo_passes.GrpoPasses.logps`), else the trainer's
+        own (the loss's forward, with a gradient, is already a pass)."""
+        passes = self.dynamic_integration.grpo_passes
+        whole = lambda: super(RunLevelTrainerMixin, self)._get_per_token_logps_and_entropies(  # noqa: E731
+            model, model_inputs, grpo_batch, compute_entropy=compute_entropy, origin_data=origin_data)
+        if passes is None or torch.is_grad_enabled() or not self.model.training:
+            return whole()
+        return passes.logps(self, model, model_inputs, grpo_batch, compute_entropy=compute_entropy, origin=origin_data,
+                            whole=whole)
+
 
 class DynamicTrainerMixin(RunHooks):
     """Overrides mixed into the trainer's own class by :func:`install` (see the module docstring)."""
