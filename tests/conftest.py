@@ -50,9 +50,10 @@ def gsm8k_16(fixture_dir):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests marked ``start_first`` (the longest of the engine and vision-language stages, which run a test a
-    worker: ``--dist load`` hands tests out in collection order) go first, the rest keep their order: a long test
-    collected last kept one worker busy while the other had nothing left."""
+    """The tests marked ``start_first`` go first, the rest keep their order: a long test collected last kept one worker
+    busy while the other had nothing left. The engine and vision-language stages mark their longest tests (``--dist
+    load`` hands tests out in collection order); the default run marks its longest files whole (``--dist loadfile``
+    hands out files in the order of their first test)."""
     items.sort(key=lambda item: item.get_closest_marker('start_first') is None)
 
 

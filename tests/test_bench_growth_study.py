@@ -16,6 +16,8 @@ import pytest
 
 from swift_dynamic_callbacks.config.pack import parse_section
 
+pytestmark = pytest.mark.start_first  # among the longest files of the default run (--dist loadfile): started first
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDY = os.path.join(ROOT, 'scripts', 'growth_study.sh')
 

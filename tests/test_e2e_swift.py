@@ -10,7 +10,7 @@ import torch
 from swift_dynamic_callbacks.policies.schedule import scheduled_value
 from swift_runs import decisions, indices_by_epoch, run_sft, sample_trace, train_logs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.start_first]  # start_first: among the longest files of the default run
 
 N = 16  # rows of the vendored gsm8k slice used here
 

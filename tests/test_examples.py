@@ -15,6 +15,8 @@ import pytest
 
 from swift_runs import read_jsonl
 
+pytestmark = pytest.mark.start_first  # among the longest files of the default run (--dist loadfile): started first
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
 

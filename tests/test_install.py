@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.start_first  # among the longest files of the default run (--dist loadfile): started first
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 #: pure-Python sdists an extra may add, and why: nothing in them is compiled at install
 ALLOWED_SDISTS = {'deepspeed': 'DeepSpeed publishes no wheel; without DS_BUILD_OPS its sdist compiles nothing'}

@@ -17,6 +17,8 @@ from swift_dynamic_callbacks.integrations.loss_kind import LossKind, loss_kind, 
 from swift_dynamic_callbacks.testing.faults import OomInjector
 from swift_runs import decisions, run_sft, train_logs
 
+pytestmark = pytest.mark.start_first  # among the longest files of the default run (--dist loadfile): started first
+
 
 def _trainer(**args):
     defaults = dict(loss_type=None, label_smoothing_factor=0.0, router_aux_loss_coef=0.0)

@@ -18,6 +18,8 @@ from swift_dynamic_callbacks.integrations.attention.flex import FLEX_BLOCK
 from swift_dynamic_callbacks.integrations.padding_free import PackedBatch, flatten_rows, packed_rows_only, split_packed
 from swift_dynamic_callbacks.policies.length import BatchPlan, greedy_pieces
 
+pytestmark = pytest.mark.start_first  # among the longest files of the default run (--dist loadfile): started first
+
 
 def padded_batch(rows, labels, *, left=False):
     longest = max(len(r) for r in rows)

@@ -18,6 +18,8 @@ from swift_dynamic_callbacks.policies.pass_cost import (BudgetState, auto_pass_t
                                                         vision_token_cost)
 from swift_dynamic_callbacks.records import DecisionRecord
 
+pytestmark = pytest.mark.start_first  # among the longest files of the default run (--dist loadfile): started first
+
 
 def test_cost_and_fit_by_hand():
     assert pass_cost([], packed=False) == 0

@@ -17,6 +17,8 @@ from swift_dynamic_callbacks.data.rows import dataset_lengths, dataset_real_toke
 from swift_dynamic_callbacks.testing.tiny import MODEL_FLAGS
 from swift_runs import decisions, indices_by_epoch, read_jsonl, sample_trace, train_logs
 
+pytestmark = pytest.mark.start_first  # among the longest files of the default run (--dist loadfile): started first
+
 N = 8  # pairs
 
 
