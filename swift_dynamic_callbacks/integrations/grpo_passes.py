@@ -89,6 +89,7 @@ class GrpoPasses:
         self._step_batches: list[_MicroBatch] = []  # a full fine-tune's micro-batches of this step (run again after
         # an OOM: their gradients are dropped with the failing pass's)
         self._frozen: bool | None = None  # whether the base is frozen (an adapter run): read once
+        self._current: tuple[int, int] = (0, 0)  # the pass running or last run: (completions, padded length)
 
     @property
     def budget(self) -> int:
@@ -117,7 +118,7 @@ class GrpoPasses:
         batch = _MicroBatch(trainer, inputs, _ga_divisor(trainer, num_items_in_batch))
         frozen = self._frozen_base(model)
         snapshot = grad_snapshot(model) if self.oom_recovery and frozen else None
-        retries = ooms = 0
+        ooms = single = 0
         while True:
             try:
                 if ooms and snapshot is None:  # a full fine-tune: the step so far, again (its gradients were dropped)
@@ -125,25 +126,16 @@ class GrpoPasses:
                         self._run_passes(trainer, model, earlier, count=False)
                 total, metrics = self._run_passes(trainer, model, batch, count=True)
                 break
-            except _PassFailed as failed:
-                if not (self.oom_recovery and is_oom(failed.cause)):
-                    if is_oom(failed.cause):
-                        raise RuntimeError(self._unrecovered(failed.rows, failed.length)) from failed.cause
-                    raise failed.cause from None
-                rows, length = failed.rows, failed.length  # the failing pass (of this micro-batch or one run again)
+            except Exception as error:  # noqa: BLE001 - only OOMs are recovered; everything else is raised
+                self._raise_unless_recovered(error)
             # recovered outside the except block, so that no traceback pins the failed pass's tensors
             if snapshot is not None:
                 restore_grads(model, snapshot)
             else:
                 for p in model.parameters():
                     p.grad = None
-            free_memory()
             ooms += 1
-            self._note_oom(trainer, rows, length, ooms)
-            if rows == 1:  # a one-completion pass cannot be cut: run again as it was, a bounded number of times
-                retries += 1
-                if retries > self.single_sample_retries:
-                    raise GrpoPassTooLargeError(self._too_large(length))
+            single = self._after_oom(trainer, ooms, single, phase='loss')
         del snapshot
         if self.oom_recovery and not frozen:
             self._step_batches.append(batch)
@@ -153,7 +145,7 @@ class GrpoPasses:
     def _run_passes(self, trainer: Any, model: Any, batch: _MicroBatch, *, count: bool) -> tuple[Any, list]:
         """One micro-batch as passes within the budget (every rank as many: zero-weight passes), each backpropagated
         at once; returns the summed weighted loss (on the device) and the passes' metrics. ``count``: the passes run
-        for the step (a replay after an OOM adds its gradient only). Raises :class:`_PassFailed` on a failing pass."""
+        for the step (a replay after an OOM adds its gradient only). The pass running is ``_current``."""
         plan = plan_passes(batch.rows, batch.length, self.budget)
         passes = distributed.max_ints([len(plan)])[0] if count else len(plan)  # the most any rank runs
         queue = [(s, e, True) for s, e in plan] + [(0, 1, False)] * (passes - len(plan))
@@ -161,16 +153,13 @@ class GrpoPasses:
         metrics: list[tuple[Any, int]] = []
         for k, (start, end, real) in enumerate(queue):
             weight = batch.weight(self.loss_type, start, end) if real else 0.0
-            try:
-                part_inputs, part_batch = trainer.get_chunked_inputs(batch.model_inputs, batch.batch, start, end,
-                                                                     batch.origin)
-                last = k == len(queue) - 1
-                context = trainer.accelerator.no_sync(model) if not last else contextlib.nullcontext()
-                with context:
-                    loss, data = trainer._compute_loss_and_metrics(model, part_inputs, part_batch)
-                    trainer.accelerator.backward(loss * (weight / batch.divisor))
-            except Exception as error:  # noqa: BLE001 - sorted by compute_loss: only OOMs are recovered
-                raise _PassFailed(end - start, batch.length, error) from error
+            self._current = (end - start, batch.length)
+            part_inputs, part_batch = trainer.get_chunked_inputs(batch.model_inputs, batch.batch, start, end,
+                                                                 batch.origin)
+            context = trainer.accelerator.no_sync(model) if k < len(queue) - 1 else contextlib.nullcontext()
+            with context:
+                loss, data = trainer._compute_loss_and_metrics(model, part_inputs, part_batch)
+                trainer.accelerator.backward(loss * (weight / batch.divisor))
             self.pass_budget.ran(end - start, (end - start) * batch.length)
             if real:
                 total = total + loss.detach() * weight
@@ -194,36 +183,50 @@ class GrpoPasses:
         rows, length = (int(n) for n in model_inputs['input_ids'].shape[:2])
         if getattr(getattr(trainer, 'template', None), 'padding_free', False):
             return whole()
-        retries = single = 0
+        ooms = single = 0
         while True:
             plan = plan_passes(rows, length, self.budget)
-            if len(plan) <= 1 and not retries:
+            if len(plan) <= 1 and not ooms:
                 return whole()
             try:
                 parts = []
                 for start, end in plan:
-                    failing = end - start
+                    self._current = (end - start, length)
                     part_inputs, part_batch = trainer.get_chunked_inputs(model_inputs, grpo_batch, start, end, origin)
                     parts.append(trainer._get_per_token_logps_and_entropies_single(
                         model, part_inputs, part_batch, compute_entropy=compute_entropy))
                 break
             except Exception as error:  # noqa: BLE001 - only OOMs are recovered; everything else is raised
-                if not (self.oom_recovery and is_oom(error)):
-                    if is_oom(error):
-                        raise RuntimeError(self._unrecovered(failing, length)) from error
-                    raise
+                self._raise_unless_recovered(error)
             parts = []
-            free_memory()
-            retries += 1
-            self._note_oom(trainer, failing, length, retries, phase='logps')
-            if failing == 1:  # a one-completion pass cannot be cut: run again as it was, a bounded number of times
-                single += 1
-                if single > self.single_sample_retries:
-                    raise GrpoPassTooLargeError(self._too_large(length))
+            ooms += 1
+            single = self._after_oom(trainer, ooms, single, phase='logps')
         self.logp_passes = max(self.logp_passes, len(plan))
         logps = torch.cat([part[0] for part in parts])
         entropies = torch.cat([part[1] for part in parts]) if compute_entropy else None
         return logps, entropies
+
+    def _raise_unless_recovered(self, error: BaseException) -> None:
+        """In the ``except`` block of a failed pass (``_current``): raise ``error`` unless it is an OOM this run
+        recovers from; an OOM it does not recover from as the message of what to lower."""
+        if self.oom_recovery and is_oom(error):
+            return
+        if is_oom(error):
+            raise RuntimeError(self._unrecovered(*self._current)) from error
+        raise error
+
+    def _after_oom(self, trainer: Any, ooms: int, single: int, *, phase: str) -> int:
+        """After the ``ooms``-th OOM of a micro-batch (its gradients already back): memory freed, the OOM noted (the
+        step's cap lowered) and, where the failing pass held one completion (it cannot be cut and runs again as it
+        was), ``single`` counted against ``oom_single_sample_retries``; returns it."""
+        rows, length = self._current
+        free_memory()
+        self._note_oom(trainer, rows, length, ooms, phase=phase)
+        if rows == 1:
+            single += 1
+            if single > self.single_sample_retries:
+                raise GrpoPassTooLargeError(self._too_large(length))
+        return single
 
     def _frozen_base(self, model: Any) -> bool:
         """The step runner's snapshot rule (``passes.frozen_base``), read once a run."""
@@ -307,16 +310,6 @@ class GrpoPasses:
             self.pass_budget.oom = BudgetState(**state['state'])
         self.pass_budget.configure(tokens_ceiling=self.ceiling, rows=1)
 
-
-
-class _PassFailed(Exception):
-    """A pass of ``rows`` completions of ``length`` tokens raised ``cause`` (out of :meth:`GrpoPasses._run_passes`)."""
-
-    def __init__(self, rows: int, length: int, cause: BaseException) -> None:
-        super().__init__(f'a pass of {rows} completions x {length} tokens failed: {cause!r}')
-        self.rows = rows
-        self.length = length
-        self.cause = cause
 
 
 class _MicroBatch:
