@@ -68,19 +68,20 @@ def launch(workdir: str, spec: dict[str, Any], *, nproc: int, timeout: int = TIM
         json.dump(spec, f)
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false', 'PYTHONUNBUFFERED': '1',
            'PYTHONPATH': os.pathsep.join(p for p in (HERE, os.environ.get('PYTHONPATH')) if p)}
+    port = free_port() if nproc > 1 else 0
     if nproc > 1 and DEVICE == 'cpu':  # the ranks forked after one import of ms-swift (tests/fork_launch.py)
-        command = [sys.executable, FORK_LAUNCH, str(nproc), str(free_port()), spec_path]
+        command = [sys.executable, FORK_LAUNCH, str(nproc), str(port), spec_path]
     elif nproc > 1:
         command = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc), '--master_addr',
-                   '127.0.0.1', '--master_port', str(free_port()), DRIVER, spec_path]
+                   '127.0.0.1', '--master_port', str(port), DRIVER, spec_path]
     else:
         command = [sys.executable, DRIVER, spec_path]
     log = os.path.join(workdir, 'run.log')
     start = time.monotonic()
     server = _server(env) if DEVICE == 'cpu' else None
     if server is not None:  # the same command, forked from this worker's server (tests/fork_server.py)
-        rc = server.run({'nproc': nproc, 'port': command[3] if nproc > 1 else 0, 'spec': spec_path, 'cwd': workdir,
-                         'log': log, 'env': env}, timeout, log)
+        rc = server.run({'nproc': nproc, 'port': port, 'spec': spec_path, 'cwd': workdir, 'log': log, 'env': env},
+                        timeout, log)
     else:
         rc = _run_command(command, env, workdir, log, timeout, nproc)
     if expect_failure:

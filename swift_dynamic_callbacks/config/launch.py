@@ -254,7 +254,7 @@ def check_settings(pack: PackConfig, settings: Mapping[str, Any], listed: Sequen
     pack = engine_pack(pack, settings)
     # The integration runs whenever the pack is on, a pack callback listed or not (OOM recovery and the pass settings
     # work alone), so every rule applies; a rule about a callback finds none when it is not listed.
-    run = LaunchRun(pack, settings, {n: pack.callback_config(n) for n in pack_listed}, world_size)
+    run = LaunchRun(pack, settings, configs, world_size)  # engine_pack changes the integration section only
     for rule in LAUNCH_RULES:
         rule(run)
 
